@@ -1,0 +1,134 @@
+"""Megatron-LM command line -> Config. Same flag names and meanings as Megatron where they exist."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+
+from .config import (LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS, SCHEDULES, BatchConfig, Config,
+                     ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+                     TrainConfig)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse with one-line errors that suggest the closest valid flag."""
+
+    def parse_args(self, args=None, namespace=None):
+        args, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flag = unknown[0].split("=")[0]
+            valid = [o for a in self._actions for o in a.option_strings]
+            close = difflib.get_close_matches(flag, valid, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            self.error(f"unknown flag {flag}{hint}")
+        return args
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=512,
+                   help="vocabulary size for --mock-data (a tokenizer sets it otherwise)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="default: world size / (tensor x pipeline), as Megatron derives it")
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="2bw")
+    g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
+    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch size x data-parallel size (one microbatch)")
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Fill the typed config from parsed flags (no validation here: call cfg.validate)."""
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are mutually exclusive: pick one")
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    parallel = ParallelConfig(
+        tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
+        data=args.data_parallel_size, rank_order=args.rank_order,
+        backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes)
+    batch = BatchConfig(micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size or 0)
+    optimizer = OptimizerConfig(
+        name=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+        lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style)
+    precision = PrecisionConfig(
+        dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis)
+    train = TrainConfig(train_iters=args.train_iters, seed=args.seed,
+                        log_interval=args.log_interval)
+    return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
+                  precision=precision, train=train, schedule=args.pipeline_schedule)
+
+
+def resolve_batch(cfg: Config, world_size: int) -> Config:
+    """Megatron's default global batch: one microbatch per replica."""
+    if not cfg.batch.global_batch_size:
+        cfg.batch.global_batch_size = cfg.batch.micro_batch_size * cfg.data_parallel_size(world_size)
+    return cfg
+
+
+def exit_on_config_error(fn):
+    """Run fn(); on ConfigError print one line to stderr and exit 2 (before any process group)."""
+    try:
+        return fn()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

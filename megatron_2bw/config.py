@@ -1,0 +1,208 @@
+"""One typed config: the single source of truth. Front doors (Megatron flags, DeepSpeed JSON) fill it.
+
+`Config.validate(world_size)` checks everything that can be checked without a process group and
+raises `ConfigError` with a one-line message naming the setting and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+SCHEDULES = ("2bw", "flush", "gpipe")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "sgd")
+RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """A bad setting. The message is one line: what is wrong and how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None          # None -> 4 * hidden_size
+    seq_length: int = 32
+    max_position_embeddings: int | None = None  # None -> seq_length
+    vocab_size: int = 512
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = False
+    layernorm_epsilon: float = 1e-5
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1                 # t
+    pipeline: int = 1               # d
+    data: int | None = None         # w; None -> world_size // (t * d)
+    rank_order: str = "tp-dp-pp"    # innermost axis first; Megatron's default
+    backend: str | None = None      # None -> nccl when CUDA is available, else gloo
+    timeout_minutes: float = 10.0
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 1       # b
+    global_batch_size: int = 1      # B = b * m * w
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0          # 0 disables clipping
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    lr_decay_style: str = "constant"
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = "fp32"
+    loss_scale: float | None = None  # fp16 only: a fixed scale; None -> dynamic
+    initial_loss_scale: float = 2.0 ** 16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = 10
+    seed: int = 1234
+    log_interval: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    schedule: str = "2bw"
+
+    # -- derived sizes -------------------------------------------------------------------------
+    def data_parallel_size(self, world_size: int | None = None) -> int:
+        if self.parallel.data is not None:
+            return self.parallel.data
+        if world_size is None:
+            return 1
+        return max(world_size // (self.parallel.tensor * self.parallel.pipeline), 1)
+
+    def num_microbatches(self, world_size: int | None = None) -> int:
+        w = self.data_parallel_size(world_size)
+        return self.batch.global_batch_size // (self.batch.micro_batch_size * w)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self, world_size: int | None = None) -> "Config":
+        """Raise ConfigError (one line) for the first bad setting; return self when all is well."""
+        m, p, b, o, pr = self.model, self.parallel, self.batch, self.optimizer, self.precision
+        if self.schedule not in SCHEDULES:
+            _fail(f"unknown pipeline schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)} "
+                  "(--pipeline-schedule)")
+        for name, value in (("--tensor-model-parallel-size", p.tensor),
+                            ("--pipeline-model-parallel-size", p.pipeline)):
+            if value < 1:
+                _fail(f"{name} must be >= 1, got {value}")
+        if p.data is not None and p.data < 1:
+            _fail(f"--data-parallel-size must be >= 1, got {p.data}")
+        if world_size is not None:
+            model_parallel = p.tensor * p.pipeline
+            if world_size % model_parallel != 0:
+                _fail(f"world size {world_size} is not divisible by tensor x pipeline = "
+                      f"{p.tensor} x {p.pipeline} = {model_parallel}: launch a multiple of "
+                      f"{model_parallel} processes or change the parallel sizes")
+            w = self.data_parallel_size(world_size)
+            if p.tensor * p.pipeline * w != world_size:
+                _fail(f"world size {world_size} != tensor x pipeline x data = {p.tensor} x "
+                      f"{p.pipeline} x {w}: launch {p.tensor * p.pipeline * w} processes or "
+                      "change the parallel sizes")
+        if p.rank_order not in RANK_ORDERS:
+            _fail(f"unknown rank order {p.rank_order!r}: use one of {', '.join(RANK_ORDERS)}")
+        if p.timeout_minutes <= 0:
+            _fail(f"--distributed-timeout-minutes must be > 0, got {p.timeout_minutes}")
+        for name, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                            ("--num-attention-heads", m.num_attention_heads),
+                            ("--seq-length", m.seq_length), ("vocab size", m.vocab_size),
+                            ("--micro-batch-size", b.micro_batch_size),
+                            ("--global-batch-size", b.global_batch_size),
+                            ("--train-iters", self.train.train_iters),
+                            ("--log-interval", self.train.log_interval)):
+            if value < 1:
+                _fail(f"{name} must be >= 1, got {value}")
+        if m.hidden_size % m.num_attention_heads != 0:
+            _fail(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                  f"{m.num_attention_heads}: pick a head count that divides the hidden size")
+        if m.num_attention_heads % p.tensor != 0:
+            _fail(f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                  f"--tensor-model-parallel-size {p.tensor}")
+        if m.max_positions < m.seq_length:
+            _fail(f"--max-position-embeddings {m.max_positions} < --seq-length {m.seq_length}: "
+                  "raise --max-position-embeddings")
+        if p.pipeline > m.num_layers:
+            _fail(f"--pipeline-model-parallel-size {p.pipeline} is larger than --num-layers "
+                  f"{m.num_layers}: every stage needs at least one transformer layer")
+        for name, value in (("--hidden-dropout", m.hidden_dropout),
+                            ("--attention-dropout", m.attention_dropout)):
+            if not 0.0 <= value < 1.0:
+                _fail(f"{name} must be in [0, 1), got {value}")
+        w = self.data_parallel_size(world_size)
+        if b.global_batch_size % (b.micro_batch_size * w) != 0:
+            _fail(f"--global-batch-size {b.global_batch_size} is not divisible by "
+                  f"--micro-batch-size x data-parallel size = {b.micro_batch_size} x {w}: "
+                  f"use a multiple of {b.micro_batch_size * w}")
+        mbs = self.num_microbatches(world_size)
+        if self.schedule == "2bw" and mbs < p.pipeline:
+            _fail(f"2bw needs at least as many microbatches per batch as pipeline stages "
+                  f"(m={mbs} < d={p.pipeline}): raise --global-batch-size to at least "
+                  f"{p.pipeline * b.micro_batch_size * w} or lower --micro-batch-size")
+        if o.name not in OPTIMIZERS:
+            _fail(f"unknown optimizer {o.name!r}: use one of {', '.join(OPTIMIZERS)}")
+        if o.lr < 0 or o.min_lr < 0:
+            _fail(f"learning rates must be >= 0, got --lr {o.lr} --min-lr {o.min_lr}")
+        if o.clip_grad < 0:
+            _fail(f"--clip-grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
+        if o.weight_decay < 0:
+            _fail(f"--weight-decay must be >= 0, got {o.weight_decay}")
+        if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
+            _fail(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {o.adam_beta1}, "
+                  f"{o.adam_beta2}")
+        if o.lr_decay_style not in LR_DECAY_STYLES:
+            _fail(f"unknown --lr-decay-style {o.lr_decay_style!r}: use one of "
+                  f"{', '.join(LR_DECAY_STYLES)}")
+        if o.lr_warmup_iters < 0:
+            _fail(f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
+        if pr.dtype not in PRECISIONS:
+            _fail(f"unknown precision {pr.dtype!r}: use one of {', '.join(PRECISIONS)}")
+        if pr.loss_scale is not None and pr.loss_scale <= 0:
+            _fail(f"--loss-scale must be > 0, got {pr.loss_scale}")
+        if pr.initial_loss_scale <= 0:
+            _fail(f"--initial-loss-scale must be > 0, got {pr.initial_loss_scale}")
+        return self
+
+
+def _fail(message: str):
+    raise ConfigError(message)

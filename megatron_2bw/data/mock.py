@@ -1,0 +1,55 @@
+"""Deterministic synthetic GPT data (`--mock-data`): learnable sequences, same on every rank.
+
+Sample i is an arithmetic progression modulo the vocabulary with a random start and stride,
+with a few random tokens mixed in, so a model can learn it and the loss visibly goes down.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class MockGPTDataset:
+    def __init__(self, vocab_size: int, seq_length: int, seed: int = 1234, noise: float = 0.05):
+        self.vocab_size, self.seq_length, self.seed, self.noise = vocab_size, seq_length, seed, noise
+
+    def __len__(self) -> int:
+        return 2 ** 62
+
+    def __getitem__(self, idx: int) -> torch.Tensor:
+        """seq_length + 1 tokens (int64)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(idx))
+        n, v = self.seq_length + 1, self.vocab_size
+        start = int(torch.randint(v, (1,), generator=g))
+        stride = int(torch.randint(1, 8, (1,), generator=g))
+        tokens = (start + stride * torch.arange(n)) % v
+        noisy = torch.rand(n, generator=g) < self.noise
+        return torch.where(noisy, torch.randint(v, (n,), generator=g), tokens)
+
+
+def microbatch_sample_indices(batch: int, microbatch: int, dp_rank: int, micro_batch_size: int,
+                              num_microbatches: int, data_parallel_size: int) -> range:
+    """Global sample indices of one microbatch: batch t is samples [t*B, (t+1)*B), replica r takes
+    the r-th contiguous share of it, split into m microbatches of b samples."""
+    b, m, w = micro_batch_size, num_microbatches, data_parallel_size
+    first = batch * b * m * w + dp_rank * b * m + microbatch * b
+    return range(first, first + b)
+
+
+class GPTBatches:
+    """Iterator of (tokens, labels) microbatches for one data-parallel replica, in schedule order."""
+
+    def __init__(self, dataset, micro_batch_size: int, num_microbatches: int,
+                 data_parallel_size: int = 1, dp_rank: int = 0, start_batch: int = 0):
+        self.dataset, self.b, self.m = dataset, micro_batch_size, num_microbatches
+        self.w, self.r = data_parallel_size, dp_rank
+        self.k = start_batch * num_microbatches  # next microbatch (global index for this replica)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, mb = divmod(self.k, self.m)
+        self.k += 1
+        idx = microbatch_sample_indices(batch, mb, self.r, self.b, self.m, self.w)
+        samples = torch.stack([self.dataset[i] for i in idx])
+        return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()

@@ -1,0 +1,97 @@
+"""Optimizers over one flat fp32 buffer: a handful of kernels per step, no Python per parameter.
+
+`step(src, grad, dst, lr)` computes dst = update(src, grad). dst may be src (one weight version)
+or another buffer (2BW writes the new version next to the one still in use). The arithmetic
+matches torch.optim.AdamW / torch.optim.SGD so a plain PyTorch loop is an exact reference.
+The flat layout puts decayed parameters (matrices, embeddings) first: [0, decay_end).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import OptimizerConfig
+
+
+class FlatAdamW:
+    def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig):
+        self.decay_end, self.cfg = decay_end, cfg
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.steps = 0
+
+    def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+        c = self.cfg
+        self.steps += 1
+        b1, b2 = c.adam_beta1, c.adam_beta2
+        self.exp_avg.lerp_(grad, 1 - b1)
+        self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(c.adam_eps)
+        if dst is not src:
+            dst.copy_(src)
+        if c.weight_decay and self.decay_end:
+            dst[:self.decay_end].mul_(1 - lr * c.weight_decay)
+        dst.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+
+    def state_dict(self) -> dict:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.steps = int(state["steps"])
+
+
+class FlatSGD:
+    """torch.optim.SGD semantics: coupled weight decay, momentum buffer initialized to the first
+    gradient."""
+
+    def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig):
+        self.decay_end, self.cfg = decay_end, cfg
+        self.momentum = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.steps = 0
+
+    def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+        c = self.cfg
+        if c.weight_decay and self.decay_end:
+            grad[:self.decay_end].add_(src[:self.decay_end], alpha=c.weight_decay)
+        update = grad
+        if c.sgd_momentum:
+            if self.steps == 0:
+                self.momentum.copy_(grad)
+            else:
+                self.momentum.mul_(c.sgd_momentum).add_(grad)
+            update = self.momentum
+        self.steps += 1
+        if dst is not src:
+            torch.add(src, update, alpha=-lr, out=dst)
+        else:
+            dst.add_(update, alpha=-lr)
+
+    def state_dict(self) -> dict:
+        return {"momentum": self.momentum, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.momentum.copy_(state["momentum"])
+        self.steps = int(state["steps"])
+
+
+def make_optimizer(cfg: OptimizerConfig, numel: int, decay_end: int, device):
+    cls = {"adam": FlatAdamW, "sgd": FlatSGD}[cfg.name]
+    return cls(numel, decay_end, device, cfg)
+
+
+def torch_reference_optimizer(cfg: OptimizerConfig, named_params):
+    """The torch.optim equivalent (used by the single-process reference): matrices decay,
+    vectors (biases, norms) do not."""
+    params = [p for _, p in named_params]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.name == "adam":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 eps=cfg.adam_eps, foreach=False)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, foreach=False)

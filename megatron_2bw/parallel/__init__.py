@@ -1,0 +1,3 @@
+from .grid import ProcessGrid
+
+__all__ = ["ProcessGrid"]

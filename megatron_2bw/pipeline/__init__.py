@@ -1,0 +1,1 @@
+"""Pipeline parallelism: action vocabulary, schedules (pure data), simulator/validator, engine."""

@@ -1,0 +1,122 @@
+"""The batch-level actions of a stage: R (reduce), N (norm), S (step).
+
+R(t)  scale the batch's fp32 gradient buffer by 1/w and start, asynchronously, the data-parallel
+      all-reduce in buckets (the whole buffer but the tied slice) and the tied-weight all-reduce
+      (first and last stage of every replica; the tied gradient is summed across the two stages
+      and averaged across replicas in one collective).
+N(t)  wait for the data-parallel reduction (and, on the first stage, the tied one), compute this
+      stage's share of the squared global gradient norm, and start the model-parallel all-reduce of
+      [norm^2, loss] (the last stage contributes the loss, so every rank learns it).
+S(t)  wait for everything, clip by the global norm, unscale (fp16), step the optimizer from the
+      version the schedule names into the slot it names, zero the buffer.
+
+Nothing here synchronizes with the host except fp16's overflow check (one read per batch).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..optim import LRSchedule, make_loss_scaler, make_optimizer
+from ..parallel.grid import ProcessGrid
+from .weights import VersionedWeights
+
+BUCKET_ELEMENTS = 2 ** 24  # 64 MB of fp32 per all-reduce call
+
+
+class BatchStepper:
+    def __init__(self, cfg: Config, grid: ProcessGrid, weights: VersionedWeights, device):
+        self.cfg, self.grid, self.w = cfg, grid, weights
+        self.device = device
+        self.dp_size = grid.data
+        self.optimizer = make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
+        self.scaler = make_loss_scaler(cfg.precision)
+        self.lr = LRSchedule(cfg.optimizer, cfg.train.train_iters)
+        self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
+        self.pending: dict[int, dict] = {}
+        self.skipped = 0
+        self.last_loss = torch.zeros((), device=device)
+        self.last_grad_norm = torch.zeros((), device=device)
+        self.last_lr = 0.0
+        # test hook: write weights behind autograd's back (used to inject a one-version 2BW bug)
+        self.bypass_version_counter = False
+
+    # -- R --------------------------------------------------------------------------------------
+    def reduce(self, batch: int, slot: int) -> None:
+        buf = self.w.grads[slot]
+        works = {"dp": [], "tied": []}
+        if self.dp_size > 1:
+            buf.mul_(1.0 / self.dp_size)
+        start = self.w.tied_end if self.cross_stage_tied else 0
+        dp_group = self.grid.group("dp")
+        if dp_group is not None:
+            for lo in range(start, buf.numel(), BUCKET_ELEMENTS):
+                chunk = buf[lo:lo + BUCKET_ELEMENTS]
+                works["dp"].append(dist.all_reduce(chunk, group=dp_group, async_op=True))
+        if self.cross_stage_tied:
+            works["tied"].append(dist.all_reduce(buf[:self.w.tied_end],
+                                                 group=self.grid.group("tied"), async_op=True))
+        self.pending[batch] = works
+
+    # -- N --------------------------------------------------------------------------------------
+    def norm(self, batch: int, slot: int) -> None:
+        works = self.pending[batch]
+        _wait(works.pop("dp"))
+        if self.grid.is_first_stage:
+            _wait(works.pop("tied"))
+        buf, n = self.w.grads[slot], self.w.numel
+        # the tied gradient is counted once, on the first stage
+        lo = self.w.tied_end if (self.cross_stage_tied and not self.grid.is_first_stage) else 0
+        local = buf[lo:n]
+        stats = torch.stack([local.float().pow(2).sum(), buf[n]])
+        if self.grid.tp_rank != 0:  # tensor ranks repeat the loss; count it once
+            stats[1] = 0
+        group = self.grid.group("mp")
+        works["stats"] = stats
+        works["norm"] = [dist.all_reduce(stats, group=group, async_op=True)] if group else []
+
+    # -- S --------------------------------------------------------------------------------------
+    def step(self, batch: int, grad_slot: int, src_slot: int, dst_slot: int) -> None:
+        works = self.pending.pop(batch)
+        _wait(works.pop("tied", []))
+        _wait(works.pop("norm"))
+        stats = works["stats"]
+        scale = self.scaler.scale
+        buf, n = self.w.grads[grad_slot], self.w.numel
+        norm_sq, loss = stats[0], stats[1]
+        grad_norm = norm_sq.sqrt() / scale
+        self.last_loss, self.last_grad_norm = loss, grad_norm
+        self.last_lr = lr = self.lr(batch)
+        w = self.w
+        if self.cfg.precision.dtype == "fp16":
+            found_inf = not bool(torch.isfinite(norm_sq))  # the one host sync, fp16 only
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.skipped += 1
+                if w.master is not None:
+                    w.slots[dst_slot].copy_(w.master)
+                elif dst_slot != src_slot:
+                    w.slots[dst_slot].copy_(w.slots[src_slot])
+                buf.zero_()
+                return
+        grad = buf[:n]
+        clip = self.cfg.optimizer.clip_grad
+        if clip > 0:
+            coef = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+            grad.mul_(coef / scale if scale != 1.0 else coef)
+        elif scale != 1.0:
+            grad.mul_(1.0 / scale)
+        dst = w.slots[dst_slot].data if self.bypass_version_counter else w.slots[dst_slot]
+        if w.master is not None:
+            self.optimizer.step(w.master, grad, w.master, lr)
+            dst.copy_(w.master)
+        else:
+            src = dst if src_slot == dst_slot else w.slots[src_slot]
+            self.optimizer.step(src, grad, dst, lr)
+        buf.zero_()
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()

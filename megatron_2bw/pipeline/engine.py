@@ -1,0 +1,192 @@
+"""The pipeline engine: a small interpreter of one stage's schedule actions. It owns no policy.
+
+`train_batch(data_iter)` runs the stage's next window of the schedule: the actions after the
+previous optimizer step up to and including this batch's step. In 2BW a window already contains
+the next batch's first forwards (there is no flush); windows are self-contained (the validator
+checks it), so evaluation or a checkpoint can happen between any two calls.
+
+Data: the first stage takes inputs and the last stage takes labels from `next(data_iter)`, one
+(inputs, labels) pair per forward, in microbatch order; other stages never touch the iterator.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from ..config import Config
+from ..parallel.grid import ProcessGrid
+from ..parallel.p2p import P2P
+from . import actions as A
+from .batch_step import BatchStepper
+from .module import LayerSpec, StageModule
+from .schedules import make_schedule
+from .weights import VersionedWeights
+
+FAULTS = (None, "single-version")
+UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
+
+
+class PipelineEngine:
+    def __init__(self, cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
+                 loss_fn: Callable, partition: list[int], device, fault: str | None = None):
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}: use one of {FAULTS}")
+        self.cfg, self.grid, self.loss_fn, self.device = cfg, grid, loss_fn, torch.device(device)
+        self.stage, self.num_stages = grid.stage, grid.pipeline
+        self.first, self.last = grid.is_first_stage, grid.is_last_stage
+        self.m = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * grid.data)
+        start, end = partition[self.stage], partition[self.stage + 1]
+        module = StageModule(specs, start, end, seed=cfg.train.seed)
+        num_slots = 2 if cfg.schedule == "2bw" and fault is None else 1
+        self.weights = VersionedWeights(module, num_slots, cfg.precision.dtype, self.device,
+                                        tied=module.tied)
+        self.stepper = BatchStepper(cfg, grid, self.weights, self.device)
+        self.stepper.bypass_version_counter = fault == "single-version"
+        self.p2p = P2P(grid.prev_rank, grid.next_rank, self.device)
+        self.iteration = 0            # optimizer steps done == index of the next batch
+        self.schedule = None
+        self._handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
+                          A.REDUCE: self._reduce, A.NORM: self._norm, A.STEP: self._step}
+        self._clear_stash()
+
+    # -- public API -------------------------------------------------------------------------------
+    def start(self, num_batches: int | None = None) -> None:
+        """Begin a schedule segment at the current iteration (warm-up happens here once)."""
+        self.schedule = make_schedule(self.cfg.schedule, self.num_stages, self.m,
+                                      num_batches=num_batches or UNBOUNDED,
+                                      first_batch=self.iteration)
+        self.p2p.reset()
+        self._clear_stash()
+
+    def train_batch(self, data_iter: Iterator) -> torch.Tensor:
+        """Run one batch; returns its loss (mean over microbatches and replicas) on every rank,
+        as a device tensor (no host sync)."""
+        s = self.schedule
+        if s is None or self.iteration >= s.first_batch + s.num_batches:
+            self.start()
+        self._data = data_iter
+        self._run(self.schedule.window(self.stage, self.iteration))
+        self._data = None
+        return self.stepper.last_loss
+
+    @property
+    def module(self) -> StageModule:
+        """The stage module holding the newest weights."""
+        return self.weights.modules[self._newest_slot()]
+
+    def fp32_state(self) -> dict[str, torch.Tensor]:
+        """Newest weights in fp32 by global parameter name."""
+        return self.weights.named_tensors(self.weights.fp32_weights(self._newest_slot()))
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor:
+        return self.stepper.last_grad_norm
+
+    @property
+    def skipped_iterations(self) -> int:
+        return self.stepper.skipped
+
+    # -- interpreter ------------------------------------------------------------------------------
+    def _run(self, actions: list[A.Action]) -> None:
+        i = 0
+        while i < len(actions):
+            if actions[i].is_comm:
+                j = i
+                while j < len(actions) and actions[j].is_comm:
+                    j += 1
+                self._communicate(actions[i:j])
+                i = j
+            else:
+                self._handlers[actions[i].kind](actions[i])
+                i += 1
+
+    def _clear_stash(self) -> None:
+        self.inputs: dict[int, tuple] = {}      # received activations (leaves needing grad)
+        self.outputs: dict[int, object] = {}    # stage outputs (graph) or the loss
+        self.act_out: dict[int, tuple] = {}     # activations waiting to be sent
+        self.grad_in: dict[int, tuple] = {}     # gradients received for our outputs
+        self.grad_out: dict[int, tuple] = {}    # gradients of our inputs waiting to be sent
+
+    def _slot(self, version: int) -> int:
+        return min(version, self.weights.num_slots - 1)
+
+    def _newest_slot(self) -> int:
+        if self.schedule is None or self.iteration == 0:
+            return 0
+        return self._slot(self.schedule.step_writes_slot(self.iteration - 1))
+
+    def _next_data(self):
+        try:
+            inputs, labels = next(self._data)
+        except StopIteration:
+            raise RuntimeError(f"data iterator ran out at iteration {self.iteration}: give "
+                               "train_batch an iterator with enough microbatches") from None
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+    def _forward(self, a: A.Action) -> None:
+        module = self.weights.modules[self._slot(a.version)]
+        labels = None
+        if self.first or self.last:
+            inputs, labels = self._next_data()
+        x = (inputs,) if self.first else self.inputs[a.mb]
+        out = module(*x)
+        if self.last:
+            loss = self.loss_fn(out, labels)
+            self.outputs[a.mb] = loss
+            batch = a.mb // self.m
+            slot = self._slot(self.schedule.slot_of_batch(batch))
+            self.weights.grads[slot][-1:].add_(loss.detach().float(), alpha=1.0 / self.m)
+        else:
+            out = out if isinstance(out, tuple) else (out,)
+            self.outputs[a.mb] = out
+            self.act_out[a.mb] = tuple(t.detach() for t in out)
+
+    def _backward(self, a: A.Action) -> None:
+        out = self.outputs.pop(a.mb)
+        if self.last:
+            torch.autograd.backward(out * (self.stepper.scaler.scale / self.m))
+        else:
+            grads = self.grad_in.pop(a.mb)
+            needs = [t for t in out if t.requires_grad]
+            torch.autograd.backward(needs, grads)
+        if not self.first:
+            x = self.inputs.pop(a.mb)
+            self.grad_out[a.mb] = tuple(t.grad for t in x if t.requires_grad)
+        self.weights.fold_model_grad(self._slot(a.version))
+
+    def _communicate(self, group: list[A.Action]) -> None:
+        sends, recvs, received = [], [], []
+        for a in group:
+            if a.kind == A.SEND_ACT:
+                tensors = self.act_out.pop(a.mb)
+                self.p2p.ensure_meta_sent(self.outputs[a.mb])
+                sends += [(t.contiguous(), self.grid.next_rank) for t in tensors]
+            elif a.kind == A.SEND_GRAD:
+                sends += [(t.contiguous(), self.grid.prev_rank) for t in self.grad_out.pop(a.mb)]
+            elif a.kind == A.RECV_ACT:
+                meta = self.p2p.ensure_meta_received()
+                bufs = self.p2p.empty_activation()
+                recvs += [(t, self.grid.prev_rank) for t in bufs]
+                received.append((a.mb, bufs, meta))
+            else:  # RECV_GRAD: one gradient per output that requires grad
+                bufs = tuple(torch.empty_like(t) for t in self.outputs[a.mb] if t.requires_grad)
+                recvs += [(t, self.grid.next_rank) for t in bufs]
+                self.grad_in[a.mb] = bufs
+        self.p2p.exchange(sends, recvs)
+        for mb, bufs, meta in received:
+            self.inputs[mb] = tuple(t.requires_grad_(req) for t, (_, _, req) in zip(bufs, meta))
+
+    def _reduce(self, a: A.Action) -> None:
+        self.stepper.reduce(a.batch, self._slot(self.schedule.slot_of_batch(a.batch)))
+
+    def _norm(self, a: A.Action) -> None:
+        self.stepper.norm(a.batch, self._slot(self.schedule.slot_of_batch(a.batch)))
+
+    def _step(self, a: A.Action) -> None:
+        s, t = self.schedule, a.batch
+        grad_slot = self._slot(s.slot_of_batch(t))
+        dst = self._slot(s.step_writes_slot(t))
+        src = self._slot(s.slot_of_batch(t + 1)) if s.num_slots > 1 else dst
+        self.stepper.step(t, grad_slot, src, dst)
+        self.iteration = t + 1

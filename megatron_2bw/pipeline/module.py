@@ -1,0 +1,93 @@
+"""Layer specs and stage modules: a model is a list of `LayerSpec`s; a stage builds a contiguous range.
+
+Every layer is built under its own seed (base seed + layer index), so layer i has the same initial
+weights whether it is built in a one-process sequential model or on any pipeline stage. Layers that
+share a `tied_key` (GPT's word embedding and output layer) share one parameter when they sit on the
+same stage; on different stages each copy is initialized from the key's own seed, so the copies
+start bitwise equal, and the engine keeps them equal by summing their gradients.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LayerSpec:
+    build: Callable[[], nn.Module]
+    name: str = "layer"
+    tied_key: str | None = None
+    tied_attr: str = "weight"                     # dotted path to the tied parameter
+    tied_init: Callable[[torch.Tensor], None] | None = None
+    kwargs: dict = field(default_factory=dict)
+
+
+def _get_param_owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, name = dotted.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, name
+
+
+def _key_seed(seed: int, key: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2 ** 63)
+
+
+class StageModule(nn.Module):
+    """Layers [start, end) of a spec list, run in order. Parameter names are global:
+    `layers.<global index>.<name>`, identical on every stage and in the sequential model."""
+
+    def __init__(self, specs: list[LayerSpec], start: int, end: int, seed: int = 1234):
+        super().__init__()
+        if not 0 <= start < end <= len(specs):
+            raise ValueError(f"bad layer range [{start}, {end}) for {len(specs)} layers")
+        self.start, self.end = start, end
+        self.layers = nn.ModuleDict()
+        self.tied: dict[str, nn.Parameter] = {}
+        for idx in range(start, end):
+            spec = specs[idx]
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + idx)
+                layer = spec.build()
+            if spec.tied_key is not None:
+                owner, attr = _get_param_owner(layer, spec.tied_attr)
+                if spec.tied_key in self.tied:
+                    owner._parameters[attr] = self.tied[spec.tied_key]
+                else:
+                    param = owner._parameters[attr]
+                    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(_key_seed(seed, spec.tied_key))
+                        if spec.tied_init is not None:
+                            spec.tied_init(param)
+                    self.tied[spec.tied_key] = param
+            self.layers[str(idx)] = layer
+
+    def forward(self, *inputs):
+        x = inputs
+        for layer in self.layers.values():
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        return x
+
+    def tied_parameter_names(self) -> dict[str, str]:
+        """tied key -> the parameter's name in this stage (its first occurrence)."""
+        names = {}
+        by_id = {id(p): k for k, p in self.tied.items()}
+        for name, p in self.named_parameters():
+            if id(p) in by_id:
+                names.setdefault(by_id[id(p)], name)
+        return names
+
+
+def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
+    """Stage boundaries [0, ..., num_layers] splitting layers as evenly as possible."""
+    if num_stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return bounds

@@ -1,0 +1,103 @@
+"""A stage's weights as flat buffers: one per version slot, plus fp32 master weights and gradients.
+
+Layout of every flat buffer (same offsets everywhere):
+    [tied parameters | other matrices (weight decay) | vectors (no decay)]  + 1 trailing element
+The trailing element of a gradient buffer carries the batch's loss through the same reductions
+(data-parallel average, then model-parallel sum), so no extra collective is needed to give every
+rank the loss.
+
+Version slots: 2BW keeps exactly two (`slots[0]`, `slots[1]`); gpipe/flush keep one. Each slot has
+its own replica of the stage module whose parameters are views into that slot (`modules[k]`), so
+switching versions is choosing a module: nothing is copied per microbatch. The two replicas share
+every non-parameter object; building the second one copies no weights.
+
+Gradients: fp32 runs accumulate straight into `grads[k]` (the parameters' `.grad` are views of
+it). bf16/fp16 runs accumulate one microbatch in the low-precision `model_grad` buffer and the
+engine folds it into the fp32 `grads[k]` after each backward (one flat add, no per-parameter work).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class VersionedWeights:
+    def __init__(self, module: nn.Module, num_slots: int, dtype: str, device,
+                 tied: dict[str, nn.Parameter] | None = None):
+        self.dtype = DTYPES[dtype]
+        self.device = torch.device(device)
+        self.num_slots = num_slots
+        params, names = self._ordered_params(module, tied or {})
+        self.names = names
+        self.shapes = [p.shape for p in params]
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        tied_ids = {id(p) for p in (tied or {}).values()}
+        self.tied_end = sum(p.numel() for p in params if id(p) in tied_ids)
+        self.decay_end = sum(p.numel() for p in params if id(p) in tied_ids or p.ndim >= 2)
+
+        init = torch.cat([p.detach().reshape(-1).float() for p in params]).to(self.device) \
+            if params else torch.zeros(0, device=self.device)
+        mixed = self.dtype != torch.float32
+        self.master = init.clone() if mixed else None
+        self.slots = [init.to(self.dtype).clone() for _ in range(num_slots)]
+        self.grads = [torch.zeros(n + 1, dtype=torch.float32, device=self.device)
+                      for _ in range(num_slots)]
+        self.model_grad = torch.zeros(n, dtype=self.dtype, device=self.device) if mixed else None
+
+        module.to(self.device)
+        views = [[self._view_param(self.slots[k], self.model_grad if mixed else self.grads[k], i)
+                  for i in range(len(params))] for k in range(num_slots)]
+        self._install(module, params, views[0])
+        self.modules = [module] + [copy.deepcopy(module, {id(a): b for a, b in zip(views[0], v)})
+                                   for v in views[1:]]
+
+    # -- construction helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _ordered_params(module: nn.Module, tied: dict) -> tuple[list, list]:
+        named = list(module.named_parameters())  # unique: a shared parameter appears once
+        tied_ids = {id(p) for p in tied.values()}
+        rank = lambda item: 0 if id(item[1]) in tied_ids else (1 if item[1].ndim >= 2 else 2)
+        named.sort(key=rank)  # stable: module order within each group
+        return [p for _, p in named], [n for n, _ in named]
+
+    def _view_param(self, flat: torch.Tensor, grad_flat: torch.Tensor, i: int) -> nn.Parameter:
+        o, shape = self.offsets[i], self.shapes[i]
+        n = shape.numel()
+        p = nn.Parameter(flat[o:o + n].view(shape))
+        p.grad = grad_flat[o:o + n].view(shape)
+        return p
+
+    @staticmethod
+    def _install(module: nn.Module, old: list, new: list) -> None:
+        by_id = {id(p): q for p, q in zip(old, new)}
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None:
+                    sub._parameters[name] = by_id[id(p)]
+        if isinstance(getattr(module, "tied", None), dict):
+            module.tied = {k: by_id[id(p)] for k, p in module.tied.items()}
+
+    # -- views ------------------------------------------------------------------------------------
+    def fp32_weights(self, slot: int | None = None) -> torch.Tensor:
+        """The newest fp32 weights (master, or the given slot in fp32 runs)."""
+        if self.master is not None:
+            return self.master
+        return self.slots[slot if slot is not None else 0]
+
+    def named_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[o:o + s.numel()].view(s)
+                for name, o, s in zip(self.names, self.offsets, self.shapes)}
+
+    def fold_model_grad(self, slot: int) -> None:
+        """bf16/fp16: add this microbatch's low-precision gradient into the fp32 accumulator."""
+        if self.model_grad is not None:
+            self.grads[slot][:self.numel].add_(self.model_grad)
+            self.model_grad.zero_()

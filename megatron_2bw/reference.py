@@ -1,0 +1,68 @@
+"""The single-process references of DESIGN.md section 1, written with plain PyTorch only
+(torch.optim, clip_grad_norm_, gradient accumulation) so that they check the engine's own
+optimizer, clipping and reductions instead of reusing them.
+
+gpipe / flush:  W(t+1) = step(W(t), g_t(W(t)))
+2bw:            W(t+1) = step(W(t), g_t(W(max(t-1, 0))))
+g_t is the mean gradient over the batch's m * w microbatches.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .config import Config
+from .data.mock import GPTBatches
+from .optim.lr import LRSchedule
+from .optim.optimizer import torch_reference_optimizer
+from .pipeline.module import LayerSpec, StageModule
+
+
+def build_sequential(cfg: Config, specs: list[LayerSpec]) -> StageModule:
+    """The whole model in one module (tied layers share one parameter)."""
+    return StageModule(specs, 0, len(specs), seed=cfg.train.seed)
+
+
+def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
+                    num_iters: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Returns (final parameters by name, per-iteration losses).
+
+    make_batches(dp_rank) -> iterator of (inputs, labels) microbatches of that replica."""
+    w = cfg.data_parallel_size()
+    m = cfg.num_microbatches()
+    model = build_sequential(cfg, specs)
+    params = list(model.named_parameters())
+    optimizer = torch_reference_optimizer(cfg.optimizer, params)
+    lr_at = LRSchedule(cfg.optimizer, cfg.train.train_iters)
+    delayed = cfg.schedule == "2bw"
+    grad_model = copy.deepcopy(model) if delayed else model  # holds W(max(t-1, 0))
+    streams = [make_batches(r) for r in range(w)]
+    losses = []
+    for t in range(num_iters):
+        grad_model.zero_grad(set_to_none=True)
+        total = 0.0
+        for stream in streams:
+            for _ in range(m):
+                inputs, labels = next(stream)
+                loss = loss_fn(grad_model(inputs), labels)
+                (loss / (m * w)).backward()
+                total += loss.item() / (m * w)
+        losses.append(total)
+        if delayed:
+            snapshot = copy.deepcopy(model.state_dict())  # W(t): batch t+1 uses it
+            for (_, p), (_, q) in zip(params, grad_model.named_parameters()):
+                p.grad = q.grad
+        if cfg.optimizer.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.clip_grad)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(t)
+        optimizer.step()
+        if delayed:
+            grad_model.load_state_dict(snapshot)
+    return {name: p.detach().clone() for name, p in params}, losses
+
+
+def replica_batches(cfg: Config, dataset, dp_rank: int) -> GPTBatches:
+    return GPTBatches(dataset, cfg.batch.micro_batch_size, cfg.num_microbatches(),
+                      cfg.data_parallel_size(), dp_rank)

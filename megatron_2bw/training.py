@@ -1,0 +1,61 @@
+"""Building a GPT pipeline engine from the config, and the training loop shared by the scripts."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .config import Config
+from .data.mock import GPTBatches, MockGPTDataset
+from .models.gpt import gpt_layer_specs, gpt_loss, gpt_partition
+from .parallel.grid import ProcessGrid
+from .pipeline.engine import PipelineEngine
+
+
+def build_grid(cfg: Config, rank: int, world_size: int) -> ProcessGrid:
+    grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
+                       cfg.data_parallel_size(world_size), rank=rank,
+                       rank_order=cfg.parallel.rank_order)
+    return grid.init_groups()
+
+
+def build_gpt_engine(cfg: Config, grid: ProcessGrid, device, fault: str | None = None):
+    specs = gpt_layer_specs(cfg.model)
+    return PipelineEngine(cfg, grid, specs, gpt_loss, gpt_partition(cfg.model, grid.pipeline),
+                          device, fault=fault)
+
+
+def mock_batches(cfg: Config, grid: ProcessGrid, start_batch: int = 0) -> GPTBatches:
+    dataset = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
+    return GPTBatches(dataset, cfg.batch.micro_batch_size, cfg.num_microbatches(grid.world_size),
+                      grid.data, grid.dp_rank, start_batch=start_batch)
+
+
+def train(cfg: Config, grid: ProcessGrid, device, log=print) -> list[float]:
+    """Train cfg.train.train_iters batches on mock data; log from the last stage's first replica.
+    Returns the per-iteration losses (read on the host only at log intervals)."""
+    engine = build_gpt_engine(cfg, grid, device)
+    data = mock_batches(cfg, grid)
+    engine.start(cfg.train.train_iters)
+    samples_per_iter = cfg.batch.global_batch_size
+    pending, losses = [], []
+    t0, done_since = time.perf_counter(), 0
+    reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
+    for it in range(cfg.train.train_iters):
+        loss = engine.train_batch(data)
+        pending.append(loss.detach().clone())
+        done_since += 1
+        if (it + 1) % cfg.train.log_interval == 0 or it + 1 == cfg.train.train_iters:
+            values = torch.stack(pending).tolist()  # the only host read: once per log interval
+            losses += values
+            pending.clear()
+            elapsed = time.perf_counter() - t0
+            if reporter:
+                log(f"iteration {it + 1:6d}/{cfg.train.train_iters} | "
+                    f"consumed samples {samples_per_iter * (it + 1):8d} | "
+                    f"lr {engine.stepper.last_lr:.3e} | loss {values[-1]:.4f} | "
+                    f"grad norm {float(engine.last_grad_norm):.3f} | "
+                    f"skipped {engine.skipped_iterations} | "
+                    f"samples/s {samples_per_iter * done_since / elapsed:.1f}")
+            t0, done_since = time.perf_counter(), 0
+    return losses
