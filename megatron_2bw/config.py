@@ -153,6 +153,10 @@ class Config:
                             ("--log-interval", self.train.log_interval)):
             if value < 1:
                 _fail(f"{name} must be >= 1, got {value}")
+        for name, value in (("--ffn-hidden-size", m.ffn_hidden_size),
+                            ("--max-position-embeddings", m.max_position_embeddings)):
+            if value is not None and value < 1:
+                _fail(f"{name} must be >= 1 (or unset for the default), got {value}")
         if m.hidden_size % m.num_attention_heads != 0:
             _fail(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
                   f"{m.num_attention_heads}: pick a head count that divides the hidden size")

@@ -39,6 +39,7 @@ class Report:
     max_loss_diff: float = 0.0
     tied_equal: bool = True
     replicas_equal: bool = True
+    clipped_steps: int = 0
     problems: list[str] = field(default_factory=list)
 
     def passed(self, rtol: float) -> bool:
@@ -51,11 +52,14 @@ def _worker(rank: int, world_size: int, cfg: Config, outdir: str, fault) -> None
     engine = build_gpt_engine(cfg, grid, "cpu", fault=fault)
     data = mock_batches(cfg, grid)
     engine.start(cfg.train.train_iters)
-    losses = [engine.train_batch(data).clone() for _ in range(cfg.train.train_iters)]
+    losses, norms = [], []
+    for _ in range(cfg.train.train_iters):
+        losses.append(engine.train_batch(data).clone())
+        norms.append(engine.last_grad_norm.clone())
     torch.save({"params": {k: v.clone() for k, v in engine.fp32_state().items()},
                 "tied": engine.weights.modules[0].tied_parameter_names(),
                 "stage": grid.stage, "dp": grid.dp_rank, "tp": grid.tp_rank,
-                "losses": torch.stack(losses).tolist()},
+                "losses": torch.stack(losses).tolist(), "grad_norms": torch.stack(norms).tolist()},
                os.path.join(outdir, f"rank{rank}.pt"))
 
 
@@ -90,6 +94,8 @@ def compare(cfg: Config, results: list[dict], ref_params: dict, ref_losses: list
         losses = res["losses"]
         for a, b in zip(losses, ref_losses):
             rep.max_loss_diff = max(rep.max_loss_diff, abs(a - b) / max(abs(b), 1e-30))
+    clip = cfg.optimizer.clip_grad
+    rep.clipped_steps = sum(n > clip for n in results[0]["grad_norms"]) if clip > 0 else 0
     missing = set(ref_params) - covered
     if missing:
         rep.problems.append(f"reference parameters not found on any rank: {sorted(missing)}")
@@ -146,8 +152,10 @@ def main(argv=None) -> int:
     ok = rep.passed(rtol)
     print(f"verify_equivalence: schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "
           f"m={cfg.num_microbatches()} iters={cfg.train.train_iters} "
-          f"optimizer={cfg.optimizer.name} clip={cfg.optimizer.clip_grad} "
-          f"precision={cfg.precision.dtype}")
+          f"optimizer={cfg.optimizer.name} precision={cfg.precision.dtype}")
+    if cfg.optimizer.clip_grad > 0:
+        print(f"  gradient clipping at {cfg.optimizer.clip_grad}: active in "
+              f"{rep.clipped_steps}/{cfg.train.train_iters} iterations")
     print(f"  max relative parameter difference {rep.max_rel_diff:.3e} (rtol {rtol:.1e})"
           + (f" at {rep.worst}" if rep.worst else ""))
     print(f"  max relative loss difference      {rep.max_loss_diff:.3e}")
