@@ -100,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         data=args.data_parallel_size, rank_order=args.rank_order,
         backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes)
     batch = BatchConfig(micro_batch_size=args.micro_batch_size,
-                        global_batch_size=args.global_batch_size or 0)
+                        global_batch_size=args.global_batch_size)
     optimizer = OptimizerConfig(
         name=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -120,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def resolve_batch(cfg: Config, world_size: int) -> Config:
     """Megatron's default global batch: one microbatch per replica."""
-    if not cfg.batch.global_batch_size:
+    if cfg.batch.global_batch_size is None:
         cfg.batch.global_batch_size = cfg.batch.micro_batch_size * cfg.data_parallel_size(world_size)
     return cfg
 

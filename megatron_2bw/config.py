@@ -55,7 +55,7 @@ class ParallelConfig:
 @dataclass
 class BatchConfig:
     micro_batch_size: int = 1       # b
-    global_batch_size: int = 1      # B = b * m * w
+    global_batch_size: int | None = 1  # B = b * m * w; None: one microbatch per replica
 
 
 @dataclass
@@ -120,6 +120,8 @@ class Config:
     def validate(self, world_size: int | None = None) -> "Config":
         """Raise ConfigError (one line) for the first bad setting; return self when all is well."""
         m, p, b, o, pr = self.model, self.parallel, self.batch, self.optimizer, self.precision
+        if b.global_batch_size is None:
+            b.global_batch_size = b.micro_batch_size * self.data_parallel_size(world_size)
         if self.schedule not in SCHEDULES:
             _fail(f"unknown pipeline schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)} "
                   "(--pipeline-schedule)")

@@ -42,6 +42,8 @@ BAD = [
     ("typo-flag-with-equals", ["--mock-data", "--micro-batch-sise=4"], None,
      ["--micro-batch-sise", "--micro-batch-size"]),
     ("missing-mock-data", MODEL, None, ["--mock-data"]),
+    ("zero-global-batch", ["--mock-data", "--global-batch-size", "0"], None,
+     ["--global-batch-size"]),
     ("fp16-and-bf16", ["--mock-data", "--fp16", "--bf16"], None, ["--fp16", "--bf16"]),
     ("2bw-m-lt-d", ["--mock-data", *MODEL, "--pipeline-model-parallel-size", "4",
                     "--pipeline-schedule", "2bw", "--micro-batch-size", "1",

@@ -20,7 +20,8 @@ def make(schedule="2bw", model=None, parallel=None, batch=None, optimizer=None, 
 # (id, config, world size, key words the message must contain)
 BAD = [
     ("world-ne-t*d*w-explicit-data",
-     make(parallel=dict(pipeline=2, data=2), model=dict(num_layers=2), batch=dict(global_batch_size=4)),
+     make(parallel=dict(pipeline=2, data=2), model=dict(num_layers=2),
+          batch=dict(global_batch_size=4)),
      6, ["world size 6", "data"]),
     ("world-ne-t*d*w-explicit-data-too-big",
      make(parallel=dict(tensor=2, pipeline=1, data=4), batch=dict(global_batch_size=4)),
