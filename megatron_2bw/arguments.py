@@ -41,6 +41,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="recompute every transformer layer in backward (same as "
+                        "--recompute-granularity full --recompute-method uniform "
+                        "--recompute-num-layers 1)")
+    g.add_argument("--recompute-granularity", choices=("full",), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -88,13 +95,24 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """Fill the typed config from parsed flags (no validation here: call cfg.validate)."""
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive: pick one")
+    method, num = args.recompute_method, args.recompute_num_layers
+    if args.recompute_activations:
+        method, num = method or "uniform", num or 1
+    elif args.recompute_granularity == "full":
+        if method is None or num is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method "
+                              "{uniform,block} and --recompute-num-layers N")
+    elif method is not None or num is not None:
+        raise ConfigError("--recompute-method/--recompute-num-layers need "
+                          "--recompute-granularity full")
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        recompute_method=method, recompute_num_layers=num or 0)
     parallel = ParallelConfig(
         tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
         data=args.data_parallel_size, rank_order=args.rank_order,

@@ -11,6 +11,7 @@ SCHEDULES = ("2bw", "flush", "gpipe")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
 RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
+RECOMPUTE_METHODS = ("uniform", "block")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -32,6 +33,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = False
     layernorm_epsilon: float = 1e-5
+    recompute_method: str | None = None           # None (off), "uniform" or "block"
+    recompute_num_layers: int = 0
 
     @property
     def ffn_size(self) -> int:
@@ -168,6 +171,13 @@ class Config:
         if m.max_positions < m.seq_length:
             _fail(f"--max-position-embeddings {m.max_positions} < --seq-length {m.seq_length}: "
                   "raise --max-position-embeddings")
+        if m.recompute_method is not None:
+            if m.recompute_method not in RECOMPUTE_METHODS:
+                _fail(f"unknown --recompute-method {m.recompute_method!r}: use one of "
+                      f"{', '.join(RECOMPUTE_METHODS)}")
+            if m.recompute_num_layers < 1:
+                _fail(f"--recompute-num-layers must be >= 1 with --recompute-method, got "
+                      f"{m.recompute_num_layers}")
         if p.pipeline > m.num_layers:
             _fail(f"--pipeline-model-parallel-size {p.pipeline} is larger than --num-layers "
                   f"{m.num_layers}: every stage needs at least one transformer layer")

@@ -7,9 +7,10 @@ import torch
 
 from .config import Config
 from .data.mock import GPTBatches, MockGPTDataset
-from .models.gpt import gpt_layer_specs, gpt_loss, gpt_partition
+from .models.gpt import gpt_layer_specs, gpt_partition, make_gpt_loss
 from .parallel.grid import ProcessGrid
 from .pipeline.engine import PipelineEngine
+from .tensor_parallel import TPGroup
 
 
 def build_grid(cfg: Config, rank: int, world_size: int) -> ProcessGrid:
@@ -20,9 +21,10 @@ def build_grid(cfg: Config, rank: int, world_size: int) -> ProcessGrid:
 
 
 def build_gpt_engine(cfg: Config, grid: ProcessGrid, device, fault: str | None = None):
-    specs = gpt_layer_specs(cfg.model)
-    return PipelineEngine(cfg, grid, specs, gpt_loss, gpt_partition(cfg.model, grid.pipeline),
-                          device, fault=fault)
+    tp = TPGroup.from_grid(grid)
+    specs = gpt_layer_specs(cfg.model, tp, seed=cfg.train.seed)
+    return PipelineEngine(cfg, grid, specs, make_gpt_loss(tp),
+                          gpt_partition(cfg.model, grid.pipeline), device, fault=fault)
 
 
 def mock_batches(cfg: Config, grid: ProcessGrid, start_batch: int = 0) -> GPTBatches:

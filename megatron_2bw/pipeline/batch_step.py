@@ -66,15 +66,26 @@ class BatchStepper:
         if self.grid.is_first_stage:
             _wait(works.pop("tied"))
         buf, n = self.w.grads[slot], self.w.numel
-        # the tied gradient is counted once, on the first stage
-        lo = self.w.tied_end if (self.cross_stage_tied and not self.grid.is_first_stage) else 0
-        local = buf[lo:n]
-        stats = torch.stack([local.float().pow(2).sum(), buf[n]])
+        stats = torch.stack([self._norm_sq(buf), buf[n]])
         if self.grid.tp_rank != 0:  # tensor ranks repeat the loss; count it once
             stats[1] = 0
         group = self.grid.group("mp")
         works["stats"] = stats
         works["norm"] = [dist.all_reduce(stats, group=group, async_op=True)] if group else []
+
+    def _norm_sq(self, buf: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the squared global norm: the tied gradient counts once (first
+        stage), parameters replicated across tensor ranks count once (tensor rank 0)."""
+        lo = self.w.tied_end if (self.cross_stage_tied and not self.grid.is_first_stage) else 0
+        ranges = [(lo, self.w.numel)]
+        if self.grid.tp_rank != 0:
+            r0, r1 = self.w.replicated
+            ranges = [(lo, max(lo, r0)), (max(lo, r1), self.w.numel)]
+        total = buf.new_zeros(())
+        for a, b in ranges:
+            if b > a:
+                total = total + buf[a:b].pow(2).sum()
+        return total
 
     # -- S --------------------------------------------------------------------------------------
     def step(self, batch: int, grad_slot: int, src_slot: int, dst_slot: int) -> None:

@@ -37,7 +37,9 @@ class PipelineEngine:
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
         self.m = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * grid.data)
         start, end = partition[self.stage], partition[self.stage + 1]
-        module = StageModule(specs, start, end, seed=cfg.train.seed)
+        module = StageModule(specs, start, end, seed=cfg.train.seed,
+                             recompute_method=cfg.model.recompute_method,
+                             recompute_num_layers=cfg.model.recompute_num_layers)
         num_slots = 2 if cfg.schedule == "2bw" and fault is None else 1
         self.weights = VersionedWeights(module, num_slots, cfg.precision.dtype, self.device,
                                         tied=module.tied)
@@ -122,14 +124,15 @@ class PipelineEngine:
         except StopIteration:
             raise RuntimeError(f"data iterator ran out at iteration {self.iteration}: give "
                                "train_batch an iterator with enough microbatches") from None
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        return _to(inputs, self.device), _to(labels, self.device)
 
     def _forward(self, a: A.Action) -> None:
         module = self.weights.modules[self._slot(a.version)]
         labels = None
         if self.first or self.last:
             inputs, labels = self._next_data()
-        x = (inputs,) if self.first else self.inputs[a.mb]
+        x = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.first \
+            else self.inputs[a.mb]
         out = module(*x)
         if self.last:
             loss = self.loss_fn(out, labels)
@@ -190,3 +193,14 @@ class PipelineEngine:
         src = self._slot(s.slot_of_batch(t + 1)) if s.num_slots > 1 else dst
         self.stepper.step(t, grad_slot, src, dst)
         self.iteration = t + 1
+
+
+def _to(obj, device):
+    """Move a tensor, or a tuple/list/dict of them, to `device` (non-blocking)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj

@@ -9,11 +9,13 @@ start bitwise equal, and the engine keeps them equal by summing their gradients.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
+
+from ..models.recompute import recompute
 
 
 @dataclass
@@ -23,7 +25,8 @@ class LayerSpec:
     tied_key: str | None = None
     tied_attr: str = "weight"                     # dotted path to the tied parameter
     tied_init: Callable[[torch.Tensor], None] | None = None
-    kwargs: dict = field(default_factory=dict)
+    recompute: bool = False                       # may be recomputed in backward
+    tracker: object = None                        # RNG tracker to restore when recomputing
 
 
 def _get_param_owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -41,11 +44,13 @@ class StageModule(nn.Module):
     """Layers [start, end) of a spec list, run in order. Parameter names are global:
     `layers.<global index>.<name>`, identical on every stage and in the sequential model."""
 
-    def __init__(self, specs: list[LayerSpec], start: int, end: int, seed: int = 1234):
+    def __init__(self, specs: list[LayerSpec], start: int, end: int, seed: int = 1234,
+                 recompute_method: str | None = None, recompute_num_layers: int = 0):
         super().__init__()
         if not 0 <= start < end <= len(specs):
             raise ValueError(f"bad layer range [{start}, {end}) for {len(specs)} layers")
         self.start, self.end = start, end
+        self._plan = _recompute_plan(specs[start:end], recompute_method, recompute_num_layers)
         self.layers = nn.ModuleDict()
         self.tied: dict[str, nn.Parameter] = {}
         for idx in range(start, end):
@@ -68,8 +73,13 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs):
         x = inputs
-        for layer in self.layers.values():
-            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        layers = list(self.layers.values())
+        for lo, hi, tracker in self._plan:
+            if tracker is False:
+                x = _run(layers[lo:hi], x)
+            else:
+                x = recompute(lambda *a, chunk=layers[lo:hi]: _run(chunk, a), tracker,
+                              *(x if isinstance(x, tuple) else (x,)))
         return x
 
     def tied_parameter_names(self) -> dict[str, str]:
@@ -80,6 +90,32 @@ class StageModule(nn.Module):
             if id(p) in by_id:
                 names.setdefault(by_id[id(p)], name)
         return names
+
+
+def _run(layers, x):
+    for layer in layers:
+        x = layer(*x) if isinstance(x, tuple) else layer(x)
+    return x
+
+
+def _recompute_plan(specs: list[LayerSpec], method: str | None, n: int) -> list[tuple]:
+    """[(lo, hi, tracker or False)] chunks of this stage's layers; a tracker (or None) means
+    "recompute this chunk". uniform: consecutive recomputable layers in chunks of n;
+    block: the first n recomputable layers of the stage, one by one."""
+    plan, i, done = [], 0, 0
+    while i < len(specs):
+        if not (method and n > 0 and specs[i].recompute) or (method == "block" and done >= n):
+            plan.append((i, i + 1, False))
+            i += 1
+            continue
+        size = n if method == "uniform" else 1
+        j = i
+        while j < len(specs) and j - i < size and specs[j].recompute:
+            j += 1
+        plan.append((i, j, specs[i].tracker))
+        done += j - i
+        i = j
+    return plan
 
 
 def partition_uniform(num_layers: int, num_stages: int) -> list[int]:

@@ -1,7 +1,9 @@
 """A stage's weights as flat buffers: one per version slot, plus fp32 master weights and gradients.
 
-Layout of every flat buffer (same offsets everywhere):
-    [tied parameters | other matrices (weight decay) | vectors (no decay)]  + 1 trailing element
+Layout of every flat buffer (same offsets everywhere), so that both the weight-decay range and
+the range of parameters replicated across tensor ranks are contiguous:
+    [tied | decay, tensor-split | decay, replicated | no decay, replicated | no decay, split]
+    + 1 trailing element
 The trailing element of a gradient buffer carries the batch's loss through the same reductions
 (data-parallel average, then model-parallel sum), so no extra collective is needed to give every
 rank the loss.
@@ -22,6 +24,16 @@ import copy
 import torch
 from torch import nn
 
+def _group(p: nn.Parameter, tied: dict) -> int:
+    """Position class in the flat layout (see the module docstring)."""
+    if any(p is q for q in tied.values()):
+        return 0
+    split = getattr(p, "partition_dim", None) is not None
+    if p.ndim >= 2:
+        return 1 if split else 2
+    return 4 if split else 3
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -39,9 +51,11 @@ class VersionedWeights:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        tied_ids = {id(p) for p in (tied or {}).values()}
-        self.tied_end = sum(p.numel() for p in params if id(p) in tied_ids)
-        self.decay_end = sum(p.numel() for p in params if id(p) in tied_ids or p.ndim >= 2)
+        self.partition_dims = [getattr(p, "partition_dim", None) for p in params]
+        groups = [_group(p, tied or {}) for p in params]
+        ends = [sum(p.numel() for p, g in zip(params, groups) if g <= k) for k in range(5)]
+        self.tied_end, self.decay_end = ends[0], ends[2]
+        self.replicated = (ends[1], ends[3])  # identical on every tensor rank
 
         init = torch.cat([p.detach().reshape(-1).float() for p in params]).to(self.device) \
             if params else torch.zeros(0, device=self.device)
@@ -63,9 +77,7 @@ class VersionedWeights:
     @staticmethod
     def _ordered_params(module: nn.Module, tied: dict) -> tuple[list, list]:
         named = list(module.named_parameters())  # unique: a shared parameter appears once
-        tied_ids = {id(p) for p in tied.values()}
-        rank = lambda item: 0 if id(item[1]) in tied_ids else (1 if item[1].ndim >= 2 else 2)
-        named.sort(key=rank)  # stable: module order within each group
+        named.sort(key=lambda item: _group(item[1], tied))  # stable within each group
         return [p for _, p in named], [n for n, _ in named]
 
     def _view_param(self, flat: torch.Tensor, grad_flat: torch.Tensor, i: int) -> nn.Parameter:
@@ -73,6 +85,8 @@ class VersionedWeights:
         n = shape.numel()
         p = nn.Parameter(flat[o:o + n].view(shape))
         p.grad = grad_flat[o:o + n].view(shape)
+        p.partition_dim = self.partition_dims[i]
+        p.tensor_model_parallel = p.partition_dim is not None
         return p
 
     @staticmethod

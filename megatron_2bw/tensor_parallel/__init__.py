@@ -1,0 +1,12 @@
+"""Megatron tensor parallelism: column/row-parallel linears, vocab-parallel embedding and
+cross-entropy, the autograd mappings between them, and the RNG tracker for dropout."""
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                     set_partition_attrs)
+from .mappings import (TPGroup, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+                       scatter_to_tp_region)
+from .random import RNGTracker
+
+__all__ = ["TPGroup", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "copy_to_tp_region", "reduce_from_tp_region",
+           "scatter_to_tp_region", "gather_from_tp_region", "RNGTracker", "set_partition_attrs"]
