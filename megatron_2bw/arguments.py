@@ -8,6 +8,7 @@ import sys
 from .config import (LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS, SCHEDULES, BatchConfig, Config,
                      ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                      TrainConfig)
+from .models.flavours import FLAVOURS, flavour_shape
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -27,13 +28,19 @@ class FlagParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+# shape defaults when neither --model nor the flag gives one (the `debug` flavour)
+SHAPE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32}
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--model", default=None, metavar="NAME",
+                   help=f"named model shape ({', '.join(FLAVOURS)}); explicit flags override it")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--vocab-size", type=int, default=512,
                    help="vocabulary size for --mock-data (a tokenizer sets it otherwise)")
@@ -91,8 +98,17 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=2)
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
+def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     """Fill the typed config from parsed flags (no validation here: call cfg.validate)."""
+    shape = dict(SHAPE_DEFAULTS)
+    if getattr(args, "model", None):
+        try:
+            shape.update(flavour_shape(args.model, family))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    for key in shape:
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive: pick one")
     method, num = args.recompute_method, args.recompute_num_layers
@@ -106,9 +122,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ConfigError("--recompute-method/--recompute-num-layers need "
                           "--recompute-granularity full")
     model = ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        family=family, num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"], ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=shape["seq_length"], max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,

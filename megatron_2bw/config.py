@@ -19,8 +19,12 @@ class ConfigError(ValueError):
     """A bad setting. The message is one line: what is wrong and how to fix it."""
 
 
+MODEL_FAMILIES = ("gpt", "bert")
+
+
 @dataclass
 class ModelConfig:
+    family: str = "gpt"                           # "gpt" or "bert"
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -34,6 +38,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     layernorm_epsilon: float = 1e-5
     recompute_method: str | None = None           # None (off), "uniform" or "block"
+    bert_binary_head: bool = True
+    num_tokentypes: int = 2
     recompute_num_layers: int = 0
 
     @property
@@ -171,6 +177,12 @@ class Config:
         if m.max_positions < m.seq_length:
             _fail(f"--max-position-embeddings {m.max_positions} < --seq-length {m.seq_length}: "
                   "raise --max-position-embeddings")
+        if m.family not in MODEL_FAMILIES:
+            _fail(f"unknown model family {m.family!r}: use one of {', '.join(MODEL_FAMILIES)}")
+        if m.vocab_size % p.tensor != 0:
+            _fail(f"vocabulary size {m.vocab_size} is not divisible by "
+                  f"--tensor-model-parallel-size {p.tensor}: pad it with "
+                  "--make-vocab-size-divisible-by")
         if m.recompute_method is not None:
             if m.recompute_method not in RECOMPUTE_METHODS:
                 _fail(f"unknown --recompute-method {m.recompute_method!r}: use one of "

@@ -13,7 +13,6 @@ import copy
 import torch
 
 from .config import Config
-from .data.mock import GPTBatches
 from .optim.lr import LRSchedule
 from .optim.optimizer import torch_reference_optimizer
 from .pipeline.module import LayerSpec, StageModule
@@ -45,7 +44,8 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
         for stream in streams:
             for _ in range(m):
                 inputs, labels = next(stream)
-                loss = loss_fn(grad_model(inputs), labels)
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+                loss = loss_fn(grad_model(*args), labels)
                 (loss / (m * w)).backward()
                 total += loss.item() / (m * w)
         losses.append(total)
@@ -61,8 +61,3 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
         if delayed:
             grad_model.load_state_dict(snapshot)
     return {name: p.detach().clone() for name, p in params}, losses
-
-
-def replica_batches(cfg: Config, dataset, dp_rank: int) -> GPTBatches:
-    return GPTBatches(dataset, cfg.batch.micro_batch_size, cfg.num_microbatches(),
-                      cfg.data_parallel_size(), dp_rank)

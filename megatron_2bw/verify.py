@@ -23,12 +23,10 @@ import torch
 from .arguments import (FlagParser, add_model_args, add_parallel_args, add_training_args,
                         config_from_args, exit_on_config_error, resolve_batch)
 from .config import Config
-from .data.mock import MockGPTDataset
 from .launch import spawn
-from .models.gpt import gpt_layer_specs, gpt_loss
 from .pipeline.engine import FAULTS
-from .reference import build_sequential, reference_train, replica_batches
-from .training import build_gpt_engine, build_grid, mock_batches
+from .reference import build_sequential, reference_train
+from .training import build_engine, build_grid, mock_batches, model_parts
 
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
 
@@ -50,8 +48,8 @@ class Report:
 
 def _worker(rank: int, world_size: int, cfg: Config, outdir: str, fault) -> None:
     grid = build_grid(cfg, rank, world_size)
-    engine = build_gpt_engine(cfg, grid, "cpu", fault=fault)
-    data = mock_batches(cfg, grid)
+    engine = build_engine(cfg, grid, "cpu", fault=fault)
+    data = mock_batches(cfg, grid.data, grid.dp_rank)
     engine.start(cfg.train.train_iters)
     losses, norms = [], []
     for _ in range(cfg.train.train_iters):
@@ -144,10 +142,10 @@ def run(cfg: Config, fault: str | None = None, timeout_minutes: float = 2.0) -> 
     with tempfile.TemporaryDirectory() as outdir:
         spawn(_worker, world, args=(cfg, outdir, fault), timeout_minutes=timeout_minutes)
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
-    specs = gpt_layer_specs(cfg.model, seed=cfg.train.seed)
-    dataset = MockGPTDataset(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
+    specs, loss_fn, _ = model_parts(cfg)
+    w = cfg.data_parallel_size()
     ref_params, ref_losses = reference_train(
-        cfg, specs, gpt_loss, lambda r: replica_batches(cfg, dataset, r), cfg.train.train_iters)
+        cfg, specs, loss_fn, lambda r: mock_batches(cfg, w, r), cfg.train.train_iters)
     ref_tied = build_sequential(cfg, specs).tied_parameter_names()
     return compare(cfg, results, ref_params, ref_losses, ref_tied)
 
@@ -160,6 +158,8 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
     add_training_args(p)
     p.add_argument("--schedule", dest="schedule_alias", default=None,
                    help="alias of --pipeline-schedule")
+    p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
+    p.add_argument("--bert-no-binary-head", action="store_true")
     p.add_argument("--rtol", type=float, default=None,
                    help="tolerance on the relative difference (default: 1e-5 for fp32)")
     p.add_argument("--inject-fault", choices=[f for f in FAULTS if f], default=None,
@@ -170,6 +170,8 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
     if args.schedule_alias:
         args.pipeline_schedule = args.schedule_alias
     cfg = config_from_args(args)
+    cfg.model.family = args.model_type
+    cfg.model.bert_binary_head = not args.bert_no_binary_head
     if cfg.parallel.data is None:
         cfg.parallel.data = 1
     resolve_batch(cfg, cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data)
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
     rep = run(cfg, fault=args.inject_fault, timeout_minutes=args.timeout_minutes)
     p = cfg.parallel
     ok = rep.passed(rtol)
-    print(f"verify_equivalence: schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "
+    print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "
           f"m={cfg.num_microbatches()} iters={cfg.train.train_iters} "
           f"optimizer={cfg.optimizer.name} precision={cfg.precision.dtype}")
     if cfg.optimizer.clip_grad > 0:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_2bw.launch import spawn
-from megatron_2bw.training import build_gpt_engine, build_grid, mock_batches
+from megatron_2bw.training import build_engine, build_grid, mock_batches
 from megatron_2bw.verify import parse, run
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -27,8 +27,8 @@ def test_mixed_precision_2bw_tracks_fp32_reference(precision, rtol):
 
 def _fp16_worker(rank, world_size, cfg, outdir):
     grid = build_grid(cfg, rank, world_size)
-    engine = build_gpt_engine(cfg, grid, "cpu")
-    data = mock_batches(cfg, grid)
+    engine = build_engine(cfg, grid, "cpu")
+    data = mock_batches(cfg, grid.data, grid.dp_rank)
     engine.start(cfg.train.train_iters)
     losses, scales = [], []
     for _ in range(cfg.train.train_iters):

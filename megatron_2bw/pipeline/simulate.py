@@ -4,7 +4,8 @@ Every stage runs its action list in order. F/B/R/N/S take `durations[kind]` (def
 others 0; a dict, or a callable (stage, action) -> float). Consecutive ra/sa/rg/sg form one group:
 the stage posts them together and is blocked until every op has been matched by its partner having
 *posted* the partner op (rendezvous, FIFO per channel); the group completes when the last partner
-posted, plus `comm_latency`. R(t) posts this stage's part of the tied-gradient collective tied(t)
+posted, plus `comm_latency` (a number, or a callable (stage, action) -> seconds giving each op its
+own transfer time; the group then completes when its slowest op does). R(t) posts this stage's part of the tied-gradient collective tied(t)
 (stages 0 and d-1 when d > 1); N(t) posts norm(t) (all stages), on stage 0 after waiting for
 tied(t) from stage d-1; S(t) waits for norm(t) from everybody and, on stage d-1, for tied(t) from
 stage 0. Collective waits complete when the last participant posted.
@@ -79,7 +80,7 @@ class _Stage:
 
 
 class _Sim:
-    def __init__(self, sched: Schedule, durations, comm_latency: float):
+    def __init__(self, sched: Schedule, durations, comm_latency):
         self.sched, self.d, self.m = sched, sched.num_stages, sched.num_microbatches
         self.t0, self.T = sched.first_batch, sched.num_batches
         self.segment = sched.microbatches()
@@ -185,14 +186,17 @@ class _Sim:
             st.group = group
             woken = {g[5] for g in group}
         done_at = st.clock
+        per_op = callable(self.latency)
         for i, a, post, other, idx, peer in st.group:
             if idx >= len(other):
                 partner = {RECV_ACT: "sa", SEND_ACT: "ra", RECV_GRAD: "sg", SEND_GRAD: "rg"}[a.kind]
                 st.wait = f"{peer}{partner}{a.mb} (stage {peer} to post it)"
                 st.wait_step = i
                 return "blocked", woken
-            done_at = max(done_at, other[idx].time)
-        done_at += self.latency
+            ready = max(st.clock, other[idx].time)
+            done_at = max(done_at, ready + float(self.latency(st.idx, a)) if per_op else ready)
+        if not per_op:
+            done_at += self.latency
         for i, a, post, other, idx, peer in st.group:
             st.timeline.append((post.time, done_at, a))
             if a.kind in st.recv_done:
@@ -336,7 +340,7 @@ class _Sim:
                          [st.peak for st in self.stages], [st.slots for st in self.stages])
 
 
-def simulate(schedule_or_table, durations=None, comm_latency: float = 0.0) -> SimResult:
+def simulate(schedule_or_table, durations=None, comm_latency=0.0) -> SimResult:
     """Run the schedule (a `Schedule`, or a bare table whose semantics `Schedule.from_table`
     guesses) and return its timing; raise `ScheduleError` on any violation or deadlock."""
     sched = schedule_or_table if isinstance(schedule_or_table, Schedule) \

@@ -1,0 +1,68 @@
+"""The shared entry point of pretrain_gpt.py and pretrain_bert.py.
+
+Order matters: parse flags, fill and validate the typed config (every bad input is a one-line
+error, exit 2), and only then start the process group and train.
+"""
+from __future__ import annotations
+
+import sys
+
+from .arguments import (FlagParser, add_model_args, add_parallel_args, add_training_args,
+                        config_from_args, exit_on_config_error, resolve_batch)
+from .config import ConfigError
+from .parallel.distributed import default_device, env_rank_world, init_process_group
+
+
+def build_parser(family: str) -> FlagParser:
+    p = FlagParser(prog=f"pretrain_{family}.py", allow_abbrev=False,
+                   description=f"Pretrain a {family.upper()} with a pipeline engine "
+                               "(2bw, flush or gpipe).")
+    add_model_args(p)
+    add_parallel_args(p)
+    add_training_args(p)
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true",
+                   help="train on deterministic synthetic samples")
+    if family == "bert":
+        g.add_argument("--bert-no-binary-head", action="store_true",
+                       help="no next-sentence / sentence-order head")
+    return p
+
+
+def parse(family: str, argv=None):
+    args = build_parser(family).parse_args(argv)
+    rank, world_size, local_rank = env_rank_world()
+
+    def build():
+        if not args.mock_data:
+            raise ConfigError("no training data: pass --mock-data (indexed datasets via "
+                              "--data-path are not available in this version)")
+        cfg = resolve_batch(config_from_args(args, family), world_size)
+        if family == "bert":
+            cfg.model.bert_binary_head = not args.bert_no_binary_head
+        return cfg.validate(world_size)
+
+    return exit_on_config_error(build), rank, world_size, local_rank
+
+
+def main(family: str, argv=None) -> int:
+    cfg, rank, world_size, local_rank = parse(family, argv)
+    backend = init_process_group(rank, world_size, backend=cfg.parallel.backend,
+                                 timeout_minutes=cfg.parallel.timeout_minutes)
+    from .training import build_grid, train
+    grid = build_grid(cfg, rank, world_size)
+    device = default_device(local_rank, backend)
+    if rank == 0:
+        print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
+              f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
+              f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches(world_size)} "
+              f"precision={cfg.precision.dtype} backend={backend}", flush=True)
+    train(cfg, grid, device, log=lambda line: print(line, flush=True))
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
