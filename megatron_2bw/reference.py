@@ -24,10 +24,13 @@ def build_sequential(cfg: Config, specs: list[LayerSpec]) -> StageModule:
 
 
 def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
-                    num_iters: int) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Returns (final parameters by name, per-iteration losses).
+                    num_iters: int, eval_interval: int = 0, make_eval_batches=None
+                    ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """Returns (final parameters by name, per-iteration losses, evaluation losses).
 
-    make_batches(dp_rank) -> iterator of (inputs, labels) microbatches of that replica."""
+    make_batches(dp_rank) -> iterator of (inputs, labels) microbatches of that replica. Every
+    `eval_interval` iterations the newest weights are evaluated on m microbatches per replica of
+    make_eval_batches(dp_rank)."""
     w = cfg.data_parallel_size()
     m = cfg.num_microbatches()
     model = build_sequential(cfg, specs)
@@ -37,7 +40,8 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
     delayed = cfg.schedule == "2bw"
     grad_model = copy.deepcopy(model) if delayed else model  # holds W(max(t-1, 0))
     streams = [make_batches(r) for r in range(w)]
-    losses = []
+    eval_streams = [make_eval_batches(r) for r in range(w)] if eval_interval else []
+    losses, eval_losses = [], []
     for t in range(num_iters):
         grad_model.zero_grad(set_to_none=True)
         total = 0.0
@@ -60,4 +64,19 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
         optimizer.step()
         if delayed:
             grad_model.load_state_dict(snapshot)
-    return {name: p.detach().clone() for name, p in params}, losses
+        if eval_interval and (t + 1) % eval_interval == 0:
+            eval_losses.append(_evaluate(model, loss_fn, eval_streams, m))
+    return {name: p.detach().clone() for name, p in params}, losses, eval_losses
+
+
+def _evaluate(model, loss_fn, streams, m: int) -> float:
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for stream in streams:
+            for _ in range(m):
+                inputs, labels = next(stream)
+                args = inputs if isinstance(inputs, tuple) else (inputs,)
+                total += loss_fn(model(*args), labels).item() / (m * len(streams))
+    model.train()
+    return total

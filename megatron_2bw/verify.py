@@ -46,20 +46,28 @@ class Report:
                 and self.tied_equal and self.replicas_equal)
 
 
-def _worker(rank: int, world_size: int, cfg: Config, outdir: str, fault) -> None:
+EVAL_DATA_OFFSET = 10 ** 6  # evaluation samples come from far beyond the training ones
+
+
+def _worker(rank: int, world_size: int, cfg: Config, outdir: str, fault,
+            eval_interval: int = 0) -> None:
     grid = build_grid(cfg, rank, world_size)
     engine = build_engine(cfg, grid, "cpu", fault=fault)
     data = mock_batches(cfg, grid.data, grid.dp_rank)
+    eval_data = mock_batches(cfg, grid.data, grid.dp_rank, start_batch=EVAL_DATA_OFFSET)
     engine.start(cfg.train.train_iters)
-    losses, norms = [], []
-    for _ in range(cfg.train.train_iters):
+    losses, norms, eval_losses = [], [], []
+    for it in range(cfg.train.train_iters):
         losses.append(engine.train_batch(data).clone())
         norms.append(engine.last_grad_norm.clone())
+        if eval_interval and (it + 1) % eval_interval == 0:
+            eval_losses.append(float(engine.eval_batch(eval_data)))
     torch.save({"params": {k: v.clone() for k, v in engine.fp32_state().items()},
                 "tied": engine.weights.modules[0].tied_parameter_names(),
                 "partition_dims": dict(zip(engine.weights.names, engine.weights.partition_dims)),
                 "stage": grid.stage, "dp": grid.dp_rank, "tp": grid.tp_rank,
-                "losses": torch.stack(losses).tolist(), "grad_norms": torch.stack(norms).tolist()},
+                "losses": torch.stack(losses).tolist(), "grad_norms": torch.stack(norms).tolist(),
+                "eval_losses": eval_losses},
                os.path.join(outdir, f"rank{rank}.pt"))
 
 
@@ -97,9 +105,10 @@ def merge_tensor_shards(results: list[dict], rep: "Report") -> list[dict]:
 
 
 def compare(cfg: Config, results: list[dict], ref_params: dict, ref_losses: list[float],
-            ref_tied: dict[str, str]) -> Report:
+            ref_tied: dict[str, str], ref_eval: list[float] = ()) -> Report:
     rep = Report()
-    losses_by_rank = [r["losses"] for r in results]
+    losses_by_rank = [r["losses"] + r["eval_losses"] for r in results]
+    ref_losses = list(ref_losses) + list(ref_eval)
     results = merge_tensor_shards(results, rep)
     covered = set()
     by_dp_name: dict[tuple[int, str], torch.Tensor] = {}
@@ -123,6 +132,9 @@ def compare(cfg: Config, results: list[dict], ref_params: dict, ref_losses: list
                 rep.replicas_equal = False
             by_dp_name.setdefault((res["stage"], name), value)
     for losses in losses_by_rank:
+        if len(losses) != len(ref_losses):
+            rep.problems.append(f"{len(losses)} losses (training + evaluation) on a rank, "
+                                f"{len(ref_losses)} in the reference")
         for a, b in zip(losses, ref_losses):
             rep.max_loss_diff = max(rep.max_loss_diff, abs(a - b) / max(abs(b), 1e-30))
     clip = cfg.optimizer.clip_grad
@@ -136,18 +148,22 @@ def compare(cfg: Config, results: list[dict], ref_params: dict, ref_losses: list
     return rep
 
 
-def run(cfg: Config, fault: str | None = None, timeout_minutes: float = 2.0) -> Report:
-    """Train the layout on spawned processes and compare with the reference."""
+def run(cfg: Config, fault: str | None = None, timeout_minutes: float = 2.0,
+        eval_interval: int = 0) -> Report:
+    """Train the layout on spawned processes and compare with the reference (and, every
+    `eval_interval` iterations, evaluation losses taken between training batches)."""
     world = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.data_parallel_size()
     with tempfile.TemporaryDirectory() as outdir:
-        spawn(_worker, world, args=(cfg, outdir, fault), timeout_minutes=timeout_minutes)
+        spawn(_worker, world, args=(cfg, outdir, fault, eval_interval),
+              timeout_minutes=timeout_minutes)
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
     specs, loss_fn, _ = model_parts(cfg)
     w = cfg.data_parallel_size()
-    ref_params, ref_losses = reference_train(
-        cfg, specs, loss_fn, lambda r: mock_batches(cfg, w, r), cfg.train.train_iters)
+    ref_params, ref_losses, ref_eval = reference_train(
+        cfg, specs, loss_fn, lambda r: mock_batches(cfg, w, r), cfg.train.train_iters,
+        eval_interval, lambda r: mock_batches(cfg, w, r, start_batch=EVAL_DATA_OFFSET))
     ref_tied = build_sequential(cfg, specs).tied_parameter_names()
-    return compare(cfg, results, ref_params, ref_losses, ref_tied)
+    return compare(cfg, results, ref_params, ref_losses, ref_tied, ref_eval)
 
 
 def parse(argv=None) -> tuple[Config, argparse.Namespace]:
@@ -160,6 +176,9 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
                    help="alias of --pipeline-schedule")
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--bert-no-binary-head", action="store_true")
+    p.add_argument("--eval-interval", type=int, default=0,
+                   help="also evaluate every N iterations between training batches and compare "
+                        "those losses too (2BW keeps its in-flight state across evaluations)")
     p.add_argument("--rtol", type=float, default=None,
                    help="tolerance on the relative difference (default: 1e-5 for fp32)")
     p.add_argument("--inject-fault", choices=[f for f in FAULTS if f], default=None,
@@ -182,7 +201,8 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
 def main(argv=None) -> int:
     cfg, args = exit_on_config_error(lambda: parse(argv))
     rtol = args.rtol if args.rtol is not None else DEFAULT_RTOL[cfg.precision.dtype]
-    rep = run(cfg, fault=args.inject_fault, timeout_minutes=args.timeout_minutes)
+    rep = run(cfg, fault=args.inject_fault, timeout_minutes=args.timeout_minutes,
+              eval_interval=args.eval_interval)
     p = cfg.parallel
     ok = rep.passed(rtol)
     print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "

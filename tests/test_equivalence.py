@@ -59,3 +59,12 @@ def test_tool_passes_and_prints_the_difference(capsys):
     assert main(flags("2bw", 2, 1)) == 0
     out = capsys.readouterr().out
     assert "max relative parameter difference" in out and "PASS" in out
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "gpipe"])
+def test_evaluation_between_batches_keeps_training_exact(schedule):
+    """eval_batch runs between two 2BW windows while the next batch's forwards are in flight:
+    its losses equal the reference's on the newest weights and training stays exact."""
+    cfg, _ = parse(flags(schedule, 2, 2))
+    rep = run(cfg, timeout_minutes=1, eval_interval=2)
+    assert rep.passed(1e-5) and not rep.problems, rep

@@ -87,6 +87,19 @@ class BatchStepper:
                 total = total + buf[a:b].pow(2).sum()
         return total
 
+    def share_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Mean over data-parallel replicas of a loss known on the last stage, on every rank
+        (evaluation; training gets it through the reductions above)."""
+        value = local.detach().float().clone().reshape(1)
+        if not (self.grid.is_last_stage and self.grid.tp_rank == 0):
+            value.zero_()
+        if self.grid.group("dp") is not None:
+            value.mul_(1.0 / self.dp_size)
+            dist.all_reduce(value, group=self.grid.group("dp"))
+        if self.grid.group("mp") is not None:
+            dist.all_reduce(value, group=self.grid.group("mp"))
+        return value[0]
+
     # -- S --------------------------------------------------------------------------------------
     def step(self, batch: int, grad_slot: int, src_slot: int, dst_slot: int) -> None:
         works = self.pending.pop(batch)

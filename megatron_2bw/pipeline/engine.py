@@ -20,7 +20,7 @@ from ..parallel.p2p import P2P
 from . import actions as A
 from .batch_step import BatchStepper
 from .module import LayerSpec, StageModule
-from .schedules import make_schedule
+from .schedules import forward_only, make_schedule
 from .weights import VersionedWeights
 
 FAULTS = (None, "single-version")
@@ -72,6 +72,45 @@ class PipelineEngine:
         self._data = None
         return self.stepper.last_loss
 
+    def eval_batch(self, data_iter: Iterator, num_microbatches: int | None = None
+                   ) -> torch.Tensor:
+        """Forward-only pass over `num_microbatches` (default m) microbatches on the newest
+        weights, without touching in-flight 2BW state; returns the mean loss (over microbatches
+        and replicas) on every rank."""
+        n = num_microbatches or self.m
+        actions = forward_only(self.num_stages, n).window(self.stage, 0)
+        saved = (self.inputs, self.outputs, self.act_out, self.grad_in, self.grad_out,
+                 self.p2p.meta_sent, self.p2p.recv_meta)
+        self._clear_stash()
+        self.p2p.reset()
+        module = self.module
+        self._data, self._eval = data_iter, (module, torch.zeros((), device=self.device), n)
+        module.eval()
+        try:
+            with torch.no_grad():
+                self._run(actions, {A.FORWARD: self._eval_forward})
+        finally:
+            module.train()
+            (self.inputs, self.outputs, self.act_out, self.grad_in, self.grad_out,
+             self.p2p.meta_sent, self.p2p.recv_meta) = saved
+            self._data = None
+        return self.stepper.share_loss(self._eval[1])
+
+    def _eval_forward(self, a: A.Action) -> None:
+        module, total, n = self._eval
+        labels = None
+        if self.first or self.last:
+            inputs, labels = self._next_data()
+        x = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.first \
+            else self.inputs.pop(a.mb)
+        out = module(*x)
+        if self.last:
+            total.add_(self.loss_fn(out, labels).float(), alpha=1.0 / n)
+        else:
+            out = out if isinstance(out, tuple) else (out,)
+            self.outputs[a.mb] = out  # only for the handshake's shapes; dropped with the stash
+            self.act_out[a.mb] = out
+
     @property
     def module(self) -> StageModule:
         """The stage module holding the newest weights."""
@@ -90,7 +129,8 @@ class PipelineEngine:
         return self.stepper.skipped
 
     # -- interpreter ------------------------------------------------------------------------------
-    def _run(self, actions: list[A.Action]) -> None:
+    def _run(self, actions: list[A.Action], handlers: dict | None = None) -> None:
+        handlers = handlers or self._handlers
         i = 0
         while i < len(actions):
             if actions[i].is_comm:
@@ -100,7 +140,7 @@ class PipelineEngine:
                 self._communicate(actions[i:j])
                 i = j
             else:
-                self._handlers[actions[i].kind](actions[i])
+                handlers[actions[i].kind](actions[i])
                 i += 1
 
     def _clear_stash(self) -> None:
