@@ -46,6 +46,8 @@ class PipelineEngine:
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device)
         self.stepper.bypass_version_counter = fault == "single-version"
         self.p2p = P2P(grid.prev_rank, grid.next_rank, self.device)
+        self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
+                               if sp.tracker is not None}.values())
         self.iteration = 0            # optimizer steps done == index of the next batch
         self.schedule = None
         self._handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
@@ -111,6 +113,44 @@ class PipelineEngine:
             self.outputs[a.mb] = out  # only for the handshake's shapes; dropped with the stash
             self.act_out[a.mb] = out
 
+    # -- checkpoint state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly at the current iteration boundary: the newest
+        weights (fp32), the version the next batch runs on (2BW: W(t-1)), optimizer and loss
+        scaler state. In-flight microbatches of the next batch are not saved: a resumed run
+        redoes them from the same data."""
+        w, t = self.weights, self.iteration
+        state = {"iteration": t, "schedule": self.cfg.schedule, "names": list(w.names),
+                 "newest": w.fp32_weights(self._newest_slot()).clone(),
+                 "optimizer": self.stepper.optimizer.state_dict(),
+                 "scaler": self.stepper.scaler.state_dict(), "skipped": self.stepper.skipped}
+        if w.num_slots > 1:
+            state["previous"] = w.slots[self._slot(t % 2)].clone()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        w = self.weights
+        if list(state["names"]) != list(w.names) or state["newest"].numel() != w.numel:
+            raise ValueError("checkpoint does not match this stage's parameters (different model "
+                             "shape or parallel layout)")
+        t = int(state["iteration"])
+        with torch.no_grad():
+            if w.master is not None:
+                w.master.copy_(state["newest"])
+            newest = (t + 1) % 2 if w.num_slots > 1 else 0
+            w.slots[newest].copy_(state["newest"])
+            if w.num_slots > 1:
+                prev = state.get("previous")
+                w.slots[t % 2].copy_(prev if prev is not None else state["newest"])
+        self.stepper.optimizer.load_state_dict(state["optimizer"])
+        self.stepper.scaler.load_state_dict(state["scaler"])
+        self.stepper.skipped = int(state["skipped"])
+            for g in w.grads:
+                g.zero_()
+        self._clear_stash()
+        self.iteration = t
+        self.schedule = None  # the next train_batch starts a new segment (warm-up) at t
+
     @property
     def module(self) -> StageModule:
         """The stage module holding the newest weights."""
@@ -154,9 +194,10 @@ class PipelineEngine:
         return min(version, self.weights.num_slots - 1)
 
     def _newest_slot(self) -> int:
-        if self.schedule is None or self.iteration == 0:
+        """Slot of W(iteration): 2BW's S(t) writes slot t % 2."""
+        if self.weights.num_slots == 1 or self.iteration == 0:
             return 0
-        return self._slot(self.schedule.step_writes_slot(self.iteration - 1))
+        return (self.iteration - 1) % 2
 
     def _next_data(self):
         try:
@@ -166,7 +207,16 @@ class PipelineEngine:
                                "train_batch an iterator with enough microbatches") from None
         return _to(inputs, self.device), _to(labels, self.device)
 
+    def _seed_microbatch(self, mb: int) -> None:
+        """Dropout randomness is a function of (seed, stage, microbatch) only, so a forward gives
+        the same masks whenever it runs: after a resume, with any schedule, on any layout."""
+        seed = (self.cfg.train.seed * 1_000_003 + self.stage * 7919 + mb) % (2 ** 62)
+        torch.manual_seed(seed)
+        for tracker in self._trackers:
+            tracker.reseed(seed)
+
     def _forward(self, a: A.Action) -> None:
+        self._seed_microbatch(a.mb)
         module = self.weights.modules[self._slot(a.version)]
         labels = None
         if self.first or self.last:

@@ -27,13 +27,18 @@ def _set_device_state(state) -> None:
 
 class RNGTracker:
     def __init__(self, seed: int, tp_rank: int = 0):
+        self.tp_rank = tp_rank
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the tensor-parallel stream from `seed` (offset by this tensor rank)."""
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
+            torch.manual_seed(seed + TP_SEED_OFFSET + self.tp_rank)
             self._cpu = torch.get_rng_state()
         self._dev = None
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
             with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-                torch.cuda.manual_seed(seed + TP_SEED_OFFSET + tp_rank)
+                torch.cuda.manual_seed(seed + TP_SEED_OFFSET + self.tp_rank)
                 self._dev = torch.cuda.get_rng_state()
 
     def __deepcopy__(self, memo) -> "RNGTracker":
