@@ -142,11 +142,11 @@ class PipelineEngine:
             if w.num_slots > 1:
                 prev = state.get("previous")
                 w.slots[t % 2].copy_(prev if prev is not None else state["newest"])
+            for g in w.grads:
+                g.zero_()
         self.stepper.optimizer.load_state_dict(state["optimizer"])
         self.stepper.scaler.load_state_dict(state["scaler"])
         self.stepper.skipped = int(state["skipped"])
-            for g in w.grads:
-                g.zero_()
         self._clear_stash()
         self.iteration = t
         self.schedule = None  # the next train_batch starts a new segment (warm-up) at t
