@@ -96,6 +96,22 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="alternative to --train-iters: samples / global batch size iterations")
+    g.add_argument("--eval-interval", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=1)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=0)
+    g.add_argument("--exit-duration-in-mins", type=float, default=0.0)
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wall-clock-breakdown", action="store_true")
 
 
 def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
@@ -146,16 +162,26 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis)
-    train = TrainConfig(train_iters=args.train_iters, seed=args.seed,
-                        log_interval=args.log_interval)
+    train = TrainConfig(
+        train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
+        load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
+        load_optim=not args.no_load_optim, finetune=args.finetune,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=args.pipeline_schedule)
 
 
-def resolve_batch(cfg: Config, world_size: int) -> Config:
-    """Megatron's default global batch: one microbatch per replica."""
+def resolve_batch(cfg: Config, world_size: int, train_samples: int | None = None) -> Config:
+    """Megatron's default global batch (one microbatch per replica); --train-samples to iters."""
     if cfg.batch.global_batch_size is None:
         cfg.batch.global_batch_size = cfg.batch.micro_batch_size * cfg.data_parallel_size(world_size)
+    if train_samples is not None:
+        if train_samples < 1:
+            raise ConfigError(f"--train-samples must be >= 1, got {train_samples}")
+        cfg.train.train_iters = max(1, -(-train_samples // cfg.batch.global_batch_size))
     return cfg
 
 

@@ -98,6 +98,20 @@ class TrainConfig:
     train_iters: int = 10
     seed: int = 1234
     log_interval: int = 1
+    eval_interval: int = 0            # 0: no evaluation
+    eval_iters: int = 1               # evaluation batches (of m microbatches) per evaluation
+    save: str | None = None
+    load: str | None = None
+    save_interval: int = 0            # 0: save only at the end (when --save is given)
+    save_optim: bool = True
+    load_optim: bool = True
+    finetune: bool = False
+    exit_interval: int = 0
+    exit_duration_in_mins: float = 0.0
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wall_clock_breakdown: bool = False
 
 
 @dataclass
@@ -207,6 +221,17 @@ class Config:
             _fail(f"2bw needs at least as many microbatches per batch as pipeline stages "
                   f"(m={mbs} < d={p.pipeline}): raise --global-batch-size to at least "
                   f"{p.pipeline * b.micro_batch_size * w} or lower --micro-batch-size")
+        tr = self.train
+        for name, value in (("--eval-interval", tr.eval_interval),
+                            ("--save-interval", tr.save_interval),
+                            ("--exit-interval", tr.exit_interval),
+                            ("--exit-duration-in-mins", tr.exit_duration_in_mins)):
+            if value < 0:
+                _fail(f"{name} must be >= 0, got {value}")
+        if tr.eval_interval and tr.eval_iters < 1:
+            _fail(f"--eval-iters must be >= 1 with --eval-interval, got {tr.eval_iters}")
+        if tr.save_interval and not tr.save:
+            _fail("--save-interval needs --save DIR: say where checkpoints go")
         if o.name not in OPTIMIZERS:
             _fail(f"unknown optimizer {o.name!r}: use one of {', '.join(OPTIMIZERS)}")
         if o.lr < 0 or o.min_lr < 0:

@@ -37,7 +37,7 @@ def parse(family: str, argv=None):
         if not args.mock_data:
             raise ConfigError("no training data: pass --mock-data (indexed datasets via "
                               "--data-path are not available in this version)")
-        cfg = resolve_batch(config_from_args(args, family), world_size)
+        cfg = resolve_batch(config_from_args(args, family), world_size, args.train_samples)
         if family == "bert":
             cfg.model.bert_binary_head = not args.bert_no_binary_head
         return cfg.validate(world_size)
@@ -49,15 +49,21 @@ def main(family: str, argv=None) -> int:
     cfg, rank, world_size, local_rank = parse(family, argv)
     backend = init_process_group(rank, world_size, backend=cfg.parallel.backend,
                                  timeout_minutes=cfg.parallel.timeout_minutes)
-    from .training import build_grid, train
+    from .training import batches, build_grid, mock_dataset, train
     grid = build_grid(cfg, rank, world_size)
+    dataset = mock_dataset(cfg)
+    valid = mock_dataset(cfg)
+    valid.seed = cfg.train.seed + 1  # held-out synthetic samples
     device = default_device(local_rank, backend)
     if rank == 0:
         print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
               f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches(world_size)} "
               f"precision={cfg.precision.dtype} backend={backend}", flush=True)
-    train(cfg, grid, device, log=lambda line: print(line, flush=True))
+    train(cfg, grid, device,
+          make_data=lambda start: batches(cfg, dataset, grid.data, grid.dp_rank, start),
+          make_eval_data=lambda: batches(cfg, valid, grid.data, grid.dp_rank),
+          log=lambda line: print(line, flush=True))
     import torch.distributed as dist
     dist.barrier()
     dist.destroy_process_group()

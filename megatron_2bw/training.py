@@ -1,18 +1,28 @@
-"""Building a GPT pipeline engine from the config, and the training loop shared by the scripts."""
+"""Building an engine from the config, and the training loop shared by the pretrain scripts."""
 from __future__ import annotations
 
 import time
+from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
+from .checkpointing import load_checkpoint, save_checkpoint
 from .config import Config
 from .data.bert_mock import BertBatches, MockBertDataset
 from .data.mock import GPTBatches, MockGPTDataset
+from .logger import TrainLogger, memory_per_stage
 from .models.bert import bert_layer_specs, bert_partition, make_bert_loss
 from .models.gpt import gpt_layer_specs, gpt_partition, make_gpt_loss
 from .parallel.grid import ProcessGrid
 from .pipeline.engine import PipelineEngine
 from .tensor_parallel import TPGroup
+
+FAMILIES = {
+    "gpt": (gpt_layer_specs, make_gpt_loss, gpt_partition, MockGPTDataset, GPTBatches),
+    "bert": (bert_layer_specs, make_bert_loss, bert_partition, MockBertDataset, BertBatches),
+}
+
 
 def build_grid(cfg: Config, rank: int, world_size: int) -> ProcessGrid:
     grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
@@ -20,10 +30,6 @@ def build_grid(cfg: Config, rank: int, world_size: int) -> ProcessGrid:
                        rank_order=cfg.parallel.rank_order)
     return grid.init_groups()
 
-FAMILIES = {
-    "gpt": (gpt_layer_specs, make_gpt_loss, gpt_partition, MockGPTDataset, GPTBatches),
-    "bert": (bert_layer_specs, make_bert_loss, bert_partition, MockBertDataset, BertBatches),
-}
 
 def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
     """(layer specs, loss function, stage boundaries) of the configured model family."""
@@ -31,43 +37,104 @@ def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
     return (specs_fn(cfg.model, tp, seed=cfg.train.seed), loss_fn(tp),
             partition_fn(cfg.model, num_stages))
 
+
 def build_engine(cfg: Config, grid: ProcessGrid, device, fault: str | None = None):
     specs, loss_fn, partition = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
     return PipelineEngine(cfg, grid, specs, loss_fn, partition, device, fault=fault)
 
-def mock_batches(cfg: Config, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
-    """Synthetic microbatches of the configured family for one data-parallel replica."""
-    _, _, _, dataset_cls, batches_cls = FAMILIES[cfg.model.family]
-    dataset = dataset_cls(cfg.model.vocab_size, cfg.model.seq_length, seed=cfg.train.seed)
+
+def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
+    """Microbatches of `dataset` for one data-parallel replica, from batch `start_batch` on."""
+    batches_cls = FAMILIES[cfg.model.family][4]
     m = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * data_parallel_size)
     return batches_cls(dataset, cfg.batch.micro_batch_size, m, data_parallel_size, dp_rank,
                        start_batch=start_batch)
 
-def train(cfg: Config, grid: ProcessGrid, device, log=print) -> list[float]:
-    """Train cfg.train.train_iters batches on mock data; log from the last stage's first replica.
-    Returns the per-iteration losses (read on the host only at log intervals)."""
+
+def mock_dataset(cfg: Config):
+    return FAMILIES[cfg.model.family][3](cfg.model.vocab_size, cfg.model.seq_length,
+                                         seed=cfg.train.seed)
+
+
+def mock_batches(cfg: Config, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
+    """Synthetic microbatches of the configured family for one data-parallel replica."""
+    return batches(cfg, mock_dataset(cfg), data_parallel_size, dp_rank, start_batch)
+
+
+def _flops_per_sample(cfg: Config) -> float:
+    try:
+        from .models.flops import model_flops_per_sample
+        return float(model_flops_per_sample(cfg.model,
+                                            recompute=cfg.model.recompute_method is not None))
+    except Exception:  # noqa: BLE001 - logging must not fail on an estimate
+        return 0.0
+
+
+def _stop_requested(cfg: Config, started: float, iteration: int, grid) -> bool:
+    """--exit-interval / --exit-duration-in-mins; the duration verdict is agreed by all ranks."""
+    if cfg.train.exit_interval and iteration % cfg.train.exit_interval == 0:
+        return True
+    if cfg.train.exit_duration_in_mins:
+        flag = torch.tensor([float(time.time() - started > 60 * cfg.train.exit_duration_in_mins)])
+        if dist.is_initialized() and grid.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+    return False
+
+
+def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
+          make_eval_data: Callable[[], Iterator] | None = None, log=print) -> list[float]:
+    """Train to cfg.train.train_iters (resuming from --load), evaluating, saving and logging as
+    configured. make_data(start_batch) gives this replica's training microbatches. Returns the
+    losses of the iterations run (read on the host only at log intervals)."""
+    t = cfg.train
     engine = build_engine(cfg, grid, device)
-    data = mock_batches(cfg, grid.data, grid.dp_rank)
-    engine.start(cfg.train.train_iters)
-    samples_per_iter = cfg.batch.global_batch_size
-    pending, losses = [], []
-    t0, done_since = time.perf_counter(), 0
+    start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune) if t.load else 0
+    data = make_data(start)
+    eval_data = make_eval_data() if (make_eval_data and t.eval_interval) else None
     reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
-    for it in range(cfg.train.train_iters):
-        loss = engine.train_batch(data)
-        pending.append(loss.detach().clone())
-        done_since += 1
-        if (it + 1) % cfg.train.log_interval == 0 or it + 1 == cfg.train.train_iters:
+    logger = TrainLogger(cfg, grid, reporter, log)
+    flops = _flops_per_sample(cfg)
+    B, seq = cfg.batch.global_batch_size, cfg.model.seq_length
+    if start < t.train_iters:
+        engine.start(t.train_iters - start)
+    pending, losses, saved_at = [], [], None
+    started = tick = time.time()
+    since = 0
+    for it in range(start + 1, t.train_iters + 1):
+        pending.append(engine.train_batch(data).detach().clone())
+        since += 1
+        if it % t.log_interval == 0 or it == t.train_iters:
             values = torch.stack(pending).tolist()  # the only host read: once per log interval
             losses += values
             pending.clear()
-            elapsed = time.perf_counter() - t0
-            if reporter:
-                log(f"iteration {it + 1:6d}/{cfg.train.train_iters} | "
-                    f"consumed samples {samples_per_iter * (it + 1):8d} | "
-                    f"lr {engine.stepper.last_lr:.3e} | loss {values[-1]:.4f} | "
-                    f"grad norm {float(engine.last_grad_norm):.3f} | "
-                    f"skipped {engine.skipped_iterations} | "
-                    f"samples/s {samples_per_iter * done_since / elapsed:.1f}")
-            t0, done_since = time.perf_counter(), 0
+            elapsed = time.time() - tick
+            rate = B * since / max(elapsed, 1e-9)
+            metrics = {"consumed samples": B * it, "lr": engine.stepper.last_lr,
+                       "loss": values[-1], "grad norm": float(engine.last_grad_norm),
+                       "loss scale": engine.stepper.scaler.scale,
+                       "skipped": engine.skipped_iterations, "samples/s": rate,
+                       "tokens/s": rate * seq,
+                       "TFLOP/s/device": rate * flops / grid.world_size / 1e12,
+                       "memory GB per stage": memory_per_stage(grid, device)}
+            if t.wall_clock_breakdown:
+                metrics.update({f"ms {k}": 1e3 * v / since for k, v in engine.timers.items()})
+                engine.timers.clear()
+            logger.log(it, metrics)
+            tick, since = time.time(), 0
+        if eval_data is not None and it % t.eval_interval == 0:
+            total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
+            logger.log(it, {"validation loss": total / t.eval_iters})
+        stop = _stop_requested(cfg, started, it, grid)
+        if t.save and ((t.save_interval and it % t.save_interval == 0) or stop
+                       or it == t.train_iters):
+            save_checkpoint(t.save, engine, cfg, grid, t.save_optim)
+            saved_at = it
+        if stop:
+            break
+    if pending:
+        losses += torch.stack(pending).tolist()
+    if t.save and saved_at is None and engine.iteration > start:
+        save_checkpoint(t.save, engine, cfg, grid, t.save_optim)
+    logger.finish()
     return losses

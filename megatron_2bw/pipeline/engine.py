@@ -10,6 +10,7 @@ Data: the first stage takes inputs and the last stage takes labels from `next(da
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -24,7 +25,9 @@ from .schedules import forward_only, make_schedule
 from .weights import VersionedWeights
 
 FAULTS = (None, "single-version")
-UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
+UNBOUNDED = 10 ** 9
+_TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
+                A.NORM: "all-reduce", A.STEP: "optimizer"}  # batches in a segment when the caller does not say how many
 
 
 class PipelineEngine:
@@ -53,6 +56,8 @@ class PipelineEngine:
         self._handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
                           A.REDUCE: self._reduce, A.NORM: self._norm, A.STEP: self._step}
         self._clear_stash()
+        self.timers: dict[str, float] = {}
+        self._timed = cfg.train.wall_clock_breakdown
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
@@ -173,15 +178,24 @@ class PipelineEngine:
         handlers = handlers or self._handlers
         i = 0
         while i < len(actions):
+            start = self._clock() if self._timed else 0.0
             if actions[i].is_comm:
                 j = i
                 while j < len(actions) and actions[j].is_comm:
                     j += 1
                 self._communicate(actions[i:j])
-                i = j
+                kind, i = "p2p", j
             else:
                 handlers[actions[i].kind](actions[i])
-                i += 1
+                kind, i = _TIMER_NAMES[actions[i].kind], i + 1
+            if self._timed:
+                self.timers[kind] = self.timers.get(kind, 0.0) + self._clock() - start
+
+    def _clock(self) -> float:
+        """Wall clock for --wall-clock-breakdown (synchronizes the GPU, so it slows runs)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _clear_stash(self) -> None:
         self.inputs: dict[int, tuple] = {}      # received activations (leaves needing grad)

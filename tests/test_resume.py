@@ -1,0 +1,75 @@
+"""Checkpoint and resume: losses after a resume are bitwise identical to an uninterrupted run
+(2bw, flush, gpipe; d=2, dropout on), including resuming into another --save-interval."""
+import os
+import tempfile
+
+import pytest
+import torch
+
+from megatron_2bw.arguments import config_from_args, resolve_batch
+from megatron_2bw.checkpointing import LATEST, CheckpointError, rank_dir
+from megatron_2bw.launch import spawn
+from megatron_2bw.pretrain import build_parser
+from megatron_2bw.training import batches, build_grid, mock_dataset, train
+
+BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 2 --global-batch-size 8 --pipeline-model-parallel-size 2 "
+        "--hidden-dropout 0.1 --attention-dropout 0.1 --lr 3e-3 --log-interval 1").split()
+
+
+def make_cfg(argv, family="gpt"):
+    cfg = config_from_args(build_parser(family).parse_args(BASE + argv), family)
+    return resolve_batch(cfg, 2).validate(2)
+
+
+def _worker(rank, world_size, cfg, out):
+    grid = build_grid(cfg, rank, world_size)
+    dataset = mock_dataset(cfg)
+    losses = train(cfg, grid, "cpu",
+                   make_data=lambda start: batches(cfg, dataset, grid.data, grid.dp_rank, start),
+                   log=lambda line: None)
+    torch.save(losses, f"{out}.{rank}")
+
+
+def run(cfg, out):
+    spawn(_worker, 2, args=(cfg, out), timeout_minutes=1)
+    losses = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert losses[0] == losses[1], "every rank reports the same losses"
+    return losses[0]
+
+
+def newest_weights(save_dir):
+    it = int(open(os.path.join(save_dir, LATEST)).read())
+    return [torch.load(os.path.join(rank_dir(save_dir, it, 0, s, 2), "model_optim_rng.pt"),
+                       weights_only=True)["engine"] for s in range(2)]
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+def test_resume_is_bitwise_identical(schedule):
+    sched = ["--pipeline-schedule", schedule]
+    with tempfile.TemporaryDirectory() as d:
+        full = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/a"]), f"{d}/full")
+        first = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/b",
+                                      "--save-interval", "2", "--exit-interval", "3"]),
+                    f"{d}/first")
+        assert len(first) == 3 and first == full[:3]
+        rest = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/b", "--load",
+                                     f"{d}/b", "--save-interval", "4"]), f"{d}/rest")
+        assert rest == full[3:], (rest, full[3:])
+        for a, b in zip(newest_weights(f"{d}/a"), newest_weights(f"{d}/b")):
+            assert a["iteration"] == b["iteration"] == 6
+            assert torch.equal(a["newest"], b["newest"])
+            if "previous" in a:
+                assert torch.equal(a["previous"], b["previous"])
+
+
+def test_checkpoint_of_another_shape_is_a_clear_error():
+    with tempfile.TemporaryDirectory() as d:
+        run(make_cfg(["--train-iters", "1", "--save", d]), f"{d}/x")
+        cfg = make_cfg(["--train-iters", "2", "--load", d, "--hidden-size", "64"])
+        with pytest.raises(Exception, match="hidden_size 32 != 64"):
+            spawn(_worker, 2, args=(cfg, f"{d}/y"), timeout_minutes=1)
+        open(os.path.join(d, LATEST), "w").write("garbage")
+        from megatron_2bw.checkpointing import latest_iteration
+        with pytest.raises(CheckpointError, match=LATEST):
+            latest_iteration(d)
