@@ -9,6 +9,6 @@ setup(
     packages=find_packages(include=["megatron_2bw", "megatron_2bw.*"]),
     python_requires=">=3.10",
     # a range for cluster users; development pins the CPU build in requirements-dev.txt
-    install_requires=["torch>=2.3", "numpy"],
-    extras_require={"test": ["pytest>=7"]},
+    install_requires=["torch>=2.3", "numpy", "sentencepiece>=0.2,<0.3"],
+    extras_require={"test": ["pytest>=7", "wandb>=0.17"], "wandb": ["wandb>=0.17"]},
 )
