@@ -9,7 +9,8 @@ import sys
 
 from .arguments import (FlagParser, add_model_args, add_parallel_args, add_training_args,
                         config_from_args, exit_on_config_error, resolve_batch)
-from .config import ConfigError
+from .data.arguments import add_data_args
+from .data.build import build_pretrain_data
 from .parallel.distributed import default_device, env_rank_world, init_process_group
 
 
@@ -20,12 +21,7 @@ def build_parser(family: str) -> FlagParser:
     add_model_args(p)
     add_parallel_args(p)
     add_training_args(p)
-    g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true",
-                   help="train on deterministic synthetic samples")
-    if family == "bert":
-        g.add_argument("--bert-no-binary-head", action="store_true",
-                       help="no next-sentence / sentence-order head")
+    add_data_args(p, family)
     return p
 
 
@@ -34,26 +30,28 @@ def parse(family: str, argv=None):
     rank, world_size, local_rank = env_rank_world()
 
     def build():
-        if not args.mock_data:
-            raise ConfigError("no training data: pass --mock-data (indexed datasets via "
-                              "--data-path are not available in this version)")
         cfg = resolve_batch(config_from_args(args, family), world_size, args.train_samples)
         if family == "bert":
             cfg.model.bert_binary_head = not args.bert_no_binary_head
-        return cfg.validate(world_size)
+        cfg.validate(world_size)  # bad settings fail before any data is touched
+        t, gbs = cfg.train, cfg.batch.global_batch_size
+        valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
+                 if t.eval_interval else 0)
+        data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
+                                   t.train_iters * gbs, valid)
+        cfg.model.vocab_size = data.vocab_size
+        return cfg.validate(world_size), data
 
-    return exit_on_config_error(build), rank, world_size, local_rank
+    cfg, data = exit_on_config_error(build)
+    return cfg, data, rank, world_size, local_rank
 
 
 def main(family: str, argv=None) -> int:
-    cfg, rank, world_size, local_rank = parse(family, argv)
+    cfg, data, rank, world_size, local_rank = parse(family, argv)
     backend = init_process_group(rank, world_size, backend=cfg.parallel.backend,
                                  timeout_minutes=cfg.parallel.timeout_minutes)
-    from .training import batches, build_grid, mock_dataset, train
+    from .training import batches, build_grid, train
     grid = build_grid(cfg, rank, world_size)
-    dataset = mock_dataset(cfg)
-    valid = mock_dataset(cfg)
-    valid.seed = cfg.train.seed + 1  # held-out synthetic samples
     device = default_device(local_rank, backend)
     if rank == 0:
         print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
@@ -61,8 +59,9 @@ def main(family: str, argv=None) -> int:
               f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches(world_size)} "
               f"precision={cfg.precision.dtype} backend={backend}", flush=True)
     train(cfg, grid, device,
-          make_data=lambda start: batches(cfg, dataset, grid.data, grid.dp_rank, start),
-          make_eval_data=lambda: batches(cfg, valid, grid.data, grid.dp_rank),
+          make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
+          make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))
+          if data.valid is not None else None,
           log=lambda line: print(line, flush=True))
     import torch.distributed as dist
     dist.barrier()

@@ -176,9 +176,6 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
                    help="alias of --pipeline-schedule")
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--bert-no-binary-head", action="store_true")
-    p.add_argument("--eval-interval", type=int, default=0,
-                   help="also evaluate every N iterations between training batches and compare "
-                        "those losses too (2BW keeps its in-flight state across evaluations)")
     p.add_argument("--rtol", type=float, default=None,
                    help="tolerance on the relative difference (default: 1e-5 for fp32)")
     p.add_argument("--inject-fault", choices=[f for f in FAULTS if f], default=None,

@@ -41,7 +41,8 @@ BAD = [
      ["--hiden-size", "did you mean --hidden-size"]),
     ("typo-flag-with-equals", ["--mock-data", "--micro-batch-sise=4"], None,
      ["--micro-batch-sise", "--micro-batch-size"]),
-    ("missing-mock-data", MODEL, None, ["--mock-data"]),
+    ("missing-data-file", ["--data-path", "/nonexistent/corpus", "--tokenizer-type",
+                           "NullTokenizer", "--vocab-size", "100"], None, ["/nonexistent/corpus"]),
     ("zero-global-batch", ["--mock-data", "--global-batch-size", "0"], None,
      ["--global-batch-size"]),
     ("fp16-and-bf16", ["--mock-data", "--fp16", "--bf16"], None, ["--fp16", "--bf16"]),
@@ -102,7 +103,7 @@ def readme_main_job() -> list[str]:
 
 def test_readme_main_job_parses():
     argv = readme_main_job()
-    assert argv[0] == "torchrun" and "pretrain_gpt.py" in argv and "--mock-data" in argv
+    assert argv[0] == "torchrun" and "pretrain_gpt.py" in argv and "--data-path" not in argv
 
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| loss ([0-9.]+) ")

@@ -20,6 +20,39 @@ def env_rank_world() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list ("gpu[01-03,07],login1") as host names, like
+    `scontrol show hostnames`."""
+    hosts, i, n = [], 0, len(nodelist)
+    while i < n:
+        j = i
+        while j < n and nodelist[j] not in ",[":
+            j += 1
+        prefix = nodelist[i:j]
+        if j < n and nodelist[j] == "[":
+            k = nodelist.index("]", j)
+            for part in nodelist[j + 1:k].split(","):
+                lo, _, hi = part.partition("-")
+                if hi:
+                    hosts += [f"{prefix}{x:0{len(lo)}d}" for x in range(int(lo), int(hi) + 1)]
+                else:
+                    hosts.append(prefix + lo)
+            j = k + 1
+        elif prefix:
+            hosts.append(prefix)
+        i = j + 1 if j < n and nodelist[j] == "," else j
+    return hosts
+
+
+def slurm_rendezvous() -> None:
+    """Under plain `srun python ...` (no torchrun): MASTER_ADDR = first host of the job,
+    MASTER_PORT derived from the job id, unless already set."""
+    if "SLURM_JOB_NODELIST" in os.environ and "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])[0]
+    if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000)
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -39,6 +72,8 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None,
     if dist.is_initialized():
         return dist.get_backend()
     if init_method is None:
+        if "RANK" not in os.environ:
+            slurm_rendezvous()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         init_method = "env://"

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Planner accuracy on this machine: simulator-predicted vs engine-measured time per batch, d=2.
+
+    python bench/plan_accuracy.py [--schedules 2bw,flush,gpipe] [--hidden-size 128] ...
+
+On 2 gloo processes (one pipeline stage each, one thread each), for every schedule:
+1. both processes measure the layer profile (`planner.measure_profile`, what
+   `tools/plan.py --profile-out` does) at the same time, so the profile sees the same two busy
+   cores the engine will, and time a p2p ping-pong of one activation (the link's latency);
+   both again after the engine ran (load drifts), and the planner uses the means;
+2. they run the engine (warm-up batches, then timed batches: the median batch, slowest rank);
+3. the planner predicts the layout from those means with the same uniform partition the engine
+   uses (`gpt_partition`);
+4. the script prints predicted, measured and predicted/measured.
+
+Another busy process on the cores makes both numbers noisy: run it on an idle machine.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_2bw.config import (BatchConfig, Config, ModelConfig, ParallelConfig,  # noqa: E402
+                                 TrainConfig)
+from megatron_2bw.models.gpt import gpt_partition  # noqa: E402
+from megatron_2bw.planner import Topology, predict, stage_plan  # noqa: E402
+from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup  # noqa: E402
+from megatron_2bw.planner.profile import MeasuredProfile, measure_profile  # noqa: E402
+
+
+def _p2p(rank, shape, trips=23):
+    import torch
+    import torch.distributed as dist
+    x = torch.randn(*shape)
+    times = []
+    for _ in range(trips):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) / 2
+
+
+def _worker(rank, world_size, cfgs, warmup, iters, out):
+    import torch.distributed as dist
+    from megatron_2bw.training import build_engine, build_grid, mock_batches
+    results = []
+    for cfg in cfgs:
+        m, b = cfg.model, cfg.batch.micro_batch_size
+        grid = build_grid(cfg, rank, world_size)
+        p2p = _p2p(rank, (b, m.seq_length, m.hidden_size))
+        before = measure_profile(m, (b,), repeats=5).to_dict()
+        engine = build_engine(cfg, grid, "cpu")
+        data = mock_batches(cfg, grid.data, grid.dp_rank)
+        engine.start(warmup + iters)
+        for _ in range(warmup):
+            engine.train_batch(data)
+        dist.barrier()
+        ends = [time.perf_counter()]
+        for _ in range(iters):
+            engine.train_batch(data)
+            ends.append(time.perf_counter())
+        dist.barrier()
+        # median batch: robust to another process stealing the core for a moment
+        per_batch = statistics.median(b - a for a, b in zip(ends, ends[1:]))
+        after = measure_profile(m, (b,), repeats=5).to_dict()
+        p2p = (p2p + _p2p(rank, (b, m.seq_length, m.hidden_size))) / 2
+        results.append({"per_batch": per_batch, "p2p": p2p, "profiles": [before, after]})
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def _mean_profile(dicts) -> MeasuredProfile:
+    first = dicts[0]
+    layers = {kind: {int(b): tuple(statistics.mean(d["layers"][kind][b][k] for d in dicts)
+                                   for k in ("forward_s", "backward_s"))
+                     for b in table} for kind, table in first["layers"].items()}
+    step = statistics.mean(d["step_s_per_param"] for d in dicts)
+    return MeasuredProfile(first["model"], layers, step, first["dtype"], first["device"])
+
+
+def run(schedules=("2bw", "flush", "gpipe"), layers=4, hidden=128, heads=4, seq=64, vocab=1024,
+        micro_batch=4, global_batch=32, warmup=3, iters=10, log=print):
+    from megatron_2bw.launch import spawn
+    model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                        seq_length=seq, vocab_size=vocab)
+    cfgs = [Config(model=model, parallel=ParallelConfig(pipeline=2, data=1, backend="gloo"),
+                   batch=BatchConfig(micro_batch, global_batch),
+                   train=TrainConfig(train_iters=warmup + iters), schedule=s).validate(2)
+            for s in schedules]
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_worker, 2, args=(cfgs, warmup, iters, d), timeout_minutes=10)
+        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
+    rows = []
+    setup = Setup(model, "fp32", "adam")
+    for i, sched in enumerate(schedules):
+        res = [ranks[r][i] for r in range(2)]
+        measured = max(r["per_batch"] for r in res)
+        p2p = statistics.mean(r["p2p"] for r in res)
+        profile = _mean_profile([p for r in res for p in r["profiles"]])
+        # the link as measured: one activation's one-way time as latency, bandwidth ~ infinite
+        topo = Topology(num_nodes=1, gpus_per_node=2, gpu_memory_gb=1e3,
+                        intra_node_latency_us=p2p * 1e6, intra_node_bandwidth_gbps=1e9)
+        layout = Layout(sched, 1, 2, 1, micro_batch, global_batch // micro_batch)
+        plan = stage_plan(setup, layout, LayerTimes(setup, profile, topo), topo,
+                          bounds=gpt_partition(model, 2))
+        pred = predict(plan, full=True).time_per_batch
+        rows.append({"schedule": sched, "predicted_s": pred, "measured_s": measured,
+                     "ratio": pred / measured, "p2p_s": p2p})
+        log(f"{sched:6s} predicted {pred * 1e3:8.2f} ms/batch  measured {measured * 1e3:8.2f} "
+            f"ms/batch  predicted/measured {pred / measured:.3f}  (p2p {p2p * 1e6:.0f} us)")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schedules", default="2bw,flush,gpipe")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    a = p.parse_args(argv)
+    rows = run(a.schedules.split(","), a.num_layers, a.hidden_size, a.num_attention_heads,
+               a.seq_length, a.vocab_size, a.micro_batch_size, a.global_batch_size, a.warmup,
+               a.iters)
+    if a.json:
+        print(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The data entry points of the pretrain scripts: flags -> (dataset, padded vocab size, tokenizer).
+
+    data = build_pretrain_data(args, "gpt", seq_length, seed, train_samples, valid_samples)
+    cfg.model.vocab_size = data.vocab_size
+    batches = GPTBatches(data.train, micro_batch_size, m, w, dp_rank)   # BertBatches for bert
+
+`--mock-data` -> MockGPTDataset; `--data-path` -> indexed datasets (blended by weight), split by
+`--split`, tokenizer from `--tokenizer-type/--tokenizer-model` (or --vocab-size for the
+NullTokenizer); neither -> the embedded default corpus (default_corpus.py). Everything is
+file-locked and cached, so every rank may call this before any process group exists.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .bert_dataset import BertDataset
+from .blended_dataset import BlendedDataset, normalize, parse_data_path, samples_per_dataset
+from .cache import user_cache_dir, writable_dir
+from .default_corpus import default_corpus
+from .errors import DataError
+from .gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_indices
+from .indexed_dataset import MMapIndexedDataset
+from .mock import MockGPTDataset
+from .tokenizer import Tokenizer, build_tokenizer, vocab_size_with_padding
+
+
+DEFAULT_SPLIT = "969, 30, 1"
+
+
+class TrainData(NamedTuple):
+    dataset: Any             # __len__, __getitem__(i); GPT: LongTensor[seq_length + 1]
+    vocab_size: int          # padded (Megatron's --make-vocab-size-divisible-by)
+    tokenizer: Tokenizer | None
+
+
+class PretrainData(NamedTuple):
+    train: Any
+    valid: Any | None        # the --split validation part (None: not asked for / empty)
+    vocab_size: int
+    tokenizer: Tokenizer | None
+
+
+def index_cache_dir(prefix: str, data_cache_path: str | None, kind: str) -> Path:
+    """--data-cache-path, else PREFIX's dir/cache/{kind}_indices, else the user cache."""
+    if data_cache_path:
+        return writable_dir(Path(data_cache_path), Path(data_cache_path))
+    beside = Path(os.path.dirname(os.path.abspath(prefix))) / "cache" / f"{kind}_indices"
+    return writable_dir(beside, user_cache_dir() / "indices" / f"{kind}_indices")
+
+
+def _split_ranges(num_documents: int, split: str) -> list[range]:
+    b = split_indices(parse_split(split), num_documents)
+    return [range(b[i], b[i + 1]) for i in range(3)]
+
+
+def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
+                       num_samples: tuple, data_cache_path: str | None = None) -> list:
+    """[train, valid, test] GPT datasets (None for an empty split) of num_samples[i] samples
+    each (None: one epoch). Several prefixes are blended by weight (default: by token count)."""
+    prefixes, weights = parse_data_path(data_path)
+    indexed = [MMapIndexedDataset(p) for p in prefixes]
+    ranges = [_split_ranges(len(ds), split) for ds in indexed]
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        n = num_samples[s]
+        if all(len(r[s]) == 0 for r in ranges) or n == 0:
+            out.append(None)
+            continue
+
+        def part(i, count):
+            return GPTDataset(indexed[i], np.arange(ranges[i][s].start, ranges[i][s].stop),
+                              count, seq_length, seed,
+                              index_cache_dir(prefixes[i], data_cache_path, "GPTDataset"), name)
+        if len(prefixes) == 1:
+            out.append(part(0, n))
+            continue
+        w = weights or [float(ds.sequence_lengths[r[s].start:r[s].stop].sum())
+                        for ds, r in zip(indexed, ranges)]
+        counts = samples_per_dataset(w, n) if n else [None] * len(prefixes)
+        parts = [part(i, c) for i, c in enumerate(counts)]
+        size = n or int(min(len(p) / x for p, x in zip(parts, normalize(w)) if x > 0))
+        out.append(BlendedDataset(parts, w, size, index_cache_dir(prefixes[0], data_cache_path,
+                                                                  "BlendedDataset")))
+    return out
+
+
+def _get(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _num_samples(args, num_samples):
+    if num_samples is not None:
+        return num_samples
+    iters, gbs = getattr(args, "train_iters", None), getattr(args, "global_batch_size", None)
+    return iters * gbs if iters and gbs else None
+
+
+def _tokenizer_and_data(args, default_type: str, default_prefix_attr: str):
+    """(tokenizer, --data-path items) from the flags, or the default corpus's when no
+    --data-path is given."""
+    data_path, ttype = _get(args, "data_path"), _get(args, "tokenizer_type")
+    model = _get(args, "tokenizer_model")
+    if not data_path:
+        if model or ttype not in (None, default_type):
+            raise DataError("--tokenizer-type/--tokenizer-model need --data-path: without it the "
+                            "embedded default corpus is used with its own tokenizer")
+        corpus = default_corpus()
+        return (build_tokenizer(default_type, corpus.tokenizer_model),
+                [getattr(corpus, default_prefix_attr)])
+    ttype = ttype or default_type
+    if ttype != "NullTokenizer" and not model:
+        raise DataError("--data-path needs --tokenizer-model FILE.model (the sentencepiece "
+                        "model the data was preprocessed with) or --tokenizer-type "
+                        "NullTokenizer --vocab-size N")
+    return build_tokenizer(ttype, model, _get(args, "vocab_size")), list(data_path)
+
+
+def _padded_vocab(args, tokenizer) -> int:
+    return vocab_size_with_padding(tokenizer.vocab_size,
+                                   _get(args, "make_vocab_size_divisible_by", 128),
+                                   _get(args, "tensor_model_parallel_size", 1))
+
+
+def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples) -> list:
+    prefixes, _ = parse_data_path(data_path)
+    if len(prefixes) != 1:
+        raise DataError("--data-path: BERT takes one prefix (blending is GPT-only for now)")
+    indexed = MMapIndexedDataset(prefixes[0])
+    split = _get(args, "split", DEFAULT_SPLIT)
+    ranges = _split_ranges(len(indexed.document_indices) - 1, split)
+    out = []
+    for r, n, name in zip(ranges, samples, SPLIT_NAMES):
+        out.append(None if len(r) == 0 or n == 0 else BertDataset(
+            indexed, r, tokenizer, n, seq_length, seed,
+            index_cache_dir(prefixes[0], _get(args, "data_cache_path"), "BertDataset"),
+            short_seq_prob=_get(args, "short_seq_prob", 0.1),
+            mask_prob=_get(args, "mask_prob", 0.15),
+            binary_head=not _get(args, "bert_no_binary_head", False),
+            pair_task=_get(args, "sentence_pair_task", "sop"), split=name))
+    return out
+
+
+def _mock(family: str, vocab: int, seq_length: int, seed: int):
+    if family == "bert":
+        from .bert_mock import MockBertDataset
+        return MockBertDataset(vocab, seq_length, seed=seed)
+    return MockGPTDataset(vocab, seq_length, seed=seed)
+
+
+def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None,
+                        seed: int | None = None, train_samples: int | None = None,
+                        valid_samples: int = 0) -> PretrainData:
+    """Train (and, when valid_samples > 0, validation) datasets for pretrain_{family}.py.
+
+    train_samples defaults to --train-iters x --global-batch-size (one epoch when unknown);
+    Megatron's valid_samples is (train_iters // eval_interval + 1) x eval_iters x global batch.
+    valid is None when not asked for or when --split gives it no documents."""
+    if family not in ("gpt", "bert"):
+        raise DataError(f"unknown model family {family!r}: gpt or bert")
+    seq_length = seq_length or _get(args, "seq_length")
+    seed = _get(args, "seed", 1234) if seed is None else seed
+    if _get(args, "mock_data", False):
+        if _get(args, "data_path"):
+            raise DataError("--mock-data and --data-path are exclusive: pass one of them")
+        vocab = _get(args, "vocab_size", 512)
+        return PretrainData(_mock(family, vocab, seq_length, seed),
+                            _mock(family, vocab, seq_length, seed + 1) if valid_samples else None,
+                            vocab, None)
+    default_type, prefix_attr = {"gpt": ("GPTSentencePieceTokenizer", "document_prefix"),
+                                 "bert": ("SentencePieceTokenizer", "sentence_prefix")}[family]
+    tokenizer, data_path = _tokenizer_and_data(args, default_type, prefix_attr)
+    samples = (_num_samples(args, train_samples), valid_samples, 0)
+    if family == "gpt":
+        train, valid, _ = build_gpt_datasets(data_path, _get(args, "split", DEFAULT_SPLIT),
+                                             seq_length, seed, samples,
+                                             _get(args, "data_cache_path"))
+    else:
+        train, valid, _ = _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples)
+    if train is None:
+        raise DataError(f"--split {_get(args, 'split', DEFAULT_SPLIT)}: the train split is "
+                        "empty; give it a positive weight")
+    return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
+
+
+def build_gpt_train_data(args, seq_length: int | None = None, seed: int | None = None,
+                         num_samples: int | None = None) -> TrainData:
+    """(GPT train dataset, padded vocab size, tokenizer) for the flags; see the module doc."""
+    d = build_pretrain_data(args, "gpt", seq_length, seed, num_samples)
+    return TrainData(d.train, d.vocab_size, d.tokenizer)
+
+
+def build_bert_train_data(args, seq_length: int | None = None, seed: int | None = None,
+                          num_samples: int | None = None) -> TrainData:
+    """(BERT train dataset, padded vocab size, tokenizer): a `_sentence` indexed dataset (or
+    the default corpus's) with a tokenizer that has [CLS]/[SEP]/[MASK]/pad. One prefix."""
+    d = build_pretrain_data(args, "bert", seq_length, seed, num_samples)
+    return TrainData(d.train, d.vocab_size, d.tokenizer)

@@ -1,0 +1,229 @@
+"""Megatron-LM's mmap indexed dataset, byte for byte: `PREFIX.idx` (index) + `PREFIX.bin` (tokens).
+
+.idx layout (all little-endian):
+
+    b"MMIDIDX\\x00\\x00"         9 bytes magic
+    u64 version = 1
+    u8  dtype code              1 u8, 2 i8, 3 i16, 4 i32, 5 i64, 6 f64, 7 f32, 8 u16
+    u64 sequence count S
+    u64 document count D        = number of documents + 1
+    i32[S] sequence lengths     (tokens)
+    i64[S] sequence pointers    (byte offsets into .bin)
+    i64[D] document indices     (document k = sequences [doc[k], doc[k+1]); doc[0] = 0)
+
+.bin is the sequences' tokens back to back. A "sequence" is a document (`_document` files) or a
+sentence (`_sentence` files, several per document). The reader memory-maps both files and
+returns zero-copy numpy views; every header/size problem is a one-line DataError naming the file.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from .errors import DataError
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+_HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+          7: np.float32, 8: np.uint16}
+_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+def dtype_code(dtype) -> int:
+    return _CODES[np.dtype(dtype)]
+
+
+def optimal_dtype(vocab_size: int | None):
+    """Megatron's token dtype: uint16 when the vocabulary is under 65500, int32 otherwise."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def exists(prefix: str) -> bool:
+    return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
+
+
+def _require_file(path: str, what: str) -> None:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such {what} file (a --data-path prefix P needs P.bin and "
+                        "P.idx, as written by tools/preprocess_data.py)")
+
+
+class IndexReader:
+    """The parsed .idx: dtype, sequence_lengths, sequence_pointers, document_indices (memmapped)."""
+
+    def __init__(self, idx_path: str):
+        _require_file(idx_path, "index")
+        self.path = idx_path
+        size = os.path.getsize(idx_path)
+        with open(idx_path, "rb") as f:
+            head = f.read(_HEADER_BYTES)
+        if head[:len(INDEX_HEADER)] != INDEX_HEADER:
+            raise DataError(f"{idx_path}: not a Megatron mmap index (starts with "
+                            f"{head[:9]!r}, expected {INDEX_HEADER!r}): regenerate it with "
+                            "tools/preprocess_data.py")
+        if len(head) < _HEADER_BYTES:
+            raise DataError(f"{idx_path}: truncated header ({size} bytes, need "
+                            f"{_HEADER_BYTES}): regenerate it with tools/preprocess_data.py")
+        version, code, count, docs = struct.unpack("<QBQQ", head[len(INDEX_HEADER):])
+        if version != INDEX_VERSION:
+            raise DataError(f"{idx_path}: index version {version}, only version "
+                            f"{INDEX_VERSION} is supported: regenerate it with "
+                            "tools/preprocess_data.py")
+        if code not in DTYPES:
+            raise DataError(f"{idx_path}: unknown dtype code {code} (valid: 1-8): the file is "
+                            "corrupt; regenerate it with tools/preprocess_data.py")
+        self.dtype = np.dtype(DTYPES[code])
+        self.sequence_count, self.document_count = count, docs
+        need = _HEADER_BYTES + 12 * count + 8 * docs
+        if size < need:
+            raise DataError(f"{idx_path}: truncated: the header promises {count} sequences "
+                            f"and {docs} document indices ({need} bytes) but the file has "
+                            f"{size}: regenerate it with tools/preprocess_data.py")
+        buf = np.memmap(idx_path, mode="r", order="C") if size else np.empty(0, np.uint8)
+        self._mmap = buf
+        off = _HEADER_BYTES
+        self.sequence_lengths = np.frombuffer(buf, np.int32, count, off)
+        self.sequence_pointers = np.frombuffer(buf, np.int64, count, off + 4 * count)
+        self.document_indices = np.frombuffer(buf, np.int64, docs, off + 12 * count)
+        d = self.document_indices
+        if docs == 0 or d[0] != 0 or d[-1] != count or (docs > 1 and np.any(d[1:] < d[:-1])):
+            raise DataError(f"{idx_path}: inconsistent document indices (must rise from 0 to "
+                            f"the sequence count {count}): regenerate it with "
+                            "tools/preprocess_data.py")
+
+    def bin_bytes_needed(self) -> int:
+        if self.sequence_count == 0:
+            return 0
+        last = int(self.sequence_lengths[-1]) * self.dtype.itemsize
+        return int(self.sequence_pointers[-1]) + last
+
+
+class MMapIndexedDataset:
+    """Read-only view of PREFIX.bin/.idx. `ds[i]` is sequence i as a zero-copy numpy array."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        bin_path = data_file_path(prefix)
+        self.index = IndexReader(index_file_path(prefix))
+        _require_file(bin_path, "data")
+        have, need = os.path.getsize(bin_path), self.index.bin_bytes_needed()
+        if have < need:
+            raise DataError(f"{bin_path}: shorter than its index says ({have} bytes, "
+                            f"{index_file_path(prefix)} needs {need}): the .bin is truncated "
+                            "or belongs to another .idx; regenerate both")
+        self._bin = np.memmap(bin_path, mode="r", order="C") if have else np.empty(0, np.uint8)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.index.dtype
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return self.index.sequence_lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        return self.index.sequence_pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self.index.document_indices
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self.index.sequence_count
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        return self.get(idx)
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence idx (to its end when length is None)."""
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sequence {idx} out of range for {self.prefix} ({len(self)})")
+        size = int(self.sequence_lengths[idx])
+        if length is None:
+            length = size - offset
+        ptr = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, self.dtype, length, ptr)
+
+    def tokens(self) -> np.ndarray:
+        """All tokens of the file (zero-copy)."""
+        return np.frombuffer(self._bin, self.dtype, self.num_tokens, 0)
+
+
+class IndexedDatasetBuilder:
+    """Write PREFIX.bin as tokens arrive; `finalize(PREFIX.idx)` writes the index (Megatron API)."""
+
+    def __init__(self, bin_path: str, dtype=np.int32):
+        self.bin_path, self.dtype = bin_path, np.dtype(dtype)
+        dtype_code(self.dtype)  # reject dtypes the format cannot name
+        self.data_file = open(bin_path, "wb")
+        self.sequence_lengths: list[int] = []
+        self.document_indices: list[int] = [0]
+
+    def add_item(self, tokens) -> None:
+        """One sequence (call end_document after a document's last one)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self.data_file.write(arr.tobytes(order="C"))
+        self.sequence_lengths.append(arr.size)
+
+    def add_document(self, tokens, lengths) -> None:
+        """One document: its tokens and the lengths of its sequences (sentences)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        if int(sum(lengths)) != arr.size:
+            raise ValueError(f"add_document: lengths sum to {sum(lengths)} but {arr.size} tokens")
+        self.data_file.write(arr.tobytes(order="C"))
+        self.sequence_lengths.extend(int(n) for n in lengths)
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def end_document(self) -> None:
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def add_index(self, prefix: str) -> None:
+        """Append a whole existing dataset (same dtype) to this one."""
+        other = MMapIndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise DataError(f"{index_file_path(prefix)}: dtype {other.dtype} differs from the "
+                            f"builder's {self.dtype}: merge datasets of one dtype")
+        base = len(self.sequence_lengths)
+        self.sequence_lengths.extend(other.sequence_lengths.tolist())
+        self.document_indices.extend((other.document_indices[1:] + base).tolist())
+        with open(data_file_path(prefix), "rb") as f:
+            while chunk := f.read(1 << 24):
+                self.data_file.write(chunk)
+
+    def finalize(self, idx_path: str) -> None:
+        self.data_file.close()
+        write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices)
+
+
+def write_index(idx_path: str, dtype, sequence_lengths, document_indices) -> None:
+    dtype = np.dtype(dtype)
+    lengths = np.asarray(sequence_lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths):
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    docs = np.asarray(document_indices, dtype=np.int64)
+    with open(idx_path, "wb") as f:
+        f.write(INDEX_HEADER)
+        f.write(struct.pack("<Q", INDEX_VERSION))
+        f.write(struct.pack("<B", dtype_code(dtype)))
+        f.write(struct.pack("<Q", len(lengths)))
+        f.write(struct.pack("<Q", len(docs)))
+        f.write(lengths.tobytes(order="C"))
+        f.write(pointers.tobytes(order="C"))
+        f.write(docs.tobytes(order="C"))

@@ -1,0 +1,171 @@
+"""JSONL -> Megatron indexed datasets (the engine of tools/preprocess_data.py).
+
+Each JSON line is a document; for every `--json-keys` key K it writes
+`{output_prefix}_{K}_{document|sentence}.bin/.idx`. With `split_sentences` each sentence is one
+sequence of the document (for BERT); otherwise the document is one sequence (for GPT).
+`append_eod` adds the tokenizer's eod to every non-empty document.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import re
+import sys
+import time
+from typing import Iterable, Iterator
+
+from .errors import DataError
+from .indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype
+from .tokenizer import build_tokenizer
+
+# A sentence ends at . ! ? (optionally followed by quotes/brackets) before whitespace and an
+# upper-case letter, digit or quote, or at a blank line. Deterministic; no model download.
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[A-Z0-9\"'(\[])|\n\s*\n")
+
+
+def split_sentences(text: str) -> list[str]:
+    return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
+
+
+def output_prefix(prefix: str, key: str, split: bool) -> str:
+    return f"{prefix}_{key}_{'sentence' if split else 'document'}"
+
+
+class Encoder:
+    """Tokenizes one JSON line; built once per worker process."""
+
+    def __init__(self, tokenizer_type, tokenizer_model, vocab_size, json_keys, split, eod):
+        self.args = (tokenizer_type, tokenizer_model, vocab_size)
+        self.json_keys, self.split, self.append_eod = json_keys, split, eod
+        self.tokenizer = None
+
+    def initializer(self):
+        self.tokenizer = build_tokenizer(*self.args)
+
+    def encode_text(self, text: str) -> tuple[list[int], list[int]]:
+        """(token ids, sequence lengths) of one document."""
+        if self.tokenizer is None:
+            self.initializer()
+        ids, lengths = [], []
+        for sentence in (split_sentences(text) if self.split else [text]):
+            s = self.tokenizer.tokenize(sentence)
+            if s:
+                ids += s
+                lengths.append(len(s))
+        if ids and self.append_eod:
+            ids.append(self.tokenizer.eod)
+            lengths[-1] += 1
+        return ids, lengths
+
+    def encode(self, item: tuple[int, str]):
+        lineno, line = item
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as e:
+            return lineno, None, f"line {lineno}: not JSON ({e.msg})"
+        out = {}
+        for key in self.json_keys:
+            if key not in doc:
+                return lineno, None, f"line {lineno}: no key {key!r} (--json-keys)"
+            out[key] = self.encode_text(str(doc[key]))
+        return lineno, out, len(line.encode())
+
+
+_WORKER: Encoder | None = None
+
+
+def _init_worker(encoder: Encoder) -> None:
+    global _WORKER
+    _WORKER = encoder
+    _WORKER.initializer()
+
+
+def _encode_in_worker(item):
+    return _WORKER.encode(item)
+
+
+class Progress:
+    """A one-line progress report on stderr: documents, documents/s, MB/s."""
+
+    def __init__(self, every: int = 1000, stream=None):
+        stream = stream or sys.stderr
+        self.every, self.stream, self.t0 = every, stream, time.perf_counter()
+        self.docs = self.bytes = 0
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def update(self, nbytes: int) -> None:
+        self.docs += 1
+        self.bytes += nbytes
+        if self.every and self.docs % self.every == 0:
+            self.show()
+
+    def line(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        return (f"processed {self.docs} documents | {self.docs / dt:.1f} docs/s | "
+                f"{self.bytes / dt / 1e6:.2f} MB/s")
+
+    def show(self, final: bool = False) -> None:
+        if final and not self.tty and self.docs and self.every and self.docs % self.every == 0:
+            return  # the last line already says it
+        end = "\n" if final or not self.tty else ""
+        print(("\r" if self.tty else "") + self.line(), end=end, file=self.stream, flush=True)
+
+
+def _numbered_lines(path: str) -> Iterator[tuple[int, str]]:
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the --input file ({e.strerror})") from None
+    with f:
+        for i, line in enumerate(f, start=1):
+            if line.strip():
+                yield i, line
+
+
+def preprocess_jsonl(input_path: str, prefix: str, json_keys: Iterable[str] = ("text",),
+                     tokenizer_type: str = "GPTSentencePieceTokenizer",
+                     tokenizer_model: str | None = None, vocab_size: int | None = None,
+                     split_sentences: bool = False, append_eod: bool = False, workers: int = 1,
+                     log_interval: int = 1000, progress_stream=None) -> dict[str, str]:
+    """Tokenize a JSONL file into indexed datasets. Returns {json key: output prefix}."""
+    json_keys = list(json_keys)
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)  # fail fast here
+    encoder = Encoder(tokenizer_type, tokenizer_model, vocab_size, json_keys, split_sentences,
+                      append_eod)
+    outs = {k: output_prefix(prefix, k, split_sentences) for k in json_keys}
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    builders = {k: IndexedDatasetBuilder(data_file_path(p), dtype) for k, p in outs.items()}
+    progress = Progress(log_interval, progress_stream)
+    pool = None
+    if workers > 1:
+        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encoder,))
+        docs = pool.imap(_encode_in_worker, _numbered_lines(input_path), chunksize=32)
+    else:
+        encoder.tokenizer = tokenizer
+        docs = map(encoder.encode, _numbered_lines(input_path))
+    try:
+        for _, doc, info in docs:
+            if doc is None:
+                raise DataError(f"{input_path}: {info}")
+            for key, (ids, lengths) in doc.items():
+                builders[key].add_document(ids, lengths)
+            progress.update(info)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    progress.show(final=True)
+    for key, b in builders.items():
+        b.finalize(index_file_path(outs[key]))
+    return outs
+
+
+def write_documents(prefix: str, documents: Iterable[str], tokenizer, split: bool = False,
+                    append_eod: bool = True) -> str:
+    """Tokenize in-process texts into PREFIX.bin/.idx (used for the default corpus and tests)."""
+    encoder = Encoder(None, None, None, (), split, append_eod)
+    encoder.tokenizer = tokenizer
+    builder = IndexedDatasetBuilder(data_file_path(prefix), optimal_dtype(tokenizer.vocab_size))
+    for text in documents:
+        builder.add_document(*encoder.encode_text(text))
+    builder.finalize(index_file_path(prefix))
+    return prefix

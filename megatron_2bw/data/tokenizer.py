@@ -1,0 +1,208 @@
+"""Tokenizers with Megatron's names and special-token conventions, and sentencepiece training.
+
+- `SentencePieceTokenizer`: a sentencepiece model plus the special tokens BERT needs (<CLS>,
+  <SEP>, <EOD>, <MASK>, and pad/bos/eos), appended after the model's pieces when the model lacks
+  them, exactly as Megatron-LM does; text containing a special token's string maps to its id.
+- `GPTSentencePieceTokenizer`: the bare model; eod is the model's eos.
+- `NullTokenizer(vocab_size)`: text is space-separated ids; eod = vocab_size (one extra id).
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Iterable
+
+from .errors import DataError
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
+
+
+def _load_sentencepiece(model_file: str):
+    if not model_file:
+        raise DataError("--tokenizer-model is required for the sentencepiece tokenizers: pass "
+                        "FILE.model (train one with tools/train_tokenizer.py)")
+    if not os.path.isfile(model_file):
+        raise DataError(f"{model_file}: tokenizer model not found (--tokenizer-model): pass an "
+                        "existing .model file or train one with tools/train_tokenizer.py")
+    import sentencepiece
+    sp = sentencepiece.SentencePieceProcessor()
+    try:
+        sp.Load(model_file)
+    except (OSError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{model_file}: not a sentencepiece model ({first}): pass a .model "
+                        "file written by sentencepiece / tools/train_tokenizer.py") from None
+    return sp
+
+
+class Tokenizer:
+    """Common interface: vocab_size, tokenize(text) -> ids, detokenize(ids) -> text, eod, ..."""
+    name = "Tokenizer"
+    _eod_id = _pad_id = _bos_id = _eos_id = _cls_id = _sep_id = _mask_id = None
+    special_ids: tuple = ()
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids) -> str:
+        raise NotImplementedError
+
+    def _need(self, value, what):
+        if value is None or value < 0:
+            raise DataError(f"the {self.name} has no {what} token: use --tokenizer-type "
+                            "SentencePieceTokenizer (it adds the BERT special tokens)")
+        return value
+
+    eod = property(lambda self: self._need(self._eod_id, "eod"))
+    pad = property(lambda self: self._need(self._pad_id, "pad"))
+    bos = property(lambda self: self._need(self._bos_id, "bos"))
+    eos = property(lambda self: self._need(self._eos_id, "eos"))
+    cls = property(lambda self: self._need(self._cls_id, "cls"))
+    sep = property(lambda self: self._need(self._sep_id, "sep"))
+    mask = property(lambda self: self._need(self._mask_id, "mask"))
+
+
+class GPTSentencePieceTokenizer(Tokenizer):
+    name = "GPTSentencePieceTokenizer"
+
+    def __init__(self, model_file: str):
+        self.model_file = model_file
+        self.sp = _load_sentencepiece(model_file)
+        self._pad_id, self._bos_id = self.sp.pad_id(), self.sp.bos_id()
+        self._eos_id = self._eod_id = self.sp.eos_id()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.GetPieceSize()
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.sp.EncodeAsIds(text)
+
+    def detokenize(self, ids) -> str:
+        return self.sp.DecodeIds([int(i) for i in ids])
+
+
+class SentencePieceTokenizer(GPTSentencePieceTokenizer):
+    """Megatron's _SentencePieceTokenizer: adds <CLS> <SEP> <EOD> <MASK> (+ pad/bos/eos)."""
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file: str, vocab_extra_ids: int = 0):
+        super().__init__(model_file)
+        self.vocab = {self.sp.IdToPiece(i): i for i in range(self.sp.GetPieceSize())}
+        self.inv_vocab = {i: t for t, i in self.vocab.items()}
+        self.special_tokens: dict[str, int] = {}
+
+        def add(token: str) -> int:
+            if token not in self.vocab:
+                self.vocab[token] = len(self.inv_vocab)
+                self.inv_vocab[self.vocab[token]] = token
+            self.special_tokens[token] = self.vocab[token]
+            return self.vocab[token]
+
+        self._cls_id, self._sep_id = add("<CLS>"), add("<SEP>")
+        self._eod_id, self._mask_id = add("<EOD>"), add("<MASK>")
+        for attr, sp_id, default in (("_pad_id", self.sp.pad_id(), "<PAD>"),
+                                     ("_bos_id", self.sp.bos_id(), "<BOS>"),
+                                     ("_eos_id", self.sp.eos_id(), "<EOS>")):
+            piece = self.sp.IdToPiece(sp_id) if 0 <= sp_id < self.sp.GetPieceSize() else default
+            setattr(self, attr, add(piece))
+        for i in range(vocab_extra_ids):
+            add(f"<extra_id_{i}>")
+        self.special_ids = tuple(sorted(set(self.special_tokens.values())))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def tokenize(self, text: str) -> list[int]:
+        ids, idx = [], 0
+        while True:
+            found = {t: text.find(t, idx) for t in self.special_tokens}
+            found = {t: i for t, i in found.items() if i >= 0}
+            if not found:
+                break
+            token = min(found, key=lambda t: (found[t], -len(t)))
+            ids += self.sp.EncodeAsIds(text[idx:found[token]])
+            ids.append(self.special_tokens[token])
+            idx = found[token] + len(token)
+        return ids + self.sp.EncodeAsIds(text[idx:])
+
+    def detokenize(self, ids) -> str:
+        text, last, ids = "", 0, [int(i) for i in ids]
+        specials = {i: t for t, i in self.special_tokens.items()}
+        for i, tok in enumerate(ids):
+            if tok in specials:
+                text += self.sp.DecodeIds(ids[last:i]) + " " + specials[tok] + " "
+                last = i + 1
+        return text + self.sp.DecodeIds(ids[last:])
+
+
+class NullTokenizer(Tokenizer):
+    """Text is space-separated token ids; eod is one id past them (Megatron's _NullTokenizer)."""
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        if not vocab_size or vocab_size < 1:
+            raise DataError("--tokenizer-type NullTokenizer needs --vocab-size > 0")
+        self._eod_id = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._eod_id + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    raise DataError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of "
+                    f"{', '.join(TOKENIZER_TYPES)}")
+
+
+def vocab_size_with_padding(vocab_size: int, divisible_by: int = 128,
+                            tensor_parallel_size: int = 1) -> int:
+    """Megatron pads the embedding to a multiple of divisible_by x tensor-parallel size."""
+    multiple = max(1, divisible_by) * max(1, tensor_parallel_size)
+    return -(-vocab_size // multiple) * multiple
+
+
+def train_sentencepiece(lines: Iterable[str], model_path: str, vocab_size: int,
+                        model_type: str = "unigram", num_threads: int = 1,
+                        character_coverage: float = 1.0, byte_fallback: bool = True,
+                        **options) -> str:
+    """Train a sentencepiece model on `lines` and write it to model_path (atomically).
+    Ids: unk 0, bos 1, eos 2, pad 3. Returns model_path."""
+    import sentencepiece
+    if model_type not in ("unigram", "bpe"):
+        raise DataError(f"--model-type {model_type}: choose unigram or bpe")
+    buf = io.BytesIO()
+    try:
+        sentencepiece.SentencePieceTrainer.Train(
+            sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
+            model_type=model_type, num_threads=num_threads, minloglevel=2,
+            character_coverage=character_coverage, byte_fallback=byte_fallback,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=3, max_sentence_length=1 << 16, **options)
+    except RuntimeError as e:
+        msg = " ".join(str(e).split())
+        hint = ("raise --vocab-size" if "smaller than required" in msg else
+                "lower --vocab-size or give more text")
+        raise DataError(f"{model_path}: sentencepiece training failed ({msg}): {hint}") from None
+    tmp = f"{model_path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, model_path)
+    return model_path

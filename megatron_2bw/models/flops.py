@@ -1,0 +1,185 @@
+"""Parameters, FLOPs and stashed-activation bytes of GPT- and BERT-shaped transformer models.
+
+Counts follow the modules in `models/gpt.py` exactly for GPT (the tests compare them with the real
+`nn.Module`s and with the engine's buffers): the model is the spec list
+`[embedding, transformer x L, head]` and every function below has one entry per spec.
+
+Per transformer layer (h hidden, f ffn, a heads, s sequence, b micro batch, t tensor ranks):
+    parameters   4h^2 + 2hf + 8h + f (no key bias)   = 12h^2 + 12h for f = 4h
+    fwd FLOPs    2bs(4h^2 + 2hf) + 4bs^2h   (matmuls + attention scores/values, full, as Megatron)
+    activations  sbh*p*(4 + (5 + 2f/h)/t) + 16sb + 4asb/t bytes with fused (flash) attention;
+                 the non-fused path keeps the softmax instead: +a s^2 b (p, +p+1 with dropout) / t.
+Backward costs 2x the forward FLOPs; activation recomputation adds one more forward.
+Model FLOPs per sample (Megatron's convention): 72 s L h^2 (1 + s/(6h) + V/(12 h L)) for f = 4h.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config import ModelConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ARCHS = ("gpt", "bert")
+
+
+def pad_vocab(vocab: int, multiple: int = 128, tensor: int = 1) -> int:
+    """Megatron's padding: round the vocabulary up to a multiple of `multiple * tensor`."""
+    step = multiple * tensor
+    return ((vocab + step - 1) // step) * step
+
+
+def _gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 50257) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                       seq_length=seq, vocab_size=pad_vocab(vocab))
+
+
+# Named shapes (GPT-3 paper table; vocab 50257 padded to 50304, BERT's 30522 to 30592); the
+# `--model` flavours of models/flavours.py are accepted too. `debug` is the tiny test model.
+MODELS = {
+    "debug": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                         vocab_size=512),
+    "gpt-125m": _gpt(12, 768, 12),
+    "gpt-350m": _gpt(24, 1024, 16),
+    "gpt-760m": _gpt(24, 1536, 16),
+    "gpt-1.3b": _gpt(24, 2048, 16),
+    "gpt-2.7b": _gpt(32, 2560, 32),
+    "gpt-6.7b": _gpt(32, 4096, 32),
+    "gpt-13b": _gpt(40, 5120, 40),
+    "gpt-175b": _gpt(96, 12288, 96),
+}
+
+
+def _flavours() -> dict:
+    try:
+        from .flavours import FLAVOURS
+    except ImportError:  # pragma: no cover - flavours are optional
+        return {}
+    return FLAVOURS
+
+
+def model_names() -> list:
+    return sorted(set(MODELS) | set(_flavours()))
+
+
+def named_model(name: str) -> ModelConfig:
+    if name in MODELS:
+        return replace(MODELS[name])
+    if name in _flavours():
+        family, layers, hidden, heads, seq = _flavours()[name]
+        vocab = pad_vocab(30522 if family == "bert" else 50257)
+        cfg = _gpt(layers, hidden, heads, seq, vocab)
+        if family == "bert" and hasattr(cfg, "family"):
+            cfg.family = "bert"
+        return cfg
+    import difflib
+    close = difflib.get_close_matches(name, model_names(), n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise ValueError(f"unknown model {name!r}{hint}: use one of {', '.join(model_names())} "
+                     "or give the shape flags")
+
+
+def _model(cfg) -> ModelConfig:
+    """Accept a ModelConfig or anything with a `.model` ModelConfig (the full Config)."""
+    return getattr(cfg, "model", cfg)
+
+
+def _arch(cfg, arch: str | None) -> str:
+    arch = arch or getattr(cfg, "family", None) or "gpt"
+    if arch not in ARCHS:
+        raise ValueError(f"unknown model family {arch!r}: use one of {', '.join(ARCHS)}")
+    return arch
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One spec of the model, per tensor-parallel rank and per microbatch of `b` samples."""
+    name: str                 # "embedding" | "transformer" | "head"
+    params: int               # parameters this layer holds (tied ones included)
+    tied_params: int          # of which shared with another layer (the word embedding)
+    fwd_flops: float
+    bwd_flops: float
+    fwd_bytes: float          # memory traffic estimate (for memory-bound layers)
+    act_bytes: float          # stashed for the backward, per in-flight microbatch
+    input_bytes: float        # the layer's input activation (what recompute keeps)
+    output_bytes: float       # what a stage boundary after this layer sends
+
+
+def layer_params(cfg, tensor: int = 1, arch: str | None = None) -> list[tuple[int, int]]:
+    """[(params, tied params)] per spec, per tensor-parallel rank (as models/gpt.py, bert.py)."""
+    m, a = _model(cfg), _arch(cfg, arch)
+    h, f, V, P, t = m.hidden_size, m.ffn_size, m.vocab_size, m.max_positions, tensor
+    tied = a == "bert" or not m.untie_embeddings_and_output_weights
+    word = V * h // t
+    emb = word + P * h
+    # LNs 4h, fused QKV 3h^2 (no bias), q/v bias 2h, proj h^2 + h, fc1 hf + f, fc2 fh + h
+    layer = (4 * h * h + 2 * h * f + 2 * h + f) // t + 4 * h + 2 * h
+    head = 2 * h + word
+    if a == "bert":
+        emb += getattr(m, "num_tokentypes", 2) * h
+        head += h * h + h + 2 * h + V // t  # LM-head dense + LayerNorm, output bias
+        if getattr(m, "bert_binary_head", True):
+            head += h * h + h + 2 * h + 2   # pooler, binary head
+    out = [(emb, word if tied else 0)]
+    out += [(layer, 0)] * m.num_layers
+    out.append((head, word if tied else 0))
+    return out
+
+
+def num_parameters(cfg, arch: str | None = None) -> int:
+    """Unique parameters of the whole model (a tied embedding counted once)."""
+    per = layer_params(cfg, 1, arch)
+    return sum(p for p, _ in per) - per[-1][1]
+
+
+def layer_costs(cfg, micro_batch: int, tensor: int = 1, dtype: str = "fp32",
+                arch: str | None = None, flash: bool = True) -> list[LayerCost]:
+    m, a = _model(cfg), _arch(cfg, arch)
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    p, t, b = DTYPE_BYTES[dtype], tensor, micro_batch
+    h, f, V, s, heads = m.hidden_size, m.ffn_size, m.vocab_size, m.seq_length, m.num_attention_heads
+    sbh = s * b * h
+    drop_h = m.hidden_dropout > 0
+    params = layer_params(m, t, a)
+    hidden = sbh * p
+    tokens = s * b * 8
+
+    emb_act = tokens + 8 * s + (sbh if drop_h else 0)  # token and position indices
+    emb = LayerCost("embedding", *params[0], 0.0, 0.0, 3.0 * hidden, emb_act, tokens, hidden)
+
+    fwd = 2.0 * b * s * (4 * h * h + 2 * h * f) / t + 4.0 * b * s * s * h / t
+    act = sbh * p * (4 + (5 + 2 * f / h) / t) + 16 * s * b + (2 * sbh if drop_h else 0)
+    if flash:
+        act += 4 * heads * s * b / t
+    else:
+        act += heads * s * s * b * (p + ((p + 1) if m.attention_dropout > 0 else 0)) / t
+        act -= sbh * p / t  # the attention output is not kept twice without the fused kernel
+    layer = LayerCost("transformer", *params[1], fwd, 2 * fwd, 2.0 * act, act, hidden, hidden)
+
+    head_fwd = 2.0 * b * s * h * V / t
+    head_act = 2 * hidden + 8 * s * b + 4.0 * s * b * V / t + tokens
+    if a == "bert":  # LM-head transform (dense, GeLU, LayerNorm) and the pooler
+        head_fwd += 2.0 * b * s * h * h + 2.0 * b * h * h
+        head_act += 4 * hidden
+    head = LayerCost("head", *params[-1], head_fwd, 2 * head_fwd, 2.0 * head_act, head_act, hidden,
+                     0.0)
+    return [emb] + [layer] * m.num_layers + [head]
+
+
+def model_flops_per_sample(cfg, recompute: bool = False, arch: str | None = None) -> float:
+    """Training FLOPs of one sample (forward + backward, + one forward with recomputation).
+    Multiply by the global batch size and divide by the time per iteration for FLOP/s."""
+    costs = layer_costs(cfg, 1, 1, "fp32", arch)
+    fwd = sum(c.fwd_flops for c in costs)
+    return (4.0 if recompute else 3.0) * fwd
+
+
+def standard_parameter_count(cfg) -> float:
+    """12 L h^2 (1 + 13/(12h) + (V + s)/(12 L h)): the formula of Narayanan et al. (2021)."""
+    m = _model(cfg)
+    L, h, V, s = m.num_layers, m.hidden_size, m.vocab_size, m.max_positions
+    return 12.0 * L * h * h * (1 + 13.0 / (12 * h) + (V + s) / (12.0 * L * h))
+
+
+__all__ = ["DTYPE_BYTES", "MODELS", "LayerCost", "layer_costs", "layer_params", "named_model",
+           "num_parameters", "model_flops_per_sample", "pad_vocab", "standard_parameter_count"]

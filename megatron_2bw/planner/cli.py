@@ -1,0 +1,179 @@
+"""`tools/plan.py`: choose a parallel layout from the model, the accelerators and the links.
+
+    python tools/plan.py --model gpt-2.7b --num-nodes 8 --gpus-per-node 8 --gpu-memory-gb 80 \\
+        --global-batch-size 512 --bf16
+    python tools/plan.py --model debug --profile-out cpu.json        # measure layers here
+    python tools/plan.py --model debug --profile cpu.json --num-gpus 2 --global-batch-size 32
+
+Prints the top layouts (schedule, t/d/w, micro batch, recomputation, rank order, predicted
+samples/s and time per batch, bubble, memory per stage, partition) and the chosen one as flags
+for pretrain_gpt.py, or everything as JSON with --json. Bad input: one line on stderr, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import ModelConfig
+from ..models.flops import model_names, named_model, num_parameters
+from .auto import layout_flags
+from .profile import AnalyticProfile, load_profile, measure_profile, save_profile
+from .search import SCHEDULES, search
+from .topology import PlanError, resolve_topology
+
+SHAPE = (("num_layers", int), ("hidden_size", int), ("num_attention_heads", int),
+         ("ffn_hidden_size", int), ("seq_length", int), ("max_position_embeddings", int),
+         ("vocab_size", int))
+TOPO = (("num_nodes", int), ("gpus_per_node", int), ("gpu_memory_gb", float),
+        ("intra_node_bandwidth_gbps", float), ("inter_node_bandwidth_gbps", float),
+        ("intra_node_latency_us", float), ("inter_node_latency_us", float),
+        ("memory_reserve_fraction", float))
+
+
+def _ints(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=f"named shape: {', '.join(model_names())}")
+    g.add_argument("--family", choices=("gpt", "bert"), default=None)
+    for name, typ in SHAPE:
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g = p.add_argument_group("machine (defaults: SLURM / visible devices, then an A100 node)")
+    g.add_argument("--num-gpus", type=int, default=None,
+                   help="total; a multiple of --gpus-per-node")
+    for name, typ in TOPO:
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    g.add_argument("--topology", default=None, help="JSON file with the fields above")
+    g.add_argument("--device-tflops", type=float, default=None, help="peak TFLOP/s (analytic)")
+    g.add_argument("--device-efficiency", type=float, default=None,
+                   help="achievable fraction of the peak (analytic)")
+    g.add_argument("--profile", default=None, help="profile JSON (measured or analytic)")
+    g = p.add_argument_group("training")
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--micro-batch-sizes", type=_ints, default=None,
+                   help="restrict the micro batch sizes tried (default: all divisors)")
+    g.add_argument("--tensor-sizes", type=_ints, default=None,
+                   help="restrict the tensor-parallel sizes tried")
+    g.add_argument("--schedules", default=",".join(SCHEDULES))
+    g.add_argument("--recompute", choices=("auto", "on", "off"), default="auto")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g = p.add_argument_group("output")
+    g.add_argument("--top", type=int, default=5)
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--exhaustive", action="store_true", help="simulate every layout that fits")
+    g.add_argument("--profile-out", default=None,
+                   help="measure the model's layers on this device, write FILE and exit")
+    g.add_argument("--profile-micro-batches", type=_ints, default=(1, 2, 4))
+    g.add_argument("--profile-threads", type=int, default=1)
+    return p
+
+
+def model_from_args(a) -> ModelConfig:
+    try:
+        cfg = named_model(a.model) if a.model else ModelConfig()
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    for name, _ in SHAPE:
+        if getattr(a, name) is not None:
+            setattr(cfg, name, getattr(a, name))
+    if a.untie_embeddings_and_output_weights:
+        cfg.untie_embeddings_and_output_weights = True
+    if a.family:
+        cfg.family = a.family
+    return cfg
+
+
+def _table(result, model, topo) -> str:
+    rows = [f"plan for {model.num_layers} layers x hidden {model.hidden_size} "
+            f"({num_parameters(model) / 1e9:.3g}B parameters) on {topo.num_nodes} x "
+            f"{topo.gpus_per_node} GPUs ({topo.gpu_memory_gb:g} GB, "
+            f"{topo.intra_node_bandwidth_gbps:g}/{topo.inter_node_bandwidth_gbps:g} Gbit/s): "
+            f"{result.considered} layouts, {result.fitting} fit, {result.simulated} simulated "
+            f"in {result.seconds:.2f} s",
+            f"{'#':>2} {'sched':6} {'t':>2} {'d':>3} {'w':>4} {'b':>4} {'m':>5} {'rc':3} "
+            f"{'order':9} {'samples/s':>10} {'s/batch':>9} {'bubble':>7} {'max GB':>7}  "
+            "GB per stage / partition"]
+    for i, e in enumerate(result.ranked, 1):
+        L, gb = e.layout, e.memory_gb
+        per = " ".join(f"{x:.1f}" for x in gb[:6]) + (" ..." if len(gb) > 6 else "")
+        bounds = e.plan.bounds
+        part = str(bounds) if len(bounds) <= 9 else f"[{bounds[0]}, {bounds[1]}, ..., {bounds[-1]}]"
+        rows.append(f"{i:>2} {L.schedule:6} {L.tensor:>2} {L.pipeline:>3} {L.data:>4} "
+                    f"{L.micro_batch:>4} {L.num_microbatches:>5} "
+                    f"{'yes' if L.recompute else 'no':3} "
+                    f"{L.rank_order:9} {e.samples_per_s:>10.4g} {e.time_per_batch:>9.4g} "
+                    f"{e.bubble:>7.1%} {max(gb):>7.2f}  {per} / {part}")
+    return "\n".join(rows)
+
+
+def run(argv=None, out=sys.stdout) -> int:
+    a = build_parser().parse_args(argv)
+    model = model_from_args(a)
+    dtype = "fp16" if a.fp16 else ("bf16" if a.bf16 else "fp32")
+    if a.fp16 and a.bf16:
+        raise PlanError("--fp16 and --bf16 are mutually exclusive: pick one")
+    if a.profile_out:
+        prof = measure_profile(model, a.profile_micro_batches, dtype, threads=a.profile_threads)
+        save_profile(prof, a.profile_out)
+        fwd = prof.layers["transformer"][a.profile_micro_batches[-1]][0]
+        print(f"wrote {a.profile_out}: {prof.device}, micro batches "
+              f"{list(a.profile_micro_batches)}, transformer layer forward {fwd * 1e3:.3g} ms",
+              file=out)
+        return 0
+    if a.global_batch_size is None:
+        raise PlanError("--global-batch-size is required: the planner keeps it fixed")
+    topo = resolve_topology({name: getattr(a, name) for name, _ in TOPO}, a.topology,
+                            num_gpus=a.num_gpus)
+    if a.profile:
+        profile = load_profile(a.profile)
+    else:
+        profile = AnalyticProfile(**{k: v for k, v in (("device_tflops", a.device_tflops),
+                                                       ("efficiency", a.device_efficiency))
+                                     if v is not None}).validate()
+    recompute = {"auto": (False, True), "on": (True,), "off": (False,)}[a.recompute]
+    if a.top < 1:
+        raise PlanError(f"--top must be >= 1, got {a.top}")
+    result = search(model, topo, profile, a.global_batch_size,
+                    schedules=tuple(s.strip() for s in a.schedules.split(",") if s.strip()),
+                    dtype=dtype, optimizer=a.optimizer, recompute=recompute,
+                    tensor_sizes=a.tensor_sizes, micro_batches=a.micro_batch_sizes, top_k=a.top,
+                    exhaustive=a.exhaustive, arch=getattr(model, "family", "gpt"))
+    best = result.best
+    flags = layout_flags(best.layout)
+    if a.json:
+        json.dump({"chosen": best.to_dict(), "flags": flags,
+                   "candidates": [e.to_dict() for e in result.ranked[:a.top]],
+                   "considered": result.considered, "fitting": result.fitting,
+                   "simulated": result.simulated, "seconds": result.seconds,
+                   "topology": json.loads(topo.to_json())}, out, indent=2)
+        out.write("\n")
+        return 0
+    result.ranked = result.ranked[:a.top]
+    print(_table(result, model, topo), file=out)
+    print(f"\nchosen ({best.samples_per_s:.4g} samples/s predicted, {best.source}):\n  {flags}",
+          file=out)
+    print(f"  stage partition (spec indices, embedding=0, head={model.num_layers + 1}): "
+          f"{best.plan.bounds}", file=out)
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["main", "run", "build_parser"]

@@ -1,0 +1,302 @@
+"""Cost model of one layout: per-stage durations for the simulator, memory per stage, a lower bound.
+
+A `Layout` is (schedule, t, d, w, b, m, recompute, rank order). `stage_plan(setup, layout, ...)`
+turns it into a `StagePlan`:
+
+- compute: F_s, B_s = sums of the per-layer profile times of the stage's layers (a contiguous
+  range from `partition.py`); recomputation adds the transformer layers' forward to B_s (the
+  engine, like Megatron, recomputes transformer layers only); tensor parallelism adds, over the
+  node-local link, two all-reduces of the activation per transformer layer and pass, one for the
+  vocab-parallel embedding (forward) and the output layer's input gradient, and the
+  cross-entropy's three small ones.
+- p2p: an activation (or its gradient) of b*s*h elements in the model dtype crosses the link the
+  placement implies between stage c and c+1 (inter-node if any replica's pair sits on two nodes).
+- R/N/S: R launches the data-parallel all-reduce (ring over the slowest link of the group; the
+  tied embedding gradient goes over the 2w-rank tied group); N waits for it, so N costs what is
+  left after the compute between R and N (one forward in 2BW, nothing in flush/gpipe); S is the
+  local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce.
+- memory: exactly the engine's buffers (`pipeline/weights.py`, `optim/optimizer.py`): weight
+  versions (2 in 2BW) in the model dtype, fp32 master (bf16/fp16), fp32 gradient buffer per version
+  slot (+1 element carrying the loss), the low-precision gradient buffer (bf16/fp16), optimizer
+  state (Adam 2, SGD 1 fp32 copies); plus stashed activations per in-flight microbatch (2BW and
+  flush: min(d - s, m) on stage s, GPipe: m); recomputation stashes only each transformer layer's
+  input and needs one layer's full activations while recomputing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig
+from ..models.flops import DTYPE_BYTES, layer_costs
+from ..parallel.grid import ProcessGrid
+from .partition import partition
+
+OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
+
+
+@dataclass(frozen=True)
+class Layout:
+    schedule: str
+    tensor: int
+    pipeline: int
+    data: int
+    micro_batch: int
+    num_microbatches: int
+    recompute: bool = False
+    rank_order: str = "tp-dp-pp"
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.num_microbatches * self.data
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def describe(self) -> str:
+        return (f"{self.schedule} t{self.tensor} d{self.pipeline} w{self.data} b{self.micro_batch} "
+                f"m{self.num_microbatches}{' rc' if self.recompute else ''} {self.rank_order}")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What stays fixed across candidates."""
+    model: ModelConfig
+    dtype: str = "fp32"
+    optimizer: str = "adam"
+    arch: str = "gpt"
+    flash: bool = True
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam") -> dict:
+    """Bytes of the engine's per-stage weight, gradient and optimizer buffers."""
+    p = DTYPE_BYTES[dtype]
+    mixed = dtype != "fp32"
+    return {"weights": num_slots * params * p,
+            "master": params * 4 if mixed else 0,
+            "grads": num_slots * (params + 1) * 4,
+            "model_grad": params * p if mixed else 0,
+            "optimizer": OPTIMIZER_COPIES[optimizer] * params * 4}
+
+
+def num_slots(schedule: str) -> int:
+    return 2 if schedule == "2bw" else 1
+
+
+def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
+    """Peak number of microbatches whose activations stage `stage` stashes."""
+    return m if schedule == "gpipe" else min(d - stage, m)
+
+
+def stage_params(costs: list, lo: int, hi: int, prefix: dict | None = None) -> int:
+    """Parameters of layers [lo, hi): a tied weight counted once when both users are here."""
+    n = prefix["params"][hi] - prefix["params"][lo] if prefix else \
+        sum(c.params for c in costs[lo:hi])
+    if lo == 0 and hi == len(costs):
+        n -= costs[-1].tied_params
+    return n
+
+
+def _recomputed(cost) -> bool:
+    """Megatron's full recomputation (and the engine's) covers the transformer layers only."""
+    return cost.name == "transformer"
+
+
+def activation_bytes(costs: list, lo: int, hi: int, recompute: bool, last: bool,
+                     prefix: dict | None = None) -> tuple:
+    """(bytes stashed per in-flight microbatch, extra working bytes once) for layers [lo, hi)."""
+    out = 0.0 if last else costs[hi - 1].output_bytes  # the stage output kept for the backward
+    col = "keep_rc" if recompute else "act"
+    if prefix:
+        kept = prefix[col][hi] - prefix[col][lo]
+    else:
+        kept = sum(_kept(c, recompute) for c in costs[lo:hi])
+    extra = max((c.act_bytes for c in costs[lo:hi] if _recomputed(c)), default=0.0) \
+        if recompute else 0.0
+    return kept + out, extra
+
+
+def _kept(cost, recompute: bool) -> float:
+    return cost.input_bytes if recompute and _recomputed(cost) else cost.act_bytes
+
+
+# ---- the plan of one layout ------------------------------------------------------------------
+
+
+@dataclass
+class StagePlan:
+    layout: Layout
+    bounds: list                 # spec-index boundaries per stage
+    fwd: list                    # per stage, one microbatch
+    bwd: list                    # per stage, one microbatch (recompute included)
+    p2p: list                    # per boundary c (stage c <-> c+1): one activation or gradient
+    reduce: list                 # per stage: R duration
+    norm: list                   # per stage: N duration (exposed all-reduce)
+    step: list                   # per stage: S duration
+    allreduce: list              # per stage: full gradient all-reduce time (before overlap)
+    memory: list                 # per stage: dict of byte counts, "total" included
+    peak_in_flight: list
+    inter_node_p2p: list = field(default_factory=list)
+
+    @property
+    def max_memory(self) -> float:
+        return max(m["total"] for m in self.memory)
+
+    def busy(self, stage: int) -> float:
+        m = self.layout.num_microbatches
+        return (m * (self.fwd[stage] + self.bwd[stage]) + self.reduce[stage] + self.norm[stage]
+                + self.step[stage])
+
+    def lower_bound(self) -> float:
+        """A time per batch no schedule run can beat (the prediction is never below it)."""
+        d, m = self.layout.pipeline, self.layout.num_microbatches
+        bound = max(self.busy(s) for s in range(d))
+        if self.layout.schedule == "2bw":
+            return bound
+        chain = 0.0  # flush/gpipe: the batch drains, so the first microbatch's round trip counts
+        tail = self.reduce[0] + self.norm[0] + self.step[0]
+        for s in range(d):
+            bound = max(bound, chain + m * (self.fwd[s] + self.bwd[s]) + tail)
+            if s < d - 1:
+                chain += self.fwd[s] + self.bwd[s] + 2 * self.p2p[s]
+        return bound
+
+    def durations(self):
+        """(durations callable, comm callable) for `pipeline.simulate.simulate`."""
+        table = [{"F": self.fwd[s], "B": self.bwd[s], "R": self.reduce[s], "N": self.norm[s],
+                  "S": self.step[s]} for s in range(self.layout.pipeline)]
+        p2p = self.p2p
+
+        def dur(stage, a):
+            return table[stage][a.kind]
+
+        def comm(stage, a):
+            return p2p[stage - 1] if a.kind in ("ra", "sg") else p2p[stage]
+        return dur, comm
+
+
+class LayerTimes:
+    """Per-layer (costs, forward, backward) for one (micro batch, tensor size), cached."""
+
+    def __init__(self, setup: Setup, profile, topology):
+        self.setup, self.profile, self.topo = setup, profile, topology
+        self._cache = {}
+
+    def get(self, b: int, t: int) -> tuple:
+        key = (b, t)
+        if key not in self._cache:
+            s = self.setup
+            costs = layer_costs(s.model, b, t, s.dtype, s.arch, s.flash)
+            times = [self.profile.layer_times(c, b, t) for c in costs]
+            tp = [(0.0, 0.0)] * len(costs)
+            if t > 1:  # tensor-parallel all-reduces (node-local): (forward, backward) per layer
+                one = self.topo.ring_time(costs[1].output_bytes, t, False)
+                ce = 3 * self.topo.ring_time(4.0 * b * s.model.seq_length, t, False)
+                per = {"embedding": (one, 0.0), "transformer": (2 * one, 2 * one),
+                       "head": (ce, one)}  # vocab-parallel lookup; cross entropy; input grad
+                tp = [per[c.name] for c in costs]
+            self._cache[key] = (costs, [f + x for (f, _), (x, _) in zip(times, tp)],
+                                [g + y for (_, g), (_, y) in zip(times, tp)])
+        return self._cache[key]
+
+    def prefix(self, b: int, t: int) -> dict:
+        """Prefix sums over the spec list (O(1) range sums per stage)."""
+        key = ("prefix", b, t)
+        if key not in self._cache:
+            costs, fwd, bwd = self.get(b, t)
+            cols = {"fwd": fwd, "bwd": bwd, "params": [c.params for c in costs],
+                    "act": [c.act_bytes for c in costs],
+                    "keep_rc": [_kept(c, True) for c in costs],
+                    "rc_fwd": [f if _recomputed(c) else 0.0 for c, f in zip(costs, fwd)]}
+            out = {}
+            for name, col in cols.items():
+                acc = [0]
+                for x in col:
+                    acc.append(acc[-1] + x)
+                out[name] = acc
+            self._cache[key] = out
+        return self._cache[key]
+
+    def placement(self, layout: Layout) -> tuple:
+        key = ("place", layout.tensor, layout.pipeline, layout.data, layout.rank_order)
+        if key not in self._cache:
+            self._cache[key] = placement(layout, self.topo)
+        return self._cache[key]
+
+    def partition(self, b: int, t: int, d: int, recompute: bool) -> list:
+        key = ("part", b, t, d, recompute)
+        if key not in self._cache:
+            costs, fwd, bwd = self.get(b, t)
+            weights = [f + g + (f if recompute and _recomputed(c) else 0.0)
+                       for c, f, g in zip(costs, fwd, bwd)]
+            self._cache[key] = partition(weights, d)
+        return self._cache[key]
+
+
+def placement(layout: Layout, topology) -> tuple:
+    """Which links the layout's groups use: (inter-node flag per p2p boundary, per stage whether
+    its data-parallel group spans nodes, whether the tied group does, whether the
+    model-parallel (one rank per stage) group does)."""
+    t, d, w = layout.tensor, layout.pipeline, layout.data
+    grid = ProcessGrid(t, d, w, rank_order=layout.rank_order)
+    node = topology.node_of
+    nodes = [[node(grid.rank_of(0, s, j)) for j in range(w)] for s in range(d)]
+    inter = [any(a != b for a, b in zip(nodes[c], nodes[c + 1])) for c in range(d - 1)]
+    dp = [len(set(row)) > 1 for row in nodes]
+    tied = len(set(nodes[0]) | set(nodes[-1])) > 1
+    mp = len({row[0] for row in nodes}) > 1
+    return inter, dp, tied, mp
+
+
+def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
+               bounds: list | None = None) -> StagePlan:
+    """Everything the simulator and the memory check need for one layout."""
+    L = layout
+    d, m, b, t = L.pipeline, L.num_microbatches, L.micro_batch, L.tensor
+    costs = times.get(b, t)[0]
+    P = times.prefix(b, t)
+    if bounds is None:
+        bounds = times.partition(b, t, d, L.recompute)
+    fwd, bwd, memory, peaks, reduce_, norm, step, ar = [], [], [], [], [], [], [], []
+    inter, dp_inter, tied_inter, mp_inter = times.placement(L)
+    w, slots = L.data, num_slots(L.schedule)
+    norm_ar = topology.ring_time(8.0, d, mp_inter)  # [norm^2, loss] over one rank per stage
+    for s in range(d):
+        lo, hi = bounds[s], bounds[s + 1]
+        f = P["fwd"][hi] - P["fwd"][lo]
+        fwd.append(f)
+        rc = P["rc_fwd"][hi] - P["rc_fwd"][lo] if L.recompute else 0.0
+        bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)
+        params = stage_params(costs, lo, hi, P)
+        mem = state_bytes(params, slots, setup.dtype, setup.optimizer)
+        per_mb, extra = activation_bytes(costs, lo, hi, L.recompute, s == d - 1, P)
+        peak = in_flight(L.schedule, d, m, s)
+        mem["activations"] = peak * per_mb + extra
+        mem["total"] = sum(mem.values())
+        memory.append(mem)
+        peaks.append(peak)
+        # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
+        tied = (costs[lo].tied_params if lo == 0 else 0) + \
+            (costs[-1].tied_params if hi == len(costs) else 0)
+        tied = tied if d > 1 else 0
+        t_ar = topology.ring_time(4.0 * (params + 1 - tied), w, dp_inter[s])
+        if tied:
+            t_ar += topology.ring_time(4.0 * tied, 2 * w, tied_inter)
+        ar.append(t_ar)
+        overlap = f if L.schedule == "2bw" else 0.0  # 2bw: N comes one forward after R
+        reduce_.append(0.0)
+        norm.append(max(0.0, t_ar - overlap))
+        step.append(times.profile.step_time(params) + norm_ar)
+    act = DTYPE_BYTES[setup.dtype] * b * setup.model.seq_length * setup.model.hidden_size
+    if setup.arch == "bert":
+        act += b * setup.model.seq_length  # the padding mask travels with the hidden states
+    p2p = [topology.transfer_time(act, x) for x in inter]
+    return StagePlan(L, list(bounds), fwd, bwd, p2p, reduce_, norm, step, ar, memory, peaks,
+                     inter)
+
+
+__all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "state_bytes",
+           "in_flight", "num_slots", "activation_bytes", "stage_params", "placement"]

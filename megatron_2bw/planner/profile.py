@@ -1,0 +1,283 @@
+"""Per-layer compute times: measured on this device, or analytic from FLOPs and a device model.
+
+Both kinds answer `layer_times(cost, micro_batch, tensor) -> (forward_s, backward_s)` for one spec
+of the model (`models/flops.LayerCost`) and `step_time(params)` for a stage's per-batch local work
+(gradient scaling, norm, optimizer step). Profiles are JSON files users can edit and share:
+
+    {"source": "analytic", "device_tflops": 312, "efficiency": 0.5,
+     "memory_bandwidth_gb_per_s": 2000, "step_bytes_per_param": 36}
+
+    {"source": "measured", "device": "cpu, 1 thread", "dtype": "fp32",
+     "model": {"hidden_size": 64, ...},
+     "layers": {"transformer": {"4": {"forward_s": 0.0011, "backward_s": 0.0023}}, ...},
+     "step_s_per_param": 2.1e-9}
+
+A measured profile holds one entry per micro-batch size it timed; other sizes are interpolated
+linearly (and scaled proportionally outside the measured range). Tensor parallelism divides the
+measured single-rank times by t (the all-reduces are costed separately by the cost model).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..models.flops import LayerCost
+from .topology import PlanError
+
+KINDS = ("embedding", "transformer", "head")
+SHAPE_FIELDS = ("family", "hidden_size", "num_attention_heads", "ffn_size", "seq_length",
+                "vocab_size", "max_positions", "untie_embeddings_and_output_weights")
+
+
+@dataclass
+class AnalyticProfile:
+    device_tflops: float = 312.0          # peak dense TFLOP/s of one accelerator (A100 bf16)
+    efficiency: float = 0.5               # achievable fraction of the peak
+    memory_bandwidth_gb_per_s: float = 2000.0
+    step_bytes_per_param: float = 36.0    # memory traffic of scale + norm + Adam step, per param
+    source: str = "analytic"
+
+    def validate(self) -> "AnalyticProfile":
+        if not self.device_tflops > 0:
+            raise PlanError(f"--device-tflops must be > 0, got {self.device_tflops}")
+        if not 0 < self.efficiency <= 1:
+            raise PlanError(f"--device-efficiency must be in (0, 1], got {self.efficiency}")
+        if not self.memory_bandwidth_gb_per_s > 0:
+            raise PlanError("memory_bandwidth_gb_per_s must be > 0, got "
+                            f"{self.memory_bandwidth_gb_per_s}")
+        return self
+
+    def check_model(self, model, dtype: str) -> None:
+        """Any model: times come from its FLOPs."""
+
+    def layer_times(self, cost: LayerCost, micro_batch: int, tensor: int = 1) -> tuple:
+        flops = self.device_tflops * 1e12 * self.efficiency
+        bw = self.memory_bandwidth_gb_per_s * 1e9 * self.efficiency
+        fwd = max(cost.fwd_flops / flops, cost.fwd_bytes / bw)
+        bwd = max(cost.bwd_flops / flops, 2.0 * cost.fwd_bytes / bw)
+        return fwd, bwd
+
+    def step_time(self, params: int) -> float:
+        return params * self.step_bytes_per_param / (self.memory_bandwidth_gb_per_s * 1e9)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class MeasuredProfile:
+    model: dict
+    layers: dict                          # kind -> {micro batch: (forward_s, backward_s)}
+    step_s_per_param: float
+    dtype: str = "fp32"
+    device: str = "cpu"
+    source: str = "measured"
+    path: str = field(default="", repr=False)
+
+    def validate(self) -> "MeasuredProfile":
+        where = self.path or "profile"
+        for kind in KINDS:
+            table = self.layers.get(kind)
+            if not table:
+                raise PlanError(f"{where}: no timings for layer type {kind!r}: re-measure with "
+                                "tools/plan.py --profile-out FILE")
+            for b, (fwd, bwd) in table.items():
+                if not (isinstance(b, int) and b >= 1 and fwd >= 0 and bwd >= 0):
+                    raise PlanError(f"{where}: bad entry for {kind} micro batch {b!r}: "
+                                    "times must be >= 0 seconds")
+        if self.step_s_per_param < 0:
+            raise PlanError(f"{where}: step_s_per_param must be >= 0")
+        return self
+
+    def check_model(self, model, dtype: str) -> None:
+        where = self.path or "the profile"
+        for name in SHAPE_FIELDS:
+            want, have = getattr(model, name, None), self.model.get(name)
+            if have is not None and have != want:
+                raise PlanError(f"{where} was measured for {name} {have}, not {want}: measure this "
+                                "model with tools/plan.py --profile-out FILE (or use an analytic "
+                                "profile)")
+        if dtype != self.dtype:
+            raise PlanError(f"{where} was measured in {self.dtype}, not {dtype}: re-measure with "
+                            f"the same precision flag")
+
+    def layer_times(self, cost: LayerCost, micro_batch: int, tensor: int = 1) -> tuple:
+        table = self.layers[cost.name]
+        return tuple(_interpolate(table, micro_batch, i) / tensor for i in (0, 1))
+
+    def step_time(self, params: int) -> float:
+        return params * self.step_s_per_param
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "device": self.device, "dtype": self.dtype,
+                "model": self.model, "step_s_per_param": self.step_s_per_param,
+                "layers": {k: {str(b): {"forward_s": f, "backward_s": g}
+                               for b, (f, g) in sorted(v.items())}
+                           for k, v in self.layers.items()}}
+
+
+def _interpolate(table: dict, b: int, i: int) -> float:
+    if b in table:
+        return table[b][i]
+    keys = sorted(table)
+    if b < keys[0]:
+        return table[keys[0]][i] * b / keys[0]
+    if b > keys[-1]:
+        return table[keys[-1]][i] * b / keys[-1]
+    hi = next(k for k in keys if k > b)
+    lo = max(k for k in keys if k < b)
+    w = (b - lo) / (hi - lo)
+    return table[lo][i] * (1 - w) + table[hi][i] * w
+
+
+def profile_from_dict(data: dict, path: str = "") -> AnalyticProfile | MeasuredProfile:
+    where = path or "profile"
+    if not isinstance(data, dict) or data.get("source") not in ("analytic", "measured"):
+        raise PlanError(f"{where}: expected a JSON object with \"source\": \"analytic\" or "
+                        "\"measured\"")
+    try:
+        if data["source"] == "analytic":
+            known = {k: v for k, v in data.items() if k in AnalyticProfile.__dataclass_fields__}
+            return AnalyticProfile(**known).validate()
+        layers = {kind: {int(b): (float(e["forward_s"]), float(e["backward_s"]))
+                         for b, e in table.items()} for kind, table in data["layers"].items()}
+        return MeasuredProfile(dict(data.get("model", {})), layers, float(data["step_s_per_param"]),
+                               data.get("dtype", "fp32"), data.get("device", "?"),
+                               path=path).validate()
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, PlanError):
+            raise
+        raise PlanError(f"{where}: malformed profile ({type(e).__name__}: {e}): re-measure with "
+                        "tools/plan.py --profile-out FILE") from None
+
+
+def load_profile(path: str):
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise PlanError(f"cannot read profile {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"profile {path} is not valid JSON (line {e.lineno}): {e.msg}") from None
+    return profile_from_dict(data, path)
+
+
+def save_profile(profile, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(profile.to_dict(), f, indent=2)
+        f.write("\n")
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def _median_time(fn, repeats: int, setup=None) -> float:
+    times = []
+    for i in range(repeats + 2):  # two warm-up runs
+        arg = setup() if setup else None
+        t0 = time.perf_counter()
+        fn(arg)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+CHAIN = 3  # transformer layers timed back to back (distinct weights: realistic cache misses)
+
+
+def _layer_runners(model, dev, dt):
+    """(modules, inputs(kind, b), forward(kind, inputs) -> output or loss) for the model family.
+    The transformer entry is a chain of CHAIN layers; its times are divided by CHAIN."""
+    import torch
+
+    s, h, V = model.seq_length, model.hidden_size, model.vocab_size
+    torch.manual_seed(0)
+    bert = getattr(model, "family", "gpt") == "bert"
+    if bert:
+        from ..models.bert import BertEmbedding, BertHeads, BertLayer, make_bert_loss
+        emb, head, loss_fn = BertEmbedding(model), BertHeads(model), make_bert_loss()
+        chain = [BertLayer(model, causal=False) for _ in range(CHAIN)]
+    else:
+        from ..models.gpt import GPTEmbedding, GPTHead, gpt_loss
+        from ..models.transformer import TransformerLayer
+        emb, head, loss_fn = GPTEmbedding(model), GPTHead(model), gpt_loss
+        chain = [TransformerLayer(model) for _ in range(CHAIN)]
+    mods = {"embedding": emb, "transformer": torch.nn.ModuleList(chain), "head": head}
+    for mod in mods.values():
+        mod.to(dev, dt).train()
+
+    def inputs(kind, b):
+        tokens = torch.randint(0, V, (b, s), device=dev)
+        mask = torch.ones(b, s, dtype=torch.bool, device=dev)
+        x = torch.randn(b, s, h, device=dev, dtype=dt, requires_grad=True)
+        return tokens, mask, x
+
+    def forward(kind, args):
+        tokens, mask, x = args
+        if kind == "embedding":
+            return emb(tokens, torch.zeros_like(tokens), mask)[0] if bert else emb(tokens)
+        if kind == "transformer":
+            for layer in chain:
+                x = layer(x, mask)[0] if bert else layer(x)
+            return x
+        if bert:
+            labels = (tokens, torch.ones_like(tokens),
+                      torch.zeros(tokens.shape[0], dtype=torch.long, device=dev))
+            return loss_fn(head(x, mask), labels)
+        return loss_fn(head(x), tokens)
+    return mods, inputs, forward
+
+
+def measure_profile(model, micro_batches=(1, 2, 4), dtype: str = "fp32", device: str = "cpu",
+                    repeats: int = 5, threads: int | None = 1) -> MeasuredProfile:
+    """Time each layer type of the model (GPT or BERT) forward and backward on this device."""
+    import torch
+
+    from ..config import OptimizerConfig
+    from ..optim.optimizer import FlatAdamW
+    from ..pipeline.weights import DTYPES
+
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    dev, dt = torch.device(device), DTYPES[dtype]
+    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    try:
+        mods, inputs, forward = _layer_runners(model, dev, dt)
+        layers = {k: {} for k in KINDS}
+        for b in micro_batches:
+            for kind in KINDS:
+                div = CHAIN if kind == "transformer" else 1
+
+                def with_grad(kind=kind):
+                    out = forward(kind, inputs(kind, b))
+                    return out, (torch.randn_like(out) if out.dim() else None)
+                fwd = _median_time(lambda a: (forward(kind, a), sync()), repeats,
+                                   setup=lambda: inputs(kind, b))
+                bwd = _median_time(lambda a: (a[0].backward(a[1]), sync()), repeats,
+                                   setup=with_grad)
+                layers[kind][int(b)] = (fwd / div, bwd / div)
+        n = max(sum(p.numel() for p in mods["transformer"].parameters()), 1 << 20)
+        opt = FlatAdamW(n, n // 2, dev, OptimizerConfig())
+        src, dst = torch.randn(n, device=dev), torch.empty(n, device=dev)
+        grad = torch.randn(n + 1, device=dev)
+
+        def step(_):  # what R, N and S do locally: scale, squared norm, Adam into the other slot
+            grad.mul_(1.0)
+            torch.stack([grad[:n].pow(2).sum(), grad[n]])
+            opt.step(src, grad[:n], dst, 1e-3)
+            grad.zero_()
+            sync()
+        per_param = _median_time(step, repeats) / n
+    finally:
+        torch.set_num_threads(old_threads)
+    shape = {k: getattr(model, k, None) for k in SHAPE_FIELDS}
+    name = f"{dev.type}, {threads} thread{'s' if threads != 1 else ''}" if dev.type == "cpu" \
+        else torch.cuda.get_device_name(dev)
+    return MeasuredProfile(shape, layers, per_param, dtype, name)
+
+
+__all__ = ["AnalyticProfile", "MeasuredProfile", "load_profile", "save_profile",
+           "profile_from_dict", "measure_profile", "KINDS"]

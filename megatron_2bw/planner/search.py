@@ -1,0 +1,145 @@
+"""Search over layouts: every (t, d, w) with t*d*w = N (t inside a node), every micro batch b that
+divides the per-replica batch, recomputation on/off, each schedule (2BW needs m >= d) and, on more
+than one node, both rank orders. Layouts over the usable memory are dropped; the rest are ranked
+by predicted time per batch (the global batch is fixed, so this is ranking by samples/s).
+
+Every layout gets a cheap `lower_bound()`; layouts are simulated in increasing bound order and the
+search stops once the k-th best prediction beats every remaining bound (branch and bound). The
+bound never exceeds the prediction, so the result equals exhaustive simulation
+(`exhaustive=True` simulates everything; the tests compare both).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..config import RANK_ORDERS, ModelConfig
+from ..models.flops import DTYPE_BYTES
+from .cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
+from .simulate import Estimate, predict
+from .topology import GB, PlanError, Topology
+
+SCHEDULES = ("2bw", "flush", "gpipe")
+
+
+@dataclass
+class SearchResult:
+    ranked: list                     # best first (Estimates)
+    considered: int                  # layouts enumerated
+    fitting: int                     # of which fit in memory
+    simulated: int                   # of which were simulated
+    smallest_footprint_gb: float
+    seconds: float
+    topology: Topology = field(repr=False, default=None)
+
+    @property
+    def best(self) -> Estimate:
+        return self.ranked[0]
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _key(est: Estimate) -> tuple:
+    return (est.time_per_batch, est.plan.max_memory, est.layout.describe())
+
+
+def _check_inputs(model: ModelConfig, global_batch, schedules, dtype, optimizer, recompute):
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise PlanError(f"--global-batch-size must be an integer >= 1, got {global_batch!r}")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad or not schedules:
+        raise PlanError(f"unknown schedule {bad[0] if bad else '(none)'!r} in --schedules: use a "
+                        f"comma-separated subset of {','.join(SCHEDULES)}")
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"unknown precision {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    if optimizer not in OPTIMIZER_COPIES:
+        raise PlanError(f"unknown optimizer {optimizer!r}: use one of "
+                        f"{', '.join(OPTIMIZER_COPIES)}")
+    if not recompute:
+        raise PlanError("no recompute option to try: allow recomputation on, off or both")
+    for name, value in (("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
+                        ("--num-attention-heads", model.num_attention_heads),
+                        ("--seq-length", model.seq_length), ("--vocab-size", model.vocab_size)):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+    if model.hidden_size % model.num_attention_heads:
+        raise PlanError(f"--hidden-size {model.hidden_size} is not divisible by "
+                        f"--num-attention-heads {model.num_attention_heads}")
+
+
+def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
+                      schedules=SCHEDULES, recompute=(False, True), tensor_sizes=None,
+                      micro_batches=None, rank_orders=RANK_ORDERS):
+    """Yield every candidate Layout (memory is checked later)."""
+    n, gpn = topology.num_gpus, topology.gpus_per_node
+    orders = tuple(rank_orders) if topology.num_nodes > 1 else tuple(rank_orders)[:1]
+    for t in divisors(gpn):
+        if (model.num_attention_heads % t or model.vocab_size % t or model.ffn_size % t or n % t
+                or (tensor_sizes and t not in tensor_sizes)):
+            continue  # the engine shards heads, the vocabulary and the MLP evenly
+        for d in divisors(n // t):
+            if d > model.num_layers:
+                continue
+            w = n // (t * d)
+            if global_batch % w:
+                continue
+            for b in divisors(global_batch // w):
+                if micro_batches and b not in micro_batches:
+                    continue
+                m = global_batch // (w * b)
+                for rc in recompute:
+                    for sched in schedules:
+                        if sched == "2bw" and m < d:
+                            continue
+                        for order in (orders if d > 1 and w > 1 else orders[:1]):
+                            yield Layout(sched, t, d, w, b, m, bool(rc), order)
+
+
+def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
+           schedules=SCHEDULES, dtype: str = "fp32", optimizer: str = "adam",
+           recompute=(False, True), tensor_sizes=None, micro_batches=None,
+           rank_orders=RANK_ORDERS, top_k: int = 5, exhaustive: bool = False,
+           arch: str = "gpt") -> SearchResult:
+    start = time.perf_counter()
+    topology.validate()
+    _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
+    profile.check_model(model, dtype)
+    setup = Setup(model, dtype, optimizer, arch)
+    times = LayerTimes(setup, profile, topology)
+    usable = topology.usable_memory_gb * GB
+    considered, smallest, cands = 0, float("inf"), []
+    for layout in enumerate_layouts(model, topology, global_batch, schedules, recompute,
+                                    tensor_sizes, micro_batches, rank_orders):
+        considered += 1
+        plan = stage_plan(setup, layout, times, topology)
+        smallest = min(smallest, plan.max_memory)
+        if plan.max_memory <= usable:
+            cands.append((plan.lower_bound(), len(cands), plan))
+    if not considered:
+        raise PlanError(f"no valid layout for {topology.num_gpus} GPUs, global batch "
+                        f"{global_batch} "
+                        f"and schedules {','.join(schedules)}: the global batch must be a multiple "
+                        "of micro batch x data-parallel size (2bw also needs at least as many "
+                        "microbatches as stages); try a multiple of the GPU count")
+    if not cands:
+        raise PlanError(f"does not fit: smallest footprint {smallest / GB:.2f} GB > "
+                        f"{topology.usable_memory_gb:.2f} GB usable per GPU (of "
+                        f"{topology.gpu_memory_gb:g} GB): add GPUs or memory, use bf16, "
+                        "recomputation or a smaller model")
+    cands.sort(key=lambda c: (c[0], c[1]))
+    ranked, simulated = [], 0
+    for bound, _, plan in cands:
+        if not exhaustive and len(ranked) >= top_k and bound > ranked[top_k - 1].time_per_batch:
+            break
+        ranked.append(predict(plan))
+        simulated += 1
+        ranked.sort(key=_key)
+    if not exhaustive:
+        ranked = ranked[:top_k]
+    return SearchResult(ranked, considered, len(cands), simulated, smallest / GB,
+                        time.perf_counter() - start, topology)
+
+
+__all__ = ["SCHEDULES", "SearchResult", "search", "enumerate_layouts", "divisors"]

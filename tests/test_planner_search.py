@@ -1,0 +1,205 @@
+"""Planner search: equals exhaustive simulation, is fast, is monotone in resources, fails clearly;
+tools/plan.py and plan_for_args."""
+import io
+import json
+import random
+import time
+from dataclasses import replace
+
+import pytest
+
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.flops import named_model
+from megatron_2bw.planner import AnalyticProfile, PlanError, Topology, predict, search
+from megatron_2bw.planner.cli import main as plan_main
+from megatron_2bw.planner.cli import run as plan_run
+from megatron_2bw.planner.cost_model import LayerTimes, Setup, stage_plan
+from megatron_2bw.planner.search import enumerate_layouts
+from megatron_2bw.planner.simulate import steady_increment
+from megatron_2bw.planner.topology import GB
+
+
+def _model(layers, hidden=64, seq=32, vocab=512):
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                       seq_length=seq, vocab_size=vocab)
+
+
+def _problems(n, seed):
+    rng = random.Random(seed)
+    for _ in range(n):
+        gpn = rng.choice([1, 2, 4])
+        topo = Topology(num_nodes=rng.choice([1, 2]), gpus_per_node=gpn,
+                        gpu_memory_gb=rng.choice([0.004, 0.01, 0.05, 1.0]),
+                        intra_node_bandwidth_gbps=rng.choice([10, 100, 1000]),
+                        inter_node_bandwidth_gbps=rng.choice([0.5, 5, 50]),
+                        intra_node_latency_us=rng.choice([1, 20]),
+                        inter_node_latency_us=rng.choice([5, 100]))
+        model = _model(rng.choice([2, 3, 4, 6]), rng.choice([32, 64, 128]), rng.choice([16, 64]))
+        prof = AnalyticProfile(device_tflops=rng.choice([0.05, 0.5, 5.0]), efficiency=0.5,
+                               memory_bandwidth_gb_per_s=rng.choice([1.0, 20.0]))
+        yield model, topo, prof, rng.choice([4, 8, 16]), rng.choice(["fp32", "bf16"])
+
+
+def _exhaustive(model, topo, prof, batch, dtype):
+    """Every layout that fits, fully simulated (no extrapolation, no pruning)."""
+    setup = Setup(model, dtype, "adam")
+    times = LayerTimes(setup, prof, topo)
+    best = None
+    for layout in enumerate_layouts(model, topo, batch):
+        plan = stage_plan(setup, layout, times, topo)
+        if plan.max_memory > topo.usable_memory_gb * GB:
+            continue
+        est = predict(plan, full=True)
+        if layout.schedule != "2bw":  # drained every batch: the simulation is the steady state
+            assert steady_increment(plan) >= est.lower_bound * (1 - 1e-9), layout
+        key = (est.time_per_batch, plan.max_memory, layout.describe())
+        best = min(best, key) if best else key
+    return best
+
+
+def test_search_choice_equals_exhaustive_simulation():
+    checked = 0
+    for model, topo, prof, batch, dtype in _problems(40, seed=1):
+        try:
+            res = search(model, topo, prof, batch, dtype=dtype, top_k=3)
+        except PlanError as e:
+            assert "does not fit" in str(e) or "no valid layout" in str(e)
+            assert _exhaustive(model, topo, prof, batch, dtype) is None
+            continue
+        best = _exhaustive(model, topo, prof, batch, dtype)
+        assert best is not None
+        # the same layout, or one whose fully simulated time ties with it (rounding)
+        chosen = predict(res.best.plan, full=True).time_per_batch
+        assert res.best.layout.describe() == best[2] or chosen == pytest.approx(best[0], rel=1e-9)
+        assert chosen == pytest.approx(best[0], rel=1e-9)
+        everything = search(model, topo, prof, batch, dtype=dtype, exhaustive=True)
+        assert everything.best.layout == res.best.layout
+        assert [e.layout for e in everything.ranked[:3]] == [e.layout for e in res.ranked]
+        checked += 1
+    assert checked >= 20
+
+
+def test_search_is_fast_for_64_gpus_and_32_blocks():
+    model = named_model("gpt-2.7b")
+    assert model.num_layers == 32
+    topo = Topology(num_nodes=8, gpus_per_node=8, gpu_memory_gb=80)
+    t0 = time.process_time()  # CPU time: robust to other processes sharing the cores
+    res = search(model, topo, AnalyticProfile(), 512, dtype="bf16")
+    assert time.process_time() - t0 < 1.0
+    assert res.considered > 1000 and res.simulated < res.fitting
+    assert res.best.layout.num_gpus == 64
+
+
+def test_more_memory_or_a_faster_link_never_predicts_slower():
+    checked = 0
+    for model, topo, prof, batch, dtype in _problems(40, seed=2):
+        try:
+            base = search(model, topo, prof, batch, dtype=dtype, top_k=1).best.time_per_batch
+        except PlanError:
+            continue
+        for better in (replace(topo, gpu_memory_gb=topo.gpu_memory_gb * 4),
+                       replace(topo, inter_node_bandwidth_gbps=topo.inter_node_bandwidth_gbps * 10),
+                       replace(topo, inter_node_latency_us=topo.inter_node_latency_us / 10)):
+            t = search(model, better, prof, batch, dtype=dtype, top_k=1).best.time_per_batch
+            assert t <= base * (1 + 1e-9)
+        checked += 1
+    assert checked >= 20
+
+
+def test_layouts_respect_the_rules():
+    model = _model(4)
+    topo = Topology(num_nodes=2, gpus_per_node=4)
+    layouts = list(enumerate_layouts(model, topo, 16))
+    assert layouts
+    for L in layouts:
+        assert L.tensor * L.pipeline * L.data == 8 and 4 % L.tensor == 0
+        assert L.micro_batch * L.num_microbatches * L.data == 16
+        assert L.schedule != "2bw" or L.num_microbatches >= L.pipeline
+        assert L.pipeline <= 4
+    assert {L.rank_order for L in layouts} == {"tp-dp-pp", "tp-pp-dp"}
+    assert {L.schedule for L in layouts} == {"2bw", "flush", "gpipe"}
+    assert {L.recompute for L in layouts} == {False, True}
+
+
+# ---- bad inputs ------------------------------------------------------------------------------
+
+
+def test_nothing_fits_names_the_smallest_footprint():
+    topo = Topology(num_nodes=1, gpus_per_node=2, gpu_memory_gb=10)
+    with pytest.raises(PlanError, match=r"does not fit: smallest footprint \d+\.\d+ GB > 9\.00 GB"):
+        search(named_model("gpt-13b"), topo, AnalyticProfile(), 64, dtype="bf16")
+
+
+@pytest.mark.parametrize("argv,match", [
+    ("--gpu-memory-gb 0 --global-batch-size 8", "--gpu-memory-gb must be > 0, got 0"),
+    ("--num-gpus 12 --gpus-per-node 8 --global-batch-size 8",
+     "--num-gpus 12 is not divisible by --gpus-per-node 8"),
+    ("--model gpt-175b --num-gpus 2 --gpu-memory-gb 16 --global-batch-size 8",
+     "does not fit: smallest footprint"),
+    ("--num-gpus 4 --global-batch-size 3 --tensor-sizes 1", "no valid layout for 4 GPUs"),
+    ("--num-gpus 2 --global-batch-size 8 --schedules 2bw,1f1b", "unknown schedule '1f1b'"),
+    ("--model gpt-1.3 --global-batch-size 8", "did you mean gpt-1.3b"),
+    ("--num-gpus 2", "--global-batch-size is required"),
+    ("--num-gpus 2 --global-batch-size 8 --profile /nonexistent.json", "cannot read profile"),
+])
+def test_cli_bad_inputs_are_one_line(argv, match, capsys):
+    assert plan_main(argv.split()) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1 and err.startswith("error: ")
+
+
+# ---- tools/plan.py ---------------------------------------------------------------------------
+
+
+def test_cli_table_and_json():
+    argv = "--model gpt-1.3b --num-nodes 2 --gpus-per-node 8 --global-batch-size 128 --bf16"
+    out = io.StringIO()
+    assert plan_run(argv.split(), out) == 0
+    text = out.getvalue()
+    assert "samples/s" in text and "chosen" in text and "--pipeline-model-parallel-size" in text
+    out = io.StringIO()
+    assert plan_run(argv.split() + ["--json", "--top", "3"], out) == 0
+    data = json.loads(out.getvalue())
+    chosen = data["chosen"]
+    assert chosen["tensor"] * chosen["pipeline"] * chosen["data"] == 16
+    assert len(data["candidates"]) == 3 and data["candidates"][0] == chosen
+    assert f"--micro-batch-size {chosen['micro_batch_size']}" in data["flags"]
+    assert chosen["partition"][0] == 0 and chosen["partition"][-1] == 26
+
+
+def test_cli_measured_profile_round_trip(tmp_path):
+    path = str(tmp_path / "cpu.json")
+    shape = "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 8 --vocab-size 64"
+    assert plan_run(f"{shape} --profile-out {path} --profile-micro-batches 1,2".split(),
+                    io.StringIO()) == 0
+    out = io.StringIO()
+    assert plan_run(f"{shape} --profile {path} --num-gpus 2 --gpu-memory-gb 1 "
+                    "--global-batch-size 8 --json".split(), out) == 0
+    assert json.loads(out.getvalue())["chosen"]["samples_per_s"] > 0
+    with pytest.raises(PlanError, match="was measured for hidden_size 32, not 64"):
+        plan_run(f"--profile {path} --num-gpus 2 --global-batch-size 8".split(), io.StringIO())
+
+
+def test_plan_for_args_fills_a_valid_config():
+    from megatron_2bw.arguments import config_from_args
+    from megatron_2bw.planner import plan_for_args
+    from megatron_2bw.pretrain import build_parser
+    args = build_parser("gpt").parse_args(
+        "--mock-data --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--global-batch-size 32".split())
+    plan = plan_for_args(args, 4)
+    cfg = plan.apply(config_from_args(args))
+    cfg.validate(4)
+    L = plan.layout
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data) == \
+        (L.tensor, L.pipeline, L.data)
+    assert cfg.schedule == "2bw" and cfg.batch.global_batch_size == 32
+    assert plan.partition[-1] == 6 and "auto-plan:" in plan.summary()
+    # an odd vocabulary cannot be split by tensor parallelism: the plan must avoid t > 1
+    args.vocab_size, args.num_attention_heads, args.hidden_size = 509, 8, 64
+    plan = plan_for_args(args, 8)
+    assert plan.layout.tensor == 1
+    plan.apply(config_from_args(args)).validate(8)
+    args.global_batch_size = None
+    with pytest.raises(PlanError, match="--auto-plan needs --global-batch-size"):
+        plan_for_args(args, 4)

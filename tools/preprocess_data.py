@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Tokenize a JSONL corpus into Megatron mmap indexed datasets (byte-compatible with Megatron-LM).
+
+  python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+      --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model \
+      --append-eod --workers 4
+
+writes data/corpus_text_document.bin/.idx (one per --json-keys key; `_sentence` with
+--split-sentences, for BERT). Train on it with `--data-path data/corpus_text_document`.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_2bw.data.errors import DataError  # noqa: E402
+from megatron_2bw.data.preprocess import preprocess_jsonl  # noqa: E402
+from megatron_2bw.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
+    g = p.add_argument_group("input")
+    g.add_argument("--input", required=True, help="JSONL file: one JSON document per line")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to extract from each JSON line")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (BERT); otherwise one per document")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                   default="GPTSentencePieceTokenizer")
+    g.add_argument("--tokenizer-model", default=None, help="sentencepiece FILE.model")
+    g.add_argument("--vocab-size", type=int, default=None, help="for the NullTokenizer")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document token to every document")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes {prefix}_{key}_{document|sentence}.bin/.idx")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--log-interval", type=int, default=1000,
+                   help="update the progress line every this many documents")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.workers < 1:
+        print("error: --workers must be >= 1", file=sys.stderr)
+        return 2
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if not os.path.isdir(out_dir):
+        print(f"error: {out_dir}: --output-prefix directory does not exist: create it",
+              file=sys.stderr)
+        return 2
+    try:
+        outs = preprocess_jsonl(args.input, args.output_prefix, args.json_keys,
+                                args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                                args.split_sentences, args.append_eod, args.workers,
+                                args.log_interval)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for key, prefix in outs.items():
+        print(f"{key}: {prefix}.bin / {prefix}.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

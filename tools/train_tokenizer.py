@@ -1,0 +1,88 @@
+#!/usr/bin/env python
+"""Train a sentencepiece tokenizer on text or JSONL, for --tokenizer-model.
+
+  python tools/train_tokenizer.py --input corpus.jsonl --model-prefix tok --vocab-size 8000
+  python tools/train_tokenizer.py --input a.txt b.txt --model-prefix tok --model-type bpe
+
+Plain text: every non-empty line is a training sentence. JSONL (.jsonl/.json, or --json-keys):
+the lines of each document's --json-keys values. Writes {model-prefix}.model with ids unk 0,
+bos 1, eos 2 (GPT's end of document), pad 3.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_2bw.data.errors import DataError  # noqa: E402
+from megatron_2bw.data.tokenizer import train_sentencepiece  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(prog="train_tokenizer.py", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
+    p.add_argument("--json-keys", nargs="+", default=None,
+                   help="read the inputs as JSONL and take these keys (default: text, for "
+                        ".jsonl/.json files)")
+    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model")
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
+    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument("--no-byte-fallback", action="store_false", dest="byte_fallback",
+                   help="map unknown characters to <unk> instead of byte pieces")
+    p.add_argument("--input-sentence-size", type=int, default=2_000_000,
+                   help="at most this many sentences are sampled for training")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="sentencepiece trainer threads")
+    return p.parse_args(argv)
+
+
+def sentences(paths, json_keys):
+    for path in paths:
+        as_json = json_keys is not None or path.endswith((".jsonl", ".json"))
+        keys = json_keys or ["text"]
+        try:
+            f = open(path, encoding="utf-8")
+        except OSError as e:
+            raise DataError(f"{path}: cannot read the --input file ({e.strerror})") from None
+        with f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if not as_json:
+                    yield line.strip()
+                    continue
+                try:
+                    doc = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: line {lineno}: not JSON ({e.msg}); pass plain "
+                                    "text files without --json-keys") from None
+                for key in keys:
+                    if key not in doc:
+                        raise DataError(f"{path}: line {lineno}: no key {key!r} (--json-keys)")
+                    yield from (s.strip() for s in str(doc[key]).splitlines() if s.strip())
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    model = args.model_prefix + ".model"
+    try:
+        lines = list(sentences(args.input, args.json_keys))
+        if not lines:
+            raise DataError(f"{args.input[0]}: no text to train on (empty input)")
+        train_sentencepiece(lines, model, args.vocab_size, args.model_type,
+                            num_threads=args.workers, character_coverage=args.character_coverage,
+                            byte_fallback=args.byte_fallback,
+                            input_sentence_size=args.input_sentence_size,
+                            shuffle_input_sentence=True)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {model} ({args.vocab_size} pieces, {args.model_type}) from {len(lines)} lines")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
