@@ -1,0 +1,24 @@
+"""megatron_2bw: Megatron-style pretraining on a PipeDream-2BW pipeline engine.
+
+Also a DeepSpeed drop-in for pipeline models (`import megatron_2bw as deepspeed`):
+`deepspeed.initialize`, `deepspeed.init_distributed`, `deepspeed.add_config_arguments`,
+`deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec`, `deepspeed.utils.RepeatingLoader`.
+Everything is imported lazily, on first use, so `import megatron_2bw` stays light.
+"""
+import importlib
+
+_LAZY = {"initialize": "deepspeed_api", "init_distributed": "deepspeed_api",
+         "add_config_arguments": "deepspeed_api", "DeepSpeedPipelineEngine": "deepspeed_api",
+         "PipelineModule": "pipe", "LayerSpec": "pipe", "TiedLayerSpec": "pipe"}
+_SUBMODULES = ("pipe", "utils", "ds_config", "deepspeed_api")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name == "comm":  # deepspeed.comm.get_rank() and friends
+        import torch.distributed
+        return torch.distributed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -59,6 +59,7 @@ class ParallelConfig:
     rank_order: str = "tp-dp-pp"    # innermost axis first; Megatron's default
     backend: str | None = None      # None -> nccl when CUDA is available, else gloo
     timeout_minutes: float = 10.0
+    partition: list[int] | None = None  # stage boundaries over [embedding, blocks..., head]
 
 
 @dataclass
@@ -81,6 +82,9 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None
     lr_decay_style: str = "constant"
+    # DeepSpeed "scheduler" section {"type", "params"} (set by ds_config): when set, the step's lr
+    # follows DeepSpeed's arithmetic (ds_config.deepspeed_lr) instead of the Megatron fields
+    ds_scheduler: dict | None = None
 
 
 @dataclass
@@ -197,6 +201,12 @@ class Config:
             _fail(f"vocabulary size {m.vocab_size} is not divisible by "
                   f"--tensor-model-parallel-size {p.tensor}: pad it with "
                   "--make-vocab-size-divisible-by")
+        if p.partition is not None:
+            bounds, n = p.partition, m.num_layers + 2
+            if (len(bounds) != p.pipeline + 1 or bounds[0] != 0 or bounds[-1] != n
+                    or any(x >= y for x, y in zip(bounds, bounds[1:]))):
+                _fail(f"stage partition {bounds} must rise strictly from 0 to {n} in "
+                      f"{p.pipeline} steps (one boundary per stage)")
         if m.recompute_method is not None:
             if m.recompute_method not in RECOMPUTE_METHODS:
                 _fail(f"unknown --recompute-method {m.recompute_method!r}: use one of "

@@ -22,15 +22,44 @@ def build_parser(family: str) -> FlagParser:
     add_parallel_args(p)
     add_training_args(p)
     add_data_args(p, family)
+    g = p.add_argument_group("DeepSpeed config")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                   default=None, help="DeepSpeed JSON; a setting that conflicts with a flag you "
+                                      "typed is an error naming both")
+    g.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed launchers")
+    g = p.add_argument_group("auto-plan")
+    g.add_argument("--auto-plan", action="store_true",
+                   help="choose t, d, w, micro batch, rank order, recomputation and the stage "
+                        "partition with the planner (keeps --global-batch-size and "
+                        "--pipeline-schedule)")
+    g.add_argument("--plan-topology", default=None,
+                   help="topology JSON (default: SLURM / visible devices)")
+    g.add_argument("--plan-profile", default=None,
+                   help="profile JSON from tools/plan.py --profile-out")
+    g.add_argument("--device-tflops", type=float, default=None)
+    g.add_argument("--device-efficiency", type=float, default=None)
     return p
 
 
 def parse(family: str, argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(family).parse_args(argv)
     rank, world_size, local_rank = env_rank_world()
 
     def build():
-        cfg = resolve_batch(config_from_args(args, family), world_size, args.train_samples)
+        cfg = config_from_args(args, family)
+        if args.deepspeed_config:
+            from .ds_config import explicit_flags, merge_flags_and_ds_config
+            cfg = merge_flags_and_ds_config(cfg, explicit_flags(argv), args.deepspeed_config,
+                                            world_size)
+        cfg = resolve_batch(cfg, world_size, args.train_samples)
+        if args.auto_plan:
+            from .planner import plan_for_args
+            plan = plan_for_args(args, world_size, family)
+            plan.apply(cfg)
+            cfg.parallel.partition = plan.partition
+            if rank == 0:
+                print(plan.summary(), flush=True)
         if family == "bert":
             cfg.model.bert_binary_head = not args.bert_no_binary_head
         cfg.validate(world_size)  # bad settings fail before any data is touched

@@ -34,8 +34,9 @@ def build_grid(cfg: Config, rank: int, world_size: int) -> ProcessGrid:
 def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
     """(layer specs, loss function, stage boundaries) of the configured model family."""
     specs_fn, loss_fn, partition_fn, _, _ = FAMILIES[cfg.model.family]
-    return (specs_fn(cfg.model, tp, seed=cfg.train.seed), loss_fn(tp),
-            partition_fn(cfg.model, num_stages))
+    partition = cfg.parallel.partition if (cfg.parallel.partition and num_stages > 1) else \
+        partition_fn(cfg.model, num_stages)
+    return specs_fn(cfg.model, tp, seed=cfg.train.seed), loss_fn(tp), partition
 
 
 def build_engine(cfg: Config, grid: ProcessGrid, device, fault: str | None = None):

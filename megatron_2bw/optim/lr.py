@@ -14,6 +14,9 @@ class LRSchedule:
     def __call__(self, iteration: int) -> float:
         """lr used by the optimizer step of batch `iteration` (0-based)."""
         c = self.cfg
+        if getattr(c, "ds_scheduler", None):  # a DeepSpeed JSON schedule, DeepSpeed's arithmetic
+            from ..ds_config import deepspeed_lr
+            return deepspeed_lr(c, iteration)
         step = iteration + 1
         if c.lr_warmup_iters and step <= c.lr_warmup_iters:
             return c.lr * step / c.lr_warmup_iters
