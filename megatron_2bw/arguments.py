@@ -112,6 +112,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
     g.add_argument("--wall-clock-breakdown", action="store_true")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="record every action's start/end; each rank writes FILE.rank<r>.json "
+                        "(tools/plot_schedule.py --trace FILE draws it)")
 
 
 def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
@@ -169,7 +172,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         load_optim=not args.no_load_optim, finetune=args.finetune,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-        wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown)
+        wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown,
+        trace=args.trace)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=args.pipeline_schedule)
 

@@ -116,6 +116,7 @@ class TrainConfig:
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
     wall_clock_breakdown: bool = False
+    trace: str | None = None          # write per-rank action traces to {trace}.rank{r}.json
 
 
 @dataclass

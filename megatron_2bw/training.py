@@ -99,6 +99,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     B, seq = cfg.batch.global_batch_size, cfg.model.seq_length
     if start < t.train_iters:
         engine.start(t.train_iters - start)
+    if t.trace:
+        engine.enable_trace()
     pending, losses, saved_at = [], [], None
     started = tick = time.time()
     since = 0
@@ -135,6 +137,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
             break
     if pending:
         losses += torch.stack(pending).tolist()
+    if t.trace:
+        engine.save_trace(f"{t.trace}.rank{grid.rank}.json")
     if t.save and saved_at is None and engine.iteration > start:
         save_checkpoint(t.save, engine, cfg, grid, t.save_optim)
     logger.finish()

@@ -58,6 +58,7 @@ class PipelineEngine:
         self._clear_stash()
         self.timers: dict[str, float] = {}
         self._timed = cfg.train.wall_clock_breakdown
+        self.trace: list | None = None  # [(label, start, end)] when recording (enable_trace)
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
@@ -177,8 +178,10 @@ class PipelineEngine:
     def _run(self, actions: list[A.Action], handlers: dict | None = None) -> None:
         handlers = handlers or self._handlers
         i = 0
+        timed = self._timed or self.trace is not None
         while i < len(actions):
-            start = self._clock() if self._timed else 0.0
+            start = self._clock() if timed else 0.0
+            first = i
             if actions[i].is_comm:
                 j = i
                 while j < len(actions) and actions[j].is_comm:
@@ -188,14 +191,31 @@ class PipelineEngine:
             else:
                 handlers[actions[i].kind](actions[i])
                 kind, i = _TIMER_NAMES[actions[i].kind], i + 1
-            if self._timed:
-                self.timers[kind] = self.timers.get(kind, 0.0) + self._clock() - start
+            if timed:
+                end = self._clock()
+                self.timers[kind] = self.timers.get(kind, 0.0) + end - start
+                if self.trace is not None:
+                    label = " ".join(str(a) for a in actions[first:i])
+                    self.trace.append((label, start, end))
 
     def _clock(self) -> float:
-        """Wall clock for --wall-clock-breakdown (synchronizes the GPU, so it slows runs)."""
+        """Wall clock (seconds since the epoch, comparable across local processes) for
+        --wall-clock-breakdown and --trace; synchronizes the GPU, so it slows runs."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return time.time()
+
+    def enable_trace(self) -> None:
+        """Record (actions, start, end) of every action or communication group from now on."""
+        self.trace = []
+
+    def save_trace(self, path: str) -> None:
+        """Write this rank's trace as JSON: {"stage", "rank", "schedule", "events": [...]}."""
+        import json
+        with open(path, "w") as f:
+            json.dump({"stage": self.stage, "rank": self.grid.rank, "dp": self.grid.dp_rank,
+                       "tp": self.grid.tp_rank, "schedule": self.cfg.schedule,
+                       "num_stages": self.num_stages, "events": self.trace or []}, f)
 
     def _clear_stash(self) -> None:
         self.inputs: dict[int, tuple] = {}      # received activations (leaves needing grad)
