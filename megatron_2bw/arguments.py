@@ -103,6 +103,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--keep-last", type=int, default=0,
+                   help="keep only the newest N checkpoints (0: keep all)")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--finetune", action="store_true")
@@ -168,7 +170,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     train = TrainConfig(
         train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-        load=args.load, save_interval=args.save_interval, save_optim=not args.no_save_optim,
+        load=args.load, save_interval=args.save_interval, keep_last=args.keep_last,
+        save_optim=not args.no_save_optim,
         load_optim=not args.no_load_optim, finetune=args.finetune,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,

@@ -15,7 +15,11 @@ killed mid-save therefore never leaves a `latest` that points at a partial check
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import shutil
+import signal
 import tempfile
 
 import torch
@@ -58,6 +62,36 @@ def atomic_write(path: str, write) -> None:
         os.close(dir_fd)
 
 
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_checksum(path: str) -> None:
+    """Compare a checkpoint file with its `.sha256` sidecar; one-line error naming the file."""
+    side = path + ".sha256"
+    if not os.path.exists(side):
+        raise CheckpointError(f"checkpoint file {path} has no checksum ({side} is missing): the "
+                              "save did not finish; load an earlier iteration")
+    want = open(side).read().split()[0]
+    if sha256_of(path) != want:
+        raise CheckpointError(f"checkpoint file {path} does not match its checksum: it is "
+                              "truncated or corrupted; load an earlier iteration")
+
+
+def prune(save_dir: str, keep_last: int) -> None:
+    """Delete all but the `keep_last` newest iteration directories (never the latest)."""
+    its = sorted(int(m.group(1)) for d in os.listdir(save_dir)
+                 if (m := re.fullmatch(r"iter_(\d{7})", d)))
+    latest = latest_iteration(save_dir)
+    for it in its[:-keep_last] if keep_last > 0 else []:
+        if it != latest:
+            shutil.rmtree(os.path.join(save_dir, f"iter_{it:07d}"), ignore_errors=True)
+
+
 def layout(cfg: Config, grid) -> dict:
     m = cfg.model
     return {"family": m.family, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
@@ -67,8 +101,10 @@ def layout(cfg: Config, grid) -> dict:
             "tensor": grid.tensor, "pipeline": grid.pipeline}
 
 
-def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True) -> str:
-    """Collective over all ranks: every stage of replica 0 writes its file, then `latest`."""
+def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True,
+                    keep_last: int = 0) -> str:
+    """Collective over all ranks: every stage of replica 0 writes its file and its checksum,
+    then rank 0 writes `latest` and prunes old iterations (keep_last > 0)."""
     t = engine.iteration
     path = os.path.join(rank_dir(save_dir, t, grid.tp_rank, grid.stage, grid.pipeline), FILENAME)
     if grid.dp_rank == 0:
@@ -79,11 +115,22 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
                    "consumed_samples": t * cfg.batch.global_batch_size,
                    "layout": layout(cfg, grid), "config": cfg.to_dict(),
                    "rng": {"cpu": torch.get_rng_state()}}
+        from .reliability import injected_fault
+        if injected_fault("kill-in-save", grid, t):  # tests: die with a half-written file
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(os.path.join(os.path.dirname(path), ".tmp-partial"), "wb") as f:
+                f.write(b"PK\x03\x04 half a checkpoint")
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         atomic_write(path, lambda f: torch.save(payload, f))
+        digest = sha256_of(path)
+        atomic_write(path + ".sha256", lambda f: f.write(f"{digest}  {FILENAME}\n".encode()))
     if dist.is_initialized():
         dist.barrier()
     if grid.rank == 0:
         atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(f"{t}\n".encode()))
+        if keep_last:
+            prune(save_dir, keep_last)
     if dist.is_initialized():
         dist.barrier()
     return path
@@ -101,16 +148,11 @@ def latest_iteration(load_dir: str) -> int | None:
     return int(text)
 
 
-def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool = True,
-                    finetune: bool = False) -> int:
-    """Load this rank's stage state; returns the iteration to continue from (0 if none)."""
-    t = latest_iteration(load_dir)
-    if t is None:
-        return 0
-    path = os.path.join(rank_dir(load_dir, t, grid.tp_rank, grid.stage, grid.pipeline), FILENAME)
+def _read(path: str, t: int, cfg: Config, grid) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint at iteration "
                               f"{t} is incomplete or was written with another parallel layout")
+    verify_checksum(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
@@ -121,6 +163,28 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     if diff:
         raise CheckpointError(f"checkpoint {path} was saved for another model or layout "
                               f"({', '.join(diff)}): use matching flags")
+    return payload
+
+
+def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool = True,
+                    finetune: bool = False) -> int:
+    """Load this rank's stage state; returns the iteration to continue from (0 if none)."""
+    t = latest_iteration(load_dir)
+    if t is None:
+        return 0
+    path = os.path.join(rank_dir(load_dir, t, grid.tp_rank, grid.stage, grid.pipeline), FILENAME)
+    payload, problem = None, None
+    try:
+        payload = _read(path, t, cfg, grid)
+    except CheckpointError as e:
+        problem = str(e)
+    problems = [problem]
+    if dist.is_initialized() and grid.world_size > 1:  # every rank reports the same first error
+        problems = [None] * grid.world_size
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise CheckpointError(first)
     state = payload["engine"]
     if finetune or not load_optim or "optimizer" not in state:
         state = dict(state, optimizer=engine.stepper.optimizer.state_dict())

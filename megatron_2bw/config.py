@@ -107,6 +107,7 @@ class TrainConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int = 0            # 0: save only at the end (when --save is given)
+    keep_last: int = 0                # > 0: delete all but the newest N checkpoints
     save_optim: bool = True
     load_optim: bool = True
     finetune: bool = False
@@ -235,6 +236,7 @@ class Config:
         tr = self.train
         for name, value in (("--eval-interval", tr.eval_interval),
                             ("--save-interval", tr.save_interval),
+                            ("--keep-last", tr.keep_last),
                             ("--exit-interval", tr.exit_interval),
                             ("--exit-duration-in-mins", tr.exit_duration_in_mins)):
             if value < 0:

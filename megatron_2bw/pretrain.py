@@ -5,6 +5,7 @@ error, exit 2), and only then start the process group and train.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from .arguments import (FlagParser, add_model_args, add_parallel_args, add_training_args,
@@ -79,7 +80,7 @@ def main(family: str, argv=None) -> int:
     cfg, data, rank, world_size, local_rank = parse(family, argv)
     backend = init_process_group(rank, world_size, backend=cfg.parallel.backend,
                                  timeout_minutes=cfg.parallel.timeout_minutes)
-    from .training import batches, build_grid, train
+    from .training import build_grid
     grid = build_grid(cfg, rank, world_size)
     device = default_device(local_rank, backend)
     if rank == 0:
@@ -87,15 +88,31 @@ def main(family: str, argv=None) -> int:
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
               f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches(world_size)} "
               f"precision={cfg.precision.dtype} backend={backend}", flush=True)
+    try:
+        _train(cfg, grid, device, data)
+    except BaseException as e:  # noqa: BLE001 - name the failed rank, let the launcher stop the rest
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        import traceback
+        from .reliability import describe
+        traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {describe(grid)} failed: {type(e).__name__}: {first}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _train(cfg, grid, device, data) -> None:
+    from .training import batches, train
     train(cfg, grid, device,
           make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
           make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))
           if data.valid is not None else None,
           log=lambda line: print(line, flush=True))
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from .models.bert import bert_layer_specs, bert_partition, make_bert_loss
 from .models.gpt import gpt_layer_specs, gpt_partition, make_gpt_loss
 from .parallel.grid import ProcessGrid
 from .pipeline.engine import PipelineEngine
+from .reliability import Preemption, check_finite, injected_fault, maybe_inject
 from .tensor_parallel import TPGroup
 
 FAMILIES = {
@@ -101,14 +102,24 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         engine.start(t.train_iters - start)
     if t.trace:
         engine.enable_trace()
+    preemption = Preemption() if t.save else None
+    save = lambda: save_checkpoint(t.save, engine, cfg, grid, t.save_optim,  # noqa: E731
+                                   t.keep_last)
     pending, losses, saved_at = [], [], None
     started = tick = time.time()
     since = 0
     for it in range(start + 1, t.train_iters + 1):
+        loss_fn = engine.loss_fn
+        if injected_fault("nan", grid, it):
+            engine.loss_fn = lambda out, labels: loss_fn(out, labels) * float("nan")
         pending.append(engine.train_batch(data).detach().clone())
+        engine.loss_fn = loss_fn
+        maybe_inject(grid, it)
         since += 1
         if it % t.log_interval == 0 or it == t.train_iters:
             values = torch.stack(pending).tolist()  # the only host read: once per log interval
+            if cfg.precision.dtype != "fp16":
+                check_finite(values, it - len(values) + 1, grid, cfg.precision.dtype)
             losses += values
             pending.clear()
             elapsed = time.time() - tick
@@ -129,17 +140,28 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
             total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
             logger.log(it, {"validation loss": total / t.eval_iters})
         stop = _stop_requested(cfg, started, it, grid)
-        if t.save and ((t.save_interval and it % t.save_interval == 0) or stop
+        preempted = preemption is not None and preemption.agreed(grid)
+        if t.save and ((t.save_interval and it % t.save_interval == 0) or stop or preempted
                        or it == t.train_iters):
-            save_checkpoint(t.save, engine, cfg, grid, t.save_optim)
+            if pending and cfg.precision.dtype != "fp16":  # never checkpoint garbage
+                check_finite(torch.stack(pending).tolist(), it - len(pending) + 1, grid,
+                             cfg.precision.dtype)
+            save()
             saved_at = it
+        if preempted:
+            if reporter:
+                log(f"{preemption.signal_name}: saved a checkpoint at iteration {it} in {t.save}"
+                    "; exiting (resume with --load)")
+            stop = True
         if stop:
             break
+    if preemption is not None:
+        preemption.restore()
     if pending:
         losses += torch.stack(pending).tolist()
     if t.trace:
         engine.save_trace(f"{t.trace}.rank{grid.rank}.json")
     if t.save and saved_at is None and engine.iteration > start:
-        save_checkpoint(t.save, engine, cfg, grid, t.save_optim)
+        save()
     logger.finish()
     return losses

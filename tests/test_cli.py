@@ -1,10 +1,12 @@
 """pretrain_gpt.py as a user runs it: bad input exits 2 with one line on stderr, fast; the README
 main job trains."""
+import atexit
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -36,7 +38,52 @@ def run_script(args, world_size=None):
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 # (id, argv, WORLD_SIZE or None, key words the one stderr line must contain)
+DS_DIR = Path(tempfile.mkdtemp(prefix="ds-json-"))
+atexit.register(shutil.rmtree, DS_DIR, True)
+(DS_DIR / "conflict.json").write_text('{"train_batch_size": 8, "gradient_clipping": 0.5}')
+(DS_DIR / "triple.json").write_text('{"train_batch_size": 10, '
+                                    '"train_micro_batch_size_per_gpu": 4, '
+                                    '"gradient_accumulation_steps": 2}')
+(DS_DIR / "broken.json").write_text('{"train_batch_size": ')
+(DS_DIR / "zero.json").write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2}}')
+(DS_DIR / "bad.idx").write_bytes(b"NOTMMIDX" + bytes(40))
+(DS_DIR / "bad.bin").write_bytes(b"")
+(DS_DIR / "bad.model").write_bytes(b"not a sentencepiece model")
+
 BAD = [
+    ("data-path-without-tokenizer", ["--data-path", "/nonexistent/corpus"], None,
+     ["--data-path", "--tokenizer-model"]),
+    ("data-idx-bad-header", ["--data-path", str(DS_DIR / "bad"), "--tokenizer-type",
+                             "NullTokenizer", "--vocab-size", "100"], None, ["bad.idx"]),
+    ("tokenizer-model-missing", ["--data-path", "/nonexistent/c", "--tokenizer-type",
+                                 "GPTSentencePieceTokenizer",
+                                 "--tokenizer-model", "/nonexistent/spm.model"], None,
+     ["/nonexistent/spm.model"]),
+    ("tokenizer-model-corrupt", ["--data-path", "/nonexistent/c", "--tokenizer-type",
+                                 "GPTSentencePieceTokenizer",
+                                 "--tokenizer-model", str(DS_DIR / "bad.model")], None,
+     ["bad.model"]),
+    ("ds-json-conflicts-with-flag", ["--mock-data", "--clip-grad", "1.0", "--deepspeed_config",
+                                     str(DS_DIR / "conflict.json")], None,
+     ["--clip-grad", "gradient_clipping"]),
+    ("ds-json-batch-triple", ["--mock-data", "--deepspeed_config", str(DS_DIR / "triple.json")],
+     None, ["train_batch_size"]),
+    ("ds-json-not-json", ["--mock-data", "--deepspeed_config", str(DS_DIR / "broken.json")],
+     None, ["broken.json"]),
+    ("ds-json-missing", ["--mock-data", "--deepspeed_config", "/nonexistent/ds.json"], None,
+     ["/nonexistent/ds.json"]),
+    ("ds-json-zero-2-with-pipeline", ["--mock-data", "--deepspeed_config",
+                                      str(DS_DIR / "zero.json")], None, ["zero"]),
+    ("save-interval-without-save", ["--mock-data", "--save-interval", "10"], None,
+     ["--save-interval", "--save"]),
+    ("negative-keep-last", ["--mock-data", "--keep-last", "-1"], None, ["--keep-last"]),
+    ("unknown-model-flavour", ["--mock-data", "--model", "gpt-9t"], None, ["--model"]),
+    ("bert-flavour-in-gpt-script", ["--mock-data", "--model", "bert-base"], None,
+     ["pretrain_bert.py"]),
+    ("recompute-method-without-granularity", ["--mock-data", "--recompute-method", "uniform"],
+     None, ["--recompute-granularity"]),
+    ("vocab-not-divisible-by-tp", ["--mock-data", "--vocab-size", "511",
+                                   "--tensor-model-parallel-size", "2"], 2, ["vocab"]),
     ("typo-flag-suggests", ["--mock-data", "--hiden-size", "64"], None,
      ["--hiden-size", "did you mean --hidden-size"]),
     ("typo-flag-with-equals", ["--mock-data", "--micro-batch-sise=4"], None,

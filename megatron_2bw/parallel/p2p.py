@@ -58,11 +58,20 @@ class P2P:
     def empty_activation(self) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(s, dtype=d, device=self.device) for s, d, _ in self.recv_meta)
 
-    @staticmethod
-    def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
+    def exchange(self, sends: list[tuple[torch.Tensor, int]],
+                 recvs: list[tuple[torch.Tensor, int]]) -> None:
         """Post all sends and receives as one batch and wait for all of them."""
         ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
         ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-        if ops:
+        if not ops:
+            return
+        try:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        except RuntimeError as e:
+            peers = sorted({peer for _, peer in sends + recvs})
+            names = ", ".join(f"rank {r} ({'previous' if r == self.prev else 'next'} stage)"
+                              for r in peers)
+            raise RuntimeError(f"point-to-point exchange with {names} failed: that rank died or "
+                               f"timed out ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                               ) from e

@@ -62,9 +62,9 @@ class BatchStepper:
     # -- N --------------------------------------------------------------------------------------
     def norm(self, batch: int, slot: int) -> None:
         works = self.pending[batch]
-        _wait(works.pop("dp"))
+        _wait(works.pop("dp"), "data-parallel gradient all-reduce (same stage, other replicas)")
         if self.grid.is_first_stage:
-            _wait(works.pop("tied"))
+            _wait(works.pop("tied"), "tied-embedding all-reduce (first and last stage)")
         buf, n = self.w.grads[slot], self.w.numel
         stats = torch.stack([self._norm_sq(buf), buf[n]])
         if self.grid.tp_rank != 0:  # tensor ranks repeat the loss; count it once
@@ -103,8 +103,8 @@ class BatchStepper:
     # -- S --------------------------------------------------------------------------------------
     def step(self, batch: int, grad_slot: int, src_slot: int, dst_slot: int) -> None:
         works = self.pending.pop(batch)
-        _wait(works.pop("tied", []))
-        _wait(works.pop("norm"))
+        _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)")
+        _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)")
         stats = works["stats"]
         scale = self.scaler.scale
         buf, n = self.w.grads[grad_slot], self.w.numel
@@ -141,6 +141,11 @@ class BatchStepper:
         buf.zero_()
 
 
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
+def _wait(works, what: str = "collective") -> None:
+    try:
+        for work in works:
+            work.wait()
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RuntimeError(f"{what} failed: a rank of that group died or timed out ({first})"
+                           ) from e
