@@ -88,6 +88,11 @@ def main(family: str, argv=None) -> int:
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
               f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches(world_size)} "
               f"precision={cfg.precision.dtype} backend={backend}", flush=True)
+        from .models.flops import num_parameters
+        print(f"megatron-2bw: {num_parameters(cfg.model) / 1e6:.2f}M parameters "
+              f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
+              f"{cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}, "
+              f"seq {cfg.model.seq_length})", flush=True)
     try:
         _train(cfg, grid, device, data)
     except BaseException as e:  # noqa: BLE001 - name the failed rank, let the launcher stop the rest
