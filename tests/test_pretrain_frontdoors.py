@@ -1,6 +1,7 @@
 """The two other front doors of pretrain_*.py: a DeepSpeed JSON (same config as the equivalent
 flags; a conflict names both) and --auto-plan (the planner picks a valid layout)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,10 @@ def test_flag_conflicting_with_the_json_is_one_line_naming_both(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                                 "gradient_clipping": 0.5}))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *MODEL,
                            "--clip-grad", "1.0", "--deepspeed_config", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--clip-grad" in lines[0] and "gradient_clipping" in lines[0]
