@@ -7,10 +7,10 @@ Everything is imported lazily, on first use, so `import megatron_2bw` stays ligh
 """
 import importlib
 
-_LAZY = {"initialize": "deepspeed_api", "init_distributed": "deepspeed_api",
-         "add_config_arguments": "deepspeed_api", "DeepSpeedPipelineEngine": "deepspeed_api",
+_LAZY = {"initialize": "deepspeed", "init_distributed": "deepspeed",
+         "add_config_arguments": "deepspeed", "DeepSpeedPipelineEngine": "deepspeed",
          "PipelineModule": "pipe", "LayerSpec": "pipe", "TiedLayerSpec": "pipe"}
-_SUBMODULES = ("pipe", "utils", "ds_config", "deepspeed_api")
+_SUBMODULES = ("pipe", "utils", "ds_config", "deepspeed", "deepspeed_api")
 
 
 def __getattr__(name):

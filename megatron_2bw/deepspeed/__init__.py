@@ -1,0 +1,164 @@
+"""`deepspeed.initialize` / `init_distributed` / `add_config_arguments` and a pipeline engine with
+DeepSpeed's contract, running on the 2BW engine (or flush / gpipe: `"pipeline": {"schedule":
+...}`, default 2bw).
+
+    import megatron_2bw as deepspeed          # the only line a DeepSpeed script changes
+    deepspeed.init_distributed(dist_backend="gloo")
+    net = deepspeed.pipe.PipelineModule(layers=..., num_stages=2, loss_fn=...)
+    engine, _, _, _ = deepspeed.initialize(model=net, config="ds_config.json")
+    for step in range(steps):
+        loss = engine.train_batch(data_iter)
+
+Modules: engine.py (DeepSpeedPipelineEngine and its contract differences from DeepSpeed),
+views.py (the optimizer / lr scheduler / mpu objects it hands out), checkpoint.py (DeepSpeed's
+checkpoint layout, loadable under another stage count).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..ds_config import config_from_deepspeed, load_ds_json
+from ..parallel.distributed import (default_backend, env_rank_world, expand_nodelist,
+                                    slurm_rendezvous)
+from ..pipe.module import PipelineModule, _is_ds_pipeline_module, rank_world
+from ..pipe.topology import grid_layout
+from .engine import DeepSpeedPipelineEngine
+
+__all__ = ["DeepSpeedPipelineEngine", "add_config_arguments", "init_distributed", "initialize"]
+
+
+# -- process group --------------------------------------------------------------------------------
+def _discover_env(port: int) -> None:
+    """Fill RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from SLURM or MPI variables when a
+    launcher other than torchrun started us (torchrun sets them all already)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        env.setdefault("LOCAL_RANK", "0")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        slurm_rendezvous()  # first host of the job, port from the job id
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if "MASTER_ADDR" not in env and nodes:
+            hosts = expand_nodelist(nodes.strip())
+            env["MASTER_ADDR"] = hosts[0] if hosts else nodes
+    else:
+        for r, w, lr, ls in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                              "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                             ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
+            if r in env and w in env:
+                env["RANK"], env["WORLD_SIZE"] = env[r], env[w]
+                env["LOCAL_RANK"] = env.get(lr, "0")
+                if "MASTER_ADDR" not in env:
+                    if env.get(ls, env[w]) != env[w]:
+                        raise ConfigError("multi-node MPI launch without MASTER_ADDR: export "
+                                          "MASTER_ADDR=<first node> (and MASTER_PORT)")
+                break
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(port))
+
+
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
+                     verbose=True, timeout=datetime.timedelta(minutes=30), init_method=None,
+                     dist_init_required=None, config=None, rank=-1, world_size=-1) -> None:
+    """Start torch.distributed like deepspeed.init_distributed: nccl on GPUs, gloo otherwise;
+    rank and world from torchrun, SLURM or MPI variables. A no-op when already initialized."""
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise ConfigError("torch.distributed is not initialized and dist_init_required=False: "
+                          "call init_distributed() first")
+    if auto_mpi_discovery:
+        _discover_env(distributed_port)
+    env_rank, env_world, _ = env_rank_world()
+    rank = env_rank if rank < 0 else rank
+    world_size = env_world if world_size < 0 else world_size
+    minutes = float(os.environ.get("DEEPSPEED_TIMEOUT", timeout.total_seconds() / 60))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    dist.init_process_group(backend=dist_backend or default_backend(), rank=rank,
+                            world_size=world_size, init_method=init_method or "env://",
+                            timeout=datetime.timedelta(minutes=minutes))
+
+
+def add_config_arguments(parser):
+    """deepspeed.add_config_arguments: --deepspeed and --deepspeed_config (and the old names)."""
+    g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    g.add_argument("--deepspeed", default=False, action="store_true")
+    g.add_argument("--deepspeed_config", default=None, type=str)
+    g.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+# -- initialize -----------------------------------------------------------------------------------
+def _optimizer_section(opt) -> dict:
+    """A DeepSpeed "optimizer" section equivalent to a torch optimizer object."""
+    d = opt.defaults
+    for g in opt.param_groups:
+        if any(g.get(k) != d.get(k) for k in ("lr", "weight_decay", "momentum", "betas")):
+            raise ConfigError("per-parameter-group optimizer settings are not supported: the "
+                              "engine decays matrices and embeddings, not biases or norms")
+    if isinstance(opt, (torch.optim.AdamW, torch.optim.Adam)):
+        decoupled = isinstance(opt, torch.optim.AdamW)  # checked first: AdamW may subclass Adam
+        params = {"lr": d["lr"], "betas": list(d["betas"]), "eps": d["eps"],
+                  "weight_decay": d["weight_decay"]}
+        if not decoupled:
+            params["adam_w_mode"] = False
+        return {"type": "AdamW" if decoupled else "Adam", "params": params}
+    if isinstance(opt, torch.optim.SGD):
+        return {"type": "SGD", "params": {"lr": d["lr"], "momentum": d["momentum"],
+                                          "weight_decay": d["weight_decay"],
+                                          "nesterov": d["nesterov"], "dampening": d["dampening"]}}
+    raise ConfigError(f"optimizer {type(opt).__name__} is not supported: pass Adam, AdamW or SGD "
+                      "(or an \"optimizer\" section in the config)")
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               config_params=None, **unused):
+    """deepspeed.initialize for a PipelineModule: returns (engine, optimizer, training
+    dataloader, lr scheduler). Every configuration error is a one-line ConfigError raised before
+    this function creates any process group."""
+    ds = load_ds_json(config, args, config_params)
+    if _is_ds_pipeline_module(model):
+        model = PipelineModule.from_deepspeed(model)
+    if not isinstance(model, PipelineModule):
+        raise ConfigError(f"initialize trains a megatron_2bw.pipe.PipelineModule (or DeepSpeed's), "
+                          f"got {type(model).__name__}")
+    if optimizer is not None:
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError("an optimizer factory is not supported: give an \"optimizer\" "
+                              "section in the config")
+        if "optimizer" in ds:
+            raise ConfigError("optimizer given twice (the optimizer argument and the config's "
+                              "\"optimizer\" section): pass one")
+        ds["optimizer"] = _optimizer_section(optimizer)
+    if lr_scheduler is not None:
+        raise ConfigError("a client lr_scheduler object is not supported: give a \"scheduler\" "
+                          "section (WarmupLR, WarmupDecayLR, WarmupCosineLR) in the config")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ConfigError(f"frozen parameter {frozen[0]!r} (requires_grad=False): the 2BW engine "
+                          "trains every parameter of the PipelineModule")
+    _, world = rank_world()
+    layout = grid_layout(model.topology())
+    cfg, extras = config_from_deepspeed(ds, world, model.num_stages, model._num_layers,
+                                        seed=model.base_seed, rank_order=layout["rank_order"])
+    if extras["activation_checkpoint_interval"]:
+        model.activation_checkpoint_interval = extras["activation_checkpoint_interval"]
+    if model.activation_checkpoint_interval:
+        cfg.model.recompute_method = "uniform"
+        cfg.model.recompute_num_layers = model.activation_checkpoint_interval
+    # -- configuration is valid: from here on, process groups ------------------------------------
+    if not dist.is_initialized():
+        init_distributed(dist_init_required=dist_init_required)
+    engine = DeepSpeedPipelineEngine(model, cfg, ds, extras, training_data=training_data,
+                                     collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

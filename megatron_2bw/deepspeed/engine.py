@@ -1,0 +1,312 @@
+"""`DeepSpeedPipelineEngine`: DeepSpeed's PipelineEngine contract (train_batch, eval_batch, data
+iterators, queries) over megatron_2bw.pipeline.engine.PipelineEngine; checkpoints come from
+checkpoint.py, the optimizer / scheduler / grid views from views.py.
+
+Contract differences that come from 2BW itself: the engine pulls the first microbatches of batch
+t+1 while it finishes batch t, so `train_batch` wants one long iterator (e.g. RepeatingLoader),
+not an exactly-sized one per call (flush and gpipe read exactly m per call, like DeepSpeed); and
+`engine.module` holds the newest of the two weight versions (it is re-pointed after each batch).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.distributed import default_device, env_rank_world
+from ..parallel.grid import ProcessGrid
+from ..pipe.module import PipelineError, PipelineModule
+from ..utils import RepeatingLoader
+from .checkpoint import CheckpointMixin
+from .views import MPU, LRSchedulerView, OptimizerView
+
+
+def _as_iterator(data):
+    """An iterator over `data` (DataLoaders and lists are accepted, like iterators)."""
+    if data is None or hasattr(data, "__next__"):
+        return data
+    return iter(data)
+
+
+class _Feed:
+    """The engine's data iterator: pulls (inputs, labels) from the current source, applies the
+    batch function, and turns running dry into a one-line explanation."""
+
+    def __init__(self, source, engine, what: str):
+        self.source, self.engine, self.what = source, engine, what
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        it = self.source()
+        if it is None:
+            raise RuntimeError(f"{self.what} has no data: pass data_iter (or training_data to "
+                               "initialize)")
+        try:
+            batch = next(it)
+        except StopIteration:
+            extra = (" 2bw reads the first microbatches of the next batch ahead: pass one long "
+                     "iterator such as deepspeed.utils.RepeatingLoader to every call, or use "
+                     "\"pipeline\": {\"schedule\": \"flush\"}"
+                     if self.what == "train_batch" and self.engine._cfg.schedule == "2bw" else "")
+            raise RuntimeError(f"{self.what}: the data iterator ran out.{extra}") from None
+        if self.engine.batch_fn is not None:
+            batch = self.engine.batch_fn(batch)
+        inputs, labels = batch[0], batch[1]
+        if isinstance(inputs, list):
+            inputs = tuple(inputs)
+        return inputs, labels
+
+
+class DeepSpeedPipelineEngine(CheckpointMixin):
+    """DeepSpeed's PipelineEngine contract over megatron_2bw.pipeline.engine.PipelineEngine."""
+
+    def __init__(self, module: PipelineModule, cfg, ds_json: dict, extras: dict,
+                 training_data=None, collate_fn=None):
+        from ..pipeline.engine import PipelineEngine
+        self._cfg, self._config, self._extras = cfg, ds_json, extras
+        self.module = module
+        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", env_rank_world()[2]))
+        self.device = default_device(self.local_rank, dist.get_backend())
+        grid = ProcessGrid(1, cfg.parallel.pipeline, cfg.parallel.data, rank=self.global_rank,
+                           rank_order=cfg.parallel.rank_order).init_groups()
+        if grid.stage != module.stage_id:
+            raise RuntimeError(f"rank {self.global_rank}: grid stage {grid.stage} != module stage "
+                               f"{module.stage_id}")
+        self.grid = MPU(grid)
+        module._grid = self.grid
+        self._sync_initial_weights(grid)
+        self._compute_loss, self._capture = True, None
+        self._engine = PipelineEngine(cfg, grid, module.engine_specs(), self._loss, module.parts,
+                                      self.device)
+        stepper = self._engine.stepper
+        if cfg.optimizer.ds_scheduler is not None:  # DeepSpeed does not step it on skipped steps
+            base = stepper.lr
+            stepper.lr = lambda t: base(t - stepper.skipped)
+        module.adopt(self._engine.module)
+        self.num_stages, self.stage_id = grid.pipeline, grid.stage
+        self.micro_batch_size = cfg.batch.micro_batch_size
+        self.micro_batches = cfg.num_microbatches(self.world_size)
+        self.dp_world_size, self.mp_world_size = grid.data, grid.tensor
+        self.global_samples = 0
+        self.agg_train_loss = None
+        self.data_iterator = None
+        self.batch_fn = None
+        self.training_dataloader = None
+        self.optimizer = OptimizerView(self)
+        self.lr_scheduler = LRSchedulerView(self) if cfg.optimizer.ds_scheduler else None
+        self._feed = _Feed(lambda: self.data_iterator, self, "train_batch")
+        self._timer = time.perf_counter()
+        self._wandb = None
+        if training_data is not None:
+            self._build_data_iter(training_data, collate_fn)
+
+    # -- set-up helpers ---------------------------------------------------------------------------
+    def _sync_initial_weights(self, grid: ProcessGrid) -> None:
+        """Tied copies from the first stage, then every replica from data-parallel rank 0 (what
+        DeepSpeed does in PipelineModule.__init__ and DeepSpeedEngine.__init__)."""
+        self.module.to(self.device)
+        tied_group = grid.group("tied")
+        if tied_group is not None:
+            src = min(grid.group_ranks("tied"))
+            for _, p in self.module.tied_sync_params():
+                with torch.no_grad():
+                    dist.broadcast(p.data, src=src, group=tied_group)
+        dp_group = grid.group("dp")
+        if dp_group is not None:
+            tp, pp, _ = grid.coords()
+            src = grid.rank_of(tp, pp, 0)
+            with torch.no_grad():
+                for t in list(self.module.parameters()) + list(self.module.buffers()):
+                    dist.broadcast(t.data, src=src, group=dp_group)
+
+    def _build_data_iter(self, dataset, collate_fn) -> None:
+        from torch.utils.data import DataLoader, DistributedSampler
+        sampler = DistributedSampler(dataset, num_replicas=self.dp_world_size,
+                                     rank=self.grid.get_data_parallel_rank(), shuffle=False)
+        loader = DataLoader(dataset, batch_size=self.micro_batch_size, sampler=sampler,
+                            collate_fn=collate_fn,
+                            drop_last=self._extras.get("dataloader_drop_last", False))
+        self.set_dataloader(RepeatingLoader(loader))
+
+    def _loss(self, outputs, labels):
+        if self._capture is not None:
+            self._capture.append(outputs.detach() if torch.is_tensor(outputs)
+                                 else tuple(o.detach() for o in outputs))
+        if not self._compute_loss:
+            return torch.zeros((), device=self.device)
+        if self.module.loss_fn is None:
+            return outputs
+        return self.module.loss_fn(outputs, labels)
+
+    # -- DeepSpeed API: training ------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """Train one batch of micro_batches microbatches per pipeline; returns the batch's mean
+        loss (over microbatches and data-parallel replicas) on every rank."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() "
+                               "instead.")
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
+            raise RuntimeError("train_batch() has no data: pass data_iter, call "
+                               "set_dataiterator(), or give training_data to initialize()")
+        loss = self._engine.train_batch(self._feed)
+        self.module.adopt(self._engine.module)
+        self.global_samples += self.train_batch_size()
+        self.agg_train_loss = loss
+        if self.global_steps % self.steps_per_print() == 0:
+            self._report(loss)
+        return loss
+
+    def _report(self, loss) -> None:
+        now = time.perf_counter()
+        iter_time = (now - self._timer) / self.steps_per_print()
+        self._timer = now
+        value = float(loss)  # the only host read: once per steps_per_print
+        if self.global_rank == 0:
+            print(f"steps: {self.global_steps} loss: {value:0.4f} iter time (s): {iter_time:0.3f} "
+                  f"samples/sec: {self.train_batch_size() / iter_time:0.3f}", flush=True)
+            if self._cfg.train.wall_clock_breakdown:
+                timers = getattr(self._engine, "timers", {})
+                print("time (ms) | " + " | ".join(f"{k}: {1000 * v:.2f}"
+                                                 for k, v in sorted(timers.items())), flush=True)
+            if self._cfg.train.wandb_project:
+                self._log_wandb({"Train/Samples/train_loss": value,
+                                 "Train/Samples/lr": self.get_lr()[0]})
+        if hasattr(self._engine, "timers"):
+            self._engine.timers.clear()
+
+    def _log_wandb(self, values: dict) -> None:
+        if self._wandb is None:
+            os.environ.setdefault("WANDB_MODE", "offline")
+            import wandb
+            self._wandb = wandb.init(project=self._cfg.train.wandb_project,
+                                     group=self._cfg.train.wandb_exp_name,
+                                     config=self._config)
+        self._wandb.log(values, step=self.global_samples)
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
+                   bcast_loss=True, num_micro_batches=None):
+        """Forward-only over num_micro_batches (default: micro_batches) microbatches on the newest
+        weights; leaves the in-flight 2BW state untouched. Returns the mean loss on every rank
+        (with compute_loss=False: the outputs, averaged or as a list, on the last stage)."""
+        if reduce_output not in (None, "avg"):
+            raise NotImplementedError(f"reduction type {reduce_output} not supported.")
+        n = num_micro_batches or self.micro_batches
+        data_iter = _as_iterator(data_iter)
+        keep = return_logits or not compute_loss
+        self._capture = [] if keep and self.is_last_stage() else None
+        self._compute_loss = compute_loss
+        try:
+            loss = self._engine.eval_batch(_Feed(lambda: data_iter, self, "eval_batch"), n)
+        finally:
+            outputs, self._capture, self._compute_loss = self._capture, None, True
+        result = loss
+        if not compute_loss:
+            result = None
+            if self.is_last_stage():
+                result = outputs if reduce_output is None else self._average(outputs, n)
+        if return_logits:
+            return result, (outputs[-1] if outputs else None)
+        return result
+
+    def _average(self, outputs, n):
+        tensors = isinstance(outputs[0], torch.Tensor)
+        parts = [outputs] if tensors else list(zip(*outputs))
+        reduced = [sum(p) / n for p in parts]
+        group = self.grid.get_data_parallel_group()
+        for t in reduced:
+            if group is not None:
+                dist.all_reduce(t, group=group)
+                t.div_(self.dp_world_size)
+        return reduced[0] if tensors else reduced
+
+    def set_dataloader(self, loader):
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator):
+        """The iterator train_batch reads (first and last stage only, like DeepSpeed)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.training_dataloader = None
+            self.data_iterator = _as_iterator(iterator)
+
+    def set_batch_fn(self, fn):
+        """Post-process every microbatch pulled from the data iterator."""
+        self.batch_fn = fn
+
+    def is_first_stage(self):
+        return self.stage_id == 0
+
+    def is_last_stage(self):
+        return self.stage_id == self.num_stages - 1
+
+    # -- DeepSpeed API: queries -------------------------------------------------------------------
+    @property
+    def global_steps(self) -> int:
+        return self._engine.iteration
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._engine.skipped_iterations
+
+    def train_batch_size(self):
+        return self._cfg.batch.global_batch_size
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.micro_batch_size
+
+    def gradient_accumulation_steps(self):
+        return self.micro_batches
+
+    def steps_per_print(self):
+        return self._cfg.train.log_interval
+
+    def wall_clock_breakdown(self):
+        return self._cfg.train.wall_clock_breakdown
+
+    def fp16_enabled(self):
+        return self._cfg.precision.dtype == "fp16"
+
+    def bfloat16_enabled(self):
+        return self._cfg.precision.dtype == "bf16"
+
+    def get_lr(self):
+        """[lr of the next optimizer step]."""
+        return [float(self._engine.stepper.lr(self.global_steps))]
+
+    def get_global_grad_norm(self):
+        return float(self._engine.last_grad_norm)
+
+    def get_pipeline_parallel_rank(self):
+        return self.stage_id
+
+    def was_step_applied(self):
+        return True
+
+    def schedule(self) -> str:
+        return self._cfg.schedule
+
+    def fp32_state(self) -> dict:
+        """Newest fp32 weights of this stage by engine parameter name."""
+        return self._engine.fp32_state()
+
+    def train(self, mode=True):
+        self.module.train(mode)
+
+    def eval(self):
+        self.module.eval()
+
+    def reset_activation_shape(self):
+        pass
+
+    def forward(self, *a, **k):
+        raise PipelineError("Only train_batch() is accessible in pipeline mode.")
+
+    __call__ = backward = step = forward

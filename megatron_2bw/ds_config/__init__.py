@@ -1,0 +1,51 @@
+"""DeepSpeed JSON -> the typed Config: the second front door (Megatron flags are the first).
+
+    cfg, extras = config_from_deepspeed(ds_json, world_size=4, num_stages=2, num_layers=12)
+    cfg = merge_flags_and_ds_config(cfg_from_flags, {"--lr", ...}, "ds_config.json")
+
+What maps where (DeepSpeed key -> Config field, Megatron flag):
+
+    train_batch_size                  batch.global_batch_size      --global-batch-size
+    train_micro_batch_size_per_gpu    batch.micro_batch_size       --micro-batch-size
+    gradient_accumulation_steps       (m: global / (micro x dp))   --global-batch-size
+    optimizer {type, params}          optimizer.*                  --optimizer --lr --adam-beta1/2
+                                                                   --adam-eps --weight-decay
+                                                                   --sgd-momentum
+    scheduler {type, params}          optimizer.ds_scheduler (DeepSpeed's exact arithmetic, see
+                                      `deepspeed_lr`) and the nearest Megatron fields
+                                                                   --lr --min-lr --lr-warmup-iters
+                                                                   --lr-decay-iters --lr-decay-style
+    fp16 {enabled, loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}
+                                      precision.*                  --fp16 --loss-scale ...
+    bf16 {enabled}                    precision.dtype              --bf16
+    gradient_clipping                 optimizer.clip_grad          --clip-grad
+    steps_per_print                   train.log_interval           --log-interval
+    wall_clock_breakdown              train.wall_clock_breakdown   --wall-clock-breakdown
+    wandb {enabled, project, group}   train.wandb_project/_exp_name  --wandb-project ...
+    pipeline {schedule, activation_checkpoint_interval, stages}
+                                      schedule, model.recompute_*  --pipeline-schedule ...
+    zero_optimization {stage}         stage 0/1 accepted (no sharding), >= 2 is an error
+
+Any two of the batch triple imply the third (train_batch = micro x accumulation x data-parallel
+size). Every bad setting is a one-line `ConfigError` naming the JSON key, raised before any
+process group work. Keys DeepSpeed has and we do not use are ignored (DeepSpeed ignores unknown
+keys too), except near-misses of the keys above, which are reported as typos.
+
+Semantics that differ from DeepSpeed (documented, not hidden): weight decay applies to matrices
+and embeddings only (DeepSpeed decays every parameter of a group); ZeRO-1 does not shard the
+optimizer state; fp16 dynamic loss scaling uses our scaler (same window/hysteresis meaning).
+
+Modules: read.py (finding the JSON), batch.py (the batch triple), setting.py (Setting, fail),
+optim.py / schedulers.py / sections.py (JSON sections -> Settings; schedulers.py also holds
+`deepspeed_lr`), merge.py (Settings onto a Config: both front doors).
+"""
+from .batch import batch_triple
+from .merge import config_from_deepspeed, explicit_flags, merge_flags_and_ds_config
+from .read import load_ds_json
+from .schedulers import DS_SCHEDULERS, deepspeed_lr
+from .sections import SUPPORTED_KEYS, ds_settings
+from .setting import Setting
+
+__all__ = ["DS_SCHEDULERS", "SUPPORTED_KEYS", "Setting", "batch_triple", "config_from_deepspeed",
+           "deepspeed_lr", "ds_settings", "explicit_flags", "load_ds_json",
+           "merge_flags_and_ds_config"]
