@@ -25,9 +25,9 @@ from .schedules import forward_only, make_schedule
 from .weights import VersionedWeights
 
 FAULTS = (None, "single-version")
-UNBOUNDED = 10 ** 9
+UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
 _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
-                A.NORM: "all-reduce", A.STEP: "optimizer"}  # batches in a segment when the caller does not say how many
+                A.NORM: "all-reduce", A.STEP: "optimizer"}
 
 
 class PipelineEngine:
