@@ -10,5 +10,7 @@ setup(
     python_requires=">=3.10",
     # a range for cluster users; development pins the CPU build in requirements-dev.txt
     install_requires=["torch>=2.3", "numpy", "sentencepiece>=0.2,<0.3"],
-    extras_require={"test": ["pytest>=7", "wandb>=0.17"], "wandb": ["wandb>=0.17"]},
+    # matplotlib: tools/compare_convergence.py and tools/plot_schedule.py draw PNGs (Agg)
+    extras_require={"test": ["pytest>=7", "wandb>=0.17", "matplotlib>=3.7"],
+                    "wandb": ["wandb>=0.17"], "plots": ["matplotlib>=3.7"]},
 )

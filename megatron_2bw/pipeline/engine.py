@@ -245,7 +245,9 @@ class PipelineEngine:
         """Dropout randomness is a function of (seed, stage, microbatch) only, so a forward gives
         the same masks whenever it runs: after a resume, with any schedule, on any layout."""
         seed = (self.cfg.train.seed * 1_000_003 + self.stage * 7919 + mb) % (2 ** 62)
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed costs ~0.2 ms (lazy seeds)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
         for tracker in self._trackers:
             tracker.reseed(seed)
 

@@ -31,14 +31,14 @@ class RNGTracker:
         self.reseed(seed)
 
     def reseed(self, seed: int) -> None:
-        """Restart the tensor-parallel stream from `seed` (offset by this tensor rank)."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + TP_SEED_OFFSET + self.tp_rank)
-            self._cpu = torch.get_rng_state()
+        """Restart the tensor-parallel stream from `seed` (offset by this tensor rank). Only this
+        tracker's saved states change; the process's generators are left alone."""
+        value = seed + TP_SEED_OFFSET + self.tp_rank
+        self._cpu = torch.Generator().manual_seed(value).get_state()
         self._dev = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-                torch.cuda.manual_seed(seed + TP_SEED_OFFSET + self.tp_rank)
+                torch.cuda.manual_seed(value)
                 self._dev = torch.cuda.get_rng_state()
 
     def __deepcopy__(self, memo) -> "RNGTracker":

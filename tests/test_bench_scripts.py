@@ -1,0 +1,170 @@
+"""Each bench script and tool runs end to end in its tiny mode (seconds), so none of them can
+rot unnoticed. Numbers are never asserted (the machine is shared); correctness checks are: every
+peer is either measured with matching losses or reported as unavailable with a reason, the
+engine's memory accounting equals the planner's model for the buffers, the loss checks pass."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def _run(args, timeout=240, env=None):
+    env = dict(os.environ if env is None else env)
+    proc = subprocess.run([sys.executable] + [str(a) for a in args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc.stdout
+
+
+def test_peers_tiny_every_run_measured_or_unavailable(tmp_path):
+    out = _run(["bench/peers.py", "--tiny", "--stack", "mlp", "--breakdown", "--json",
+                tmp_path / "p.json"])
+    res = json.loads((tmp_path / "p.json").read_text())["results"]
+    assert len(res) == 1
+    runs = res[0]["runs"]
+    import peers
+    assert list(runs) == list(peers.ALL)  # nothing silently dropped
+    for name, e in runs.items():
+        assert e["status"] == "ok" or e["status"].startswith("unavailable: "), (name, e)
+        assert not e["status"].startswith("broken"), (name, e)
+        assert name in out
+    for name in peers.OURS + ("single", "no-comm"):
+        assert runs[name]["status"] == "ok", (name, runs[name])
+        assert runs[name]["samples_per_s"] > 0
+    for name in peers.OURS + peers.PEERS:
+        if runs[name]["status"] == "ok":
+            assert "max rel diff" in runs[name]["check"], (name, runs[name])
+    assert "target: 2bw >= 0.95 x ideal" in out and "| run" in out
+    assert "where the time goes" in out and len(runs["ours-2bw"]["breakdown"]) == 2
+
+
+def test_peers_loss_check_excludes_a_broken_run():
+    import peers
+    spec = dict(d=2, micro=1, m=2, batches=1, stack="mlp", layers=2, hidden=4, heads=1, seq=1,
+                repeats=1)
+    rank = lambda losses: {"elapsed": 1.0, "losses": losses,  # noqa: E731
+                           "memory": {"peak_above_baseline": 1, "peak_rss": 2}}
+    ref = [[dict(rank([1.0, 0.9, 0.8]), losses_2bw=[1.0, 0.95, 0.9])]]
+    runs = {"single": ref,
+            "ours-2bw": [[rank(None), rank([1.0, 0.95, 0.9])]],       # 2bw semantics: ok
+            "ours-flush": [[rank(None), rank([1.0, 0.95, 0.9])]],     # flush with 2bw losses
+            "torch-1f1b": ["rank 0: ImportError: no pipelining"]}
+    out = peers.summarize(spec, ["ours-2bw", "ours-flush", "torch-1f1b", "single"], runs, 1e-4)
+    r = out["runs"]
+    assert r["ours-2bw"]["status"] == "ok"
+    assert r["ours-flush"]["status"].startswith("broken: batch 1")
+    assert "samples_per_s" not in r["ours-flush"]
+    assert r["torch-1f1b"]["status"] == "unavailable: rank 0: ImportError: no pipelining"
+    assert out["best_peer"] is None
+
+
+def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
+    out = _run(["bench/memory.py", "--tiny", "--json", tmp_path / "m.json"])
+    data = json.loads((tmp_path / "m.json").read_text())
+    rows = {(r["schedule"], r["m"]): r for r in data["rows"]}
+    assert set(rows) == {("gpipe", 2), ("flush", 2), ("2bw", 2)}
+    for (sched, m), r in rows.items():
+        for s in r["stages"]:
+            model = s["model"]
+            for key in ("weights", "grads", "optimizer"):
+                assert s[key] == model[key], (sched, s["stage"], key)
+            assert s["versions"] == (2 if sched == "2bw" else 1)
+            assert s["in_flight_peak"] == model["in_flight"], (sched, s["stage"])
+            assert s["stash_peak"] > 0
+            assert 0.5 < s["total"] / model["total"] < 1.5
+    assert "target: 2bw m=2: stage-0 stash <= d=2 microbatches" in out
+
+
+def test_overhead_tiny(tmp_path):
+    out = _run(["bench/overhead.py", "--tiny", "--json", tmp_path / "o.json"])
+    res = json.loads((tmp_path / "o.json").read_text())["results"]
+    assert set(res) == {"plain", "engine-flush", "engine-2bw"}
+    assert "match" in res["engine-flush"]["check"] and "match" in res["engine-2bw"]["check"]
+    assert "target: engine-flush overhead <= 5%" in out
+
+
+def test_compare_convergence_tiny(tmp_path):
+    out = _run(["tools/compare_convergence.py", "--tiny", "--out-dir", tmp_path])
+    with open(tmp_path / "losses.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["iteration", "2bw", "flush", "gpipe"]
+    assert len(rows) == 1 + 4
+    col = lambda i: [float(r[i]) for r in rows[1:]]  # noqa: E731
+    assert col(1)[0] == pytest.approx(col(3)[0], rel=1e-6)  # batch 0 is the same for all
+    assert col(2) == pytest.approx(col(3), rel=1e-5)         # flush == gpipe (one version)
+    assert (tmp_path / "convergence.png").stat().st_size > 10_000
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["final_loss"]) == {"2bw", "flush", "gpipe"}
+    assert "2bw final loss vs gpipe" in out
+    (tmp_path / "convergence.png").unlink()
+    again = _run(["tools/compare_convergence.py", "--from-csv", tmp_path / "losses.csv",
+                  "--out-dir", tmp_path])  # redraw without training
+    assert (tmp_path / "convergence.png").exists()
+    assert f"{summary['final_loss']['2bw']:.4f}" in again
+
+
+def test_compare_convergence_wandb_group(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    pytest.importorskip("wandb")
+    _run(["tools/compare_convergence.py", "--tiny", "--schedules", "2bw", "--wandb",
+          "--wandb-group", "grp-test", "--out-dir", tmp_path], env=env)
+    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    from megatron_2bw.wandb_offline import read_history
+    assert [r["loss"] for r in read_history(str(runs[0].parent)) if "loss" in r]
+    assert b"grp-test" in runs[0].read_bytes()  # the run record carries the group
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+def test_plot_schedule_simulated(tmp_path, schedule):
+    png = tmp_path / f"{schedule}.png"
+    _run(["tools/plot_schedule.py", "--schedule", schedule, "-d", "2", "-m", "4", "--batches",
+          "2", "-o", png])
+    assert png.stat().st_size > 5_000
+
+
+def test_plot_schedule_cost_model_and_trace(tmp_path):
+    png = tmp_path / "cm.png"
+    _run(["tools/plot_schedule.py", "--schedule", "2bw", "-d", "4", "-m", "4", "--model",
+          "gpt-125m", "-o", png])
+    assert png.stat().st_size > 5_000
+    # an engine trace in the documented format (pretrain_gpt.py --trace FILE)
+    events = {0: [["F0v0", 0.0, 1.0], ["sa0", 1.0, 1.1], ["F1v0", 1.1, 2.0],
+                  ["sa1 rg0", 2.0, 3.5], ["B0v0", 3.5, 5.0], ["rg1", 5.0, 6.0],
+                  ["B1v0", 6.0, 7.5], ["R0", 7.5, 7.6], ["N0", 7.6, 7.7], ["S0", 7.7, 8.0]],
+              1: [["ra0", 0.0, 1.1], ["F0v0", 1.1, 2.0], ["B0v0", 2.0, 3.5],
+                  ["sg0 ra1", 3.5, 3.6], ["F1v0", 3.6, 4.5], ["B1v0", 4.5, 6.0], ["sg1", 6.0, 6.1],
+                  ["R0", 6.1, 6.2], ["N0", 6.2, 6.3], ["S0", 7.7, 8.0]]}
+    for r, ev in events.items():
+        (tmp_path / f"tr.rank{r}.json").write_text(json.dumps(
+            {"stage": r, "rank": r, "dp": 0, "tp": 0, "schedule": "flush", "num_stages": 2,
+             "events": [[lbl, 1000 + a / 1e3, 1000 + b / 1e3] for lbl, a, b in ev]}))
+    out = _run(["tools/plot_schedule.py", "--trace", tmp_path / "tr"])
+    assert (tmp_path / "tr.png").stat().st_size > 5_000 and "wrote" in out
+
+
+def _fails_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom")
+    import torch.distributed as dist
+    dist.barrier()  # rank 0 would wait forever: the runner must kill it
+
+
+def _hangs(rank, world):
+    import time
+    time.sleep(60)
+
+
+def test_run_spawned_reports_failures_and_timeouts_in_one_line():
+    import _common as C
+    with pytest.raises(C.RunError, match=r"rank 1: ValueError: boom"):
+        C.run_spawned(_fails_on_rank_1, 2, timeout=60)
+    with pytest.raises(C.RunError, match="timed out after 2 s"):
+        C.run_spawned(_hangs, 1, timeout=2)
