@@ -26,31 +26,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from examples.deepspeed_style.train import Block as GPTBlock  # noqa: E402
+
 STACKS = ("transformer", "mlp")
 
 
 # ---- the layer stacks ---------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """Pre-norm causal self-attention + 4h MLP (GPT block), [b, s, h] -> [b, s, h]."""
+class Block(GPTBlock):
+    """The GPT block of examples/deepspeed_style/train.py (pre-norm causal self-attention + 4h
+    MLP, [b, s, h] -> [b, s, h]), built under seed + index."""
 
     def __init__(self, index: int, hidden: int, heads: int, seed: int = 1234):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + index)
-            super().__init__()
-            self.heads = heads
-            self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-            self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-            self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+            super().__init__(hidden, heads)
 
 
 class ResMLP(nn.Module):

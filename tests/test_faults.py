@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_2bw.checkpointing import LATEST, rank_dir
 from megatron_2bw.launch import free_port, spawn
