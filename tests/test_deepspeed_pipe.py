@@ -7,23 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_2bw.config import ConfigError
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipe import (LayerSpec, PipeDataParallelTopology, PipeModelDataParallelTopology,
                                PipelineModule, ProcessTopology, partition_layers)
 from megatron_2bw.pipe.topology import grid_layout
 
+from test_deepspeed_config import one_line_error  # noqa: E402
+
 HAVE_DS = importlib.util.find_spec("deepspeed") is not None
-
-
-def one_line_error(fn, *args, match=None, **kwargs):
-    with pytest.raises(ConfigError) as e:
-        fn(*args, **kwargs)
-    msg = str(e.value)
-    assert "\n" not in msg and msg, msg
-    if match:
-        assert match in msg, msg
-    return msg
 
 
 

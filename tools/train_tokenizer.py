@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.data.errors import DataError  # noqa: E402
+from megatron_2bw.data.preprocess import numbered_lines  # noqa: E402
 from megatron_2bw.data.tokenizer import train_sentencepiece  # noqa: E402
 
 
@@ -43,26 +44,19 @@ def sentences(paths, json_keys):
     for path in paths:
         as_json = json_keys is not None or path.endswith((".jsonl", ".json"))
         keys = json_keys or ["text"]
-        try:
-            f = open(path, encoding="utf-8")
-        except OSError as e:
-            raise DataError(f"{path}: cannot read the --input file ({e.strerror})") from None
-        with f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                if not as_json:
-                    yield line.strip()
-                    continue
-                try:
-                    doc = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: line {lineno}: not JSON ({e.msg}); pass plain "
-                                    "text files without --json-keys") from None
-                for key in keys:
-                    if key not in doc:
-                        raise DataError(f"{path}: line {lineno}: no key {key!r} (--json-keys)")
-                    yield from (s.strip() for s in str(doc[key]).splitlines() if s.strip())
+        for lineno, line in numbered_lines(path):
+            if not as_json:
+                yield line.strip()
+                continue
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {lineno}: not JSON ({e.msg}); pass plain "
+                                "text files without --json-keys") from None
+            for key in keys:
+                if key not in doc:
+                    raise DataError(f"{path}: line {lineno}: no key {key!r} (--json-keys)")
+                yield from (s.strip() for s in str(doc[key]).splitlines() if s.strip())
 
 
 def main(argv=None) -> int:

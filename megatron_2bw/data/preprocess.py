@@ -111,7 +111,9 @@ class Progress:
         print(("\r" if self.tty else "") + self.line(), end=end, file=self.stream, flush=True)
 
 
-def _numbered_lines(path: str) -> Iterator[tuple[int, str]]:
+def numbered_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of the non-empty lines of an --input file (one-line error if
+    unreadable)."""
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
@@ -139,10 +141,10 @@ def preprocess_jsonl(input_path: str, prefix: str, json_keys: Iterable[str] = ("
     pool = None
     if workers > 1:
         pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encoder,))
-        docs = pool.imap(_encode_in_worker, _numbered_lines(input_path), chunksize=32)
+        docs = pool.imap(_encode_in_worker, numbered_lines(input_path), chunksize=32)
     else:
         encoder.tokenizer = tokenizer
-        docs = map(encoder.encode, _numbered_lines(input_path))
+        docs = map(encoder.encode, numbered_lines(input_path))
     try:
         for _, doc, info in docs:
             if doc is None:
