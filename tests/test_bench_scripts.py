@@ -110,6 +110,18 @@ def test_compare_convergence_tiny(tmp_path):
     assert f"{summary['final_loss']['2bw']:.4f}" in again
 
 
+@pytest.mark.slow
+def test_compare_convergence_default_2bw_within_3_percent_of_gpipe(tmp_path):
+    """The acceptance run: the tool's defaults (README's model on the embedded corpus, 300
+    iterations, about a minute) with 2BW's final loss within 3% of GPipe's."""
+    _run(["tools/compare_convergence.py", "--schedules", "2bw,gpipe", "--out-dir", tmp_path,
+          "--max-rel-diff", "0.03"], timeout=900)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations"] == 300
+    assert summary["final_loss"]["gpipe"] < 6.37  # learnt beyond the unigram entropy
+    assert abs(summary["rel_diff_vs_gpipe"]["2bw"]) <= 0.03
+
+
 def test_compare_convergence_wandb_group(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     pytest.importorskip("wandb")
