@@ -6,12 +6,15 @@
 On 2 gloo processes (one pipeline stage each, one thread each), for every schedule:
 1. both processes measure the layer profile (`planner.measure_profile`, what
    `tools/plan.py --profile-out` does) at the same time, so the profile sees the same two busy
-   cores the engine will, and time a p2p ping-pong of one activation (the link's latency);
-   both again after the engine ran (load drifts), and the planner uses the means;
+   cores the engine will, and time p2p ping-pongs of one activation and of 16 activations (the
+   link's latency and bandwidth, fitted to those two sizes); both again after the engine ran
+   (load drifts), and the planner uses the means;
 2. they run the engine (warm-up batches, then timed batches: the median batch, slowest rank);
 3. the planner predicts the layout from those means with the same uniform partition the engine
    uses (`gpt_partition`);
-4. the script prints predicted, measured and predicted/measured.
+4. steps 1-3 are repeated in `--repeats` interleaved rounds (schedule order rotated each round);
+   the script prints the medians of predicted, measured and predicted/measured, and the range of
+   the ratio over rounds.
 
 Another busy process on the cores makes both numbers noisy: run it on an idle machine.
 """
@@ -33,6 +36,24 @@ from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup  # noqa: E
 from megatron_2bw.planner.profile import MeasuredProfile, measure_profile  # noqa: E402
 
 
+BIG = 16  # the second message size, in activations (the tied embedding gradient is ~this big)
+
+
+def _link(rank, shape) -> tuple:
+    """(one-way seconds for one activation, for BIG activations) between ranks 0 and 1."""
+    small = _p2p(rank, shape)
+    big = _p2p(rank, (BIG,) + tuple(shape))
+    return small, big
+
+
+def _fit(small: float, big: float, nbytes: float) -> tuple:
+    """(latency s, bandwidth bytes/s) of a line through (nbytes, small) and (BIG*nbytes, big)."""
+    per_byte = (big - small) / ((BIG - 1) * nbytes)
+    if per_byte <= 0:  # noise: no measurable bandwidth term
+        return small, float("inf")
+    return max(small - per_byte * nbytes, 0.0), 1.0 / per_byte
+
+
 def _p2p(rank, shape, trips=23):
     import torch
     import torch.distributed as dist
@@ -50,31 +71,36 @@ def _p2p(rank, shape, trips=23):
     return statistics.median(times[3:]) / 2
 
 
-def _worker(rank, world_size, cfgs, warmup, iters, out):
+def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
     import torch.distributed as dist
     from megatron_2bw.training import build_engine, build_grid, mock_batches
     results = []
-    for cfg in cfgs:
-        m, b = cfg.model, cfg.batch.micro_batch_size
-        grid = build_grid(cfg, rank, world_size)
-        p2p = _p2p(rank, (b, m.seq_length, m.hidden_size))
-        before = measure_profile(m, (b,), repeats=5).to_dict()
-        engine = build_engine(cfg, grid, "cpu")
-        data = mock_batches(cfg, grid.data, grid.dp_rank)
-        engine.start(warmup + iters)
-        for _ in range(warmup):
-            engine.train_batch(data)
-        dist.barrier()
-        ends = [time.perf_counter()]
-        for _ in range(iters):
-            engine.train_batch(data)
-            ends.append(time.perf_counter())
-        dist.barrier()
-        # median batch: robust to another process stealing the core for a moment
-        per_batch = statistics.median(b - a for a, b in zip(ends, ends[1:]))
-        after = measure_profile(m, (b,), repeats=5).to_dict()
-        p2p = (p2p + _p2p(rank, (b, m.seq_length, m.hidden_size))) / 2
-        results.append({"per_batch": per_batch, "p2p": p2p, "profiles": [before, after]})
+    for rnd in range(repeats):
+        for k in range(len(cfgs)):  # interleaved rounds, the order rotated each round
+            i = (k + rnd) % len(cfgs)
+            cfg = cfgs[i]
+            m, b = cfg.model, cfg.batch.micro_batch_size
+            shape = (b, m.seq_length, m.hidden_size)
+            grid = build_grid(cfg, rank, world_size)
+            p2p = _link(rank, shape)
+            before = measure_profile(m, (b,), repeats=5).to_dict()
+            engine = build_engine(cfg, grid, "cpu")
+            data = mock_batches(cfg, grid.data, grid.dp_rank)
+            engine.start(warmup + iters)
+            for _ in range(warmup):
+                engine.train_batch(data)
+            dist.barrier()
+            ends = [time.perf_counter()]
+            for _ in range(iters):
+                engine.train_batch(data)
+                ends.append(time.perf_counter())
+            dist.barrier()
+            # median batch: robust to another process stealing the core for a moment
+            per_batch = statistics.median(b - a for a, b in zip(ends, ends[1:]))
+            after = measure_profile(m, (b,), repeats=5).to_dict()
+            p2p = [(x + y) / 2 for x, y in zip(p2p, _link(rank, shape))]
+            results.append({"schedule": i, "round": rnd, "per_batch": per_batch, "p2p": p2p,
+                            "profiles": [before, after]})
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -85,11 +111,31 @@ def _mean_profile(dicts) -> MeasuredProfile:
                                    for k in ("forward_s", "backward_s"))
                      for b in table} for kind, table in first["layers"].items()}
     step = statistics.mean(d["step_s_per_param"] for d in dicts)
-    return MeasuredProfile(first["model"], layers, step, first["dtype"], first["device"])
+    data = statistics.mean(d["data_s_per_sample"] for d in dicts)
+    return MeasuredProfile(first["model"], layers, step, first["dtype"], first["device"], data)
+
+
+def predict_round(schedule, res, model, micro_batch, global_batch) -> tuple:
+    """(predicted, measured seconds per batch, link latency s, link Gbit/s) from both ranks'
+    results of one round of one schedule."""
+    measured = max(r["per_batch"] for r in res)
+    small, big = (statistics.mean(r["p2p"][i] for r in res) for i in (0, 1))
+    nbytes = 4.0 * micro_batch * model.seq_length * model.hidden_size
+    latency, bandwidth = _fit(small, big, nbytes)
+    profile = _mean_profile([p for r in res for p in r["profiles"]])
+    # the link as measured (what the p2p and the tied-gradient all-reduce cost)
+    gbps = min(bandwidth * 8 / 1e9, 1e9)
+    topo = Topology(num_nodes=1, gpus_per_node=2, gpu_memory_gb=1e3,
+                    intra_node_latency_us=latency * 1e6, intra_node_bandwidth_gbps=gbps)
+    setup = Setup(model, "fp32", "adam")
+    layout = Layout(schedule, 1, 2, 1, micro_batch, global_batch // micro_batch)
+    plan = stage_plan(setup, layout, LayerTimes(setup, profile, topo), topo,
+                      bounds=gpt_partition(model, 2))
+    return predict(plan, full=True).time_per_batch, measured, latency, gbps
 
 
 def run(schedules=("2bw", "flush", "gpipe"), layers=4, hidden=128, heads=4, seq=64, vocab=1024,
-        micro_batch=4, global_batch=32, warmup=3, iters=10, log=print):
+        micro_batch=4, global_batch=32, warmup=3, iters=10, repeats=3, log=print):
     from megatron_2bw.launch import spawn
     model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                         seq_length=seq, vocab_size=vocab)
@@ -98,26 +144,27 @@ def run(schedules=("2bw", "flush", "gpipe"), layers=4, hidden=128, heads=4, seq=
                    train=TrainConfig(train_iters=warmup + iters), schedule=s).validate(2)
             for s in schedules]
     with tempfile.TemporaryDirectory() as d:
-        spawn(_worker, 2, args=(cfgs, warmup, iters, d), timeout_minutes=10)
+        spawn(_worker, 2, args=(cfgs, warmup, iters, repeats, d), timeout_minutes=20)
         ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(2)]
     rows = []
-    setup = Setup(model, "fp32", "adam")
     for i, sched in enumerate(schedules):
-        res = [ranks[r][i] for r in range(2)]
-        measured = max(r["per_batch"] for r in res)
-        p2p = statistics.mean(r["p2p"] for r in res)
-        profile = _mean_profile([p for r in res for p in r["profiles"]])
-        # the link as measured: one activation's one-way time as latency, bandwidth ~ infinite
-        topo = Topology(num_nodes=1, gpus_per_node=2, gpu_memory_gb=1e3,
-                        intra_node_latency_us=p2p * 1e6, intra_node_bandwidth_gbps=1e9)
-        layout = Layout(sched, 1, 2, 1, micro_batch, global_batch // micro_batch)
-        plan = stage_plan(setup, layout, LayerTimes(setup, profile, topo), topo,
-                          bounds=gpt_partition(model, 2))
-        pred = predict(plan, full=True).time_per_batch
+        rounds = []
+        for rnd in range(repeats):
+            res = [next(x for x in ranks[r] if x["schedule"] == i and x["round"] == rnd)
+                   for r in range(2)]
+            rounds.append(predict_round(sched, res, model, micro_batch, global_batch))
+        ratios = [p / m for p, m, _, _ in rounds]
+        pred = statistics.median(p for p, _, _, _ in rounds)
+        measured = statistics.median(m for _, m, _, _ in rounds)
+        latency = statistics.median(x[2] for x in rounds)
+        gbps = statistics.median(x[3] for x in rounds)
+        ratio = statistics.median(ratios)
         rows.append({"schedule": sched, "predicted_s": pred, "measured_s": measured,
-                     "ratio": pred / measured, "p2p_s": p2p})
+                     "ratio": ratio, "ratios": ratios, "link_latency_s": latency,
+                     "link_gbps": gbps})
         log(f"{sched:6s} predicted {pred * 1e3:8.2f} ms/batch  measured {measured * 1e3:8.2f} "
-            f"ms/batch  predicted/measured {pred / measured:.3f}  (p2p {p2p * 1e6:.0f} us)")
+            f"ms/batch  predicted/measured {ratio:.3f} (rounds {min(ratios):.3f}-"
+            f"{max(ratios):.3f})  link {latency * 1e6:.0f} us + {gbps:.3g} Gbit/s")
     return rows
 
 
@@ -133,11 +180,13 @@ def main(argv=None):
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved rounds (profile + engine per schedule); medians are shown")
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
     a = p.parse_args(argv)
     rows = run(a.schedules.split(","), a.num_layers, a.hidden_size, a.num_attention_heads,
                a.seq_length, a.vocab_size, a.micro_batch_size, a.global_batch_size, a.warmup,
-               a.iters)
+               a.iters, a.repeats)
     if a.json:
         print(json.dumps(rows, indent=2))
 

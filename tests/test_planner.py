@@ -89,11 +89,17 @@ def test_analytic_profile_times_from_flops():
 def test_measured_profile_json_round_trip_and_interpolation(tmp_path):
     layers = {k: {1: (1.0, 2.0), 4: (4.0, 8.0)} for k in ("embedding", "transformer", "head")}
     shape = {"hidden_size": 64, "seq_length": 32}
-    prof = MeasuredProfile(shape, layers, 1e-9, "fp32", "cpu").validate()
+    prof = MeasuredProfile(shape, layers, 1e-9, "fp32", "cpu", data_s_per_sample=0.5).validate()
     path = tmp_path / "p.json"
     save_profile(prof, str(path))
     loaded = load_profile(str(path))
     assert loaded.layers == layers and loaded.model == shape
+    assert loaded.data_time(4) == pytest.approx(2.0)
+    old = prof.to_dict()
+    del old["data_s_per_sample"]  # profiles written before the field existed: no data time
+    assert profile_from_dict(old).data_time(4) == 0.0
+    with pytest.raises(PlanError, match="data_s_per_sample must be >= 0"):
+        profile_from_dict(dict(old, data_s_per_sample=-1))
     cost = layer_costs(MODEL, 2)[1]
     assert loaded.layer_times(cost, 2) == pytest.approx((2.0, 4.0))      # interpolated
     assert loaded.layer_times(cost, 8) == pytest.approx((8.0, 16.0))     # scaled
@@ -119,6 +125,7 @@ def test_measure_profile_on_this_cpu():
     assert set(prof.layers) == {"embedding", "transformer", "head"}
     assert all(f > 0 and b > 0 for t in prof.layers.values() for f, b in t.values())
     assert prof.step_s_per_param > 0
+    assert 0 < prof.data_s_per_sample < 0.01  # reading a few tokens: microseconds, not seconds
     profile_from_dict(prof.to_dict()).check_model(tiny, "fp32")
 
 
@@ -178,6 +185,17 @@ def test_peak_in_flight_equals_schedule_and_simulator(schedule):
         assert plan.peak_in_flight == res.peak_in_flight == \
             [sched.peak_in_flight(s) for s in range(d)] == \
             [in_flight(schedule, d, m, s) for s in range(d)]
+
+
+def test_reading_a_microbatch_costs_the_first_and_last_stage_forward():
+    topo = Topology(num_nodes=1, gpus_per_node=8)
+    setup = Setup(MODEL, "fp32", "adam")
+    table = {k: {1: (1.0, 2.0)} for k in ("embedding", "transformer", "head")}
+    plans = [stage_plan(setup, Layout("flush", 1, 3, 1, 2, 4),
+                        LayerTimes(setup, MeasuredProfile({}, table, 0.0, data_s_per_sample=x),
+                                   topo), topo) for x in (0.0, 0.25)]
+    assert [b - a for a, b in zip(plans[0].fwd, plans[1].fwd)] == pytest.approx([0.5, 0, 0.5])
+    assert plans[0].bwd == plans[1].bwd
 
 
 def test_2bw_reduction_overlaps_exactly_one_forward():

@@ -14,6 +14,7 @@ def test_predicted_time_per_batch_tracks_the_engine():
     sys.path.insert(0, os.path.join(ROOT, "bench"))  # spawned workers import it by name
     import plan_accuracy as bench
     rows = bench.run(("2bw", "flush"), layers=4, hidden=128, seq=64, micro_batch=4,
-                     global_batch=32, warmup=2, iters=6, log=lambda line: None)
+                     global_batch=32, warmup=2, iters=6, repeats=1,
+                     log=lambda line: None)
     for row in rows:
-        assert 0.5 < row["ratio"] < 2.0, row
+        assert 0.6 < row["ratio"] < 1.5, row

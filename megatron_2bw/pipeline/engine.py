@@ -20,6 +20,7 @@ from ..parallel.grid import ProcessGrid
 from ..parallel.p2p import P2P
 from . import actions as A
 from .batch_step import BatchStepper
+from .host_memory import keep_freed_memory
 from .module import LayerSpec, StageModule
 from .schedules import forward_only, make_schedule
 from .weights import VersionedWeights
@@ -36,6 +37,8 @@ class PipelineEngine:
         if fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}: use one of {FAULTS}")
         self.cfg, self.grid, self.loss_fn, self.device = cfg, grid, loss_fn, torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults for the stash at every batch (host_memory.py)
         self.stage, self.num_stages = grid.stage, grid.pipeline
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
         self.m = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * grid.data)

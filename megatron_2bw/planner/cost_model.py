@@ -4,7 +4,8 @@ A `Layout` is (schedule, t, d, w, b, m, recompute, rank order). `stage_plan(setu
 turns it into a `StagePlan`:
 
 - compute: F_s, B_s = sums of the per-layer profile times of the stage's layers (a contiguous
-  range from `partition.py`); recomputation adds the transformer layers' forward to B_s (the
+  range from `partition.py`); the first and the last stage's forward also read the microbatch
+  (inputs, labels: `profile.data_time`); recomputation adds the transformer layers' forward to B_s (the
   engine, like Megatron, recomputes transformer layers only); tensor parallelism adds, over the
   node-local link, two all-reduces of the activation per transformer layer and pass, one for the
   vocab-parallel embedding (forward) and the output layer's input gradient, and the
@@ -264,9 +265,10 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     inter, dp_inter, tied_inter, mp_inter = times.placement(L)
     w, slots = L.data, num_slots(L.schedule)
     norm_ar = topology.ring_time(8.0, d, mp_inter)  # [norm^2, loss] over one rank per stage
+    data = times.profile.data_time(b)  # the first and the last stage read each microbatch
     for s in range(d):
         lo, hi = bounds[s], bounds[s + 1]
-        f = P["fwd"][hi] - P["fwd"][lo]
+        f = P["fwd"][hi] - P["fwd"][lo] + (data if s in (0, d - 1) else 0.0)
         fwd.append(f)
         rc = P["rc_fwd"][hi] - P["rc_fwd"][lo] if L.recompute else 0.0
         bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)

@@ -1,8 +1,10 @@
 """Per-layer compute times: measured on this device, or analytic from FLOPs and a device model.
 
 Both kinds answer `layer_times(cost, micro_batch, tensor) -> (forward_s, backward_s)` for one spec
-of the model (`models/flops.LayerCost`) and `step_time(params)` for a stage's per-batch local work
-(gradient scaling, norm, optimizer step). Profiles are JSON files users can edit and share:
+of the model (`models/flops.LayerCost`), `step_time(params)` for a stage's per-batch local work
+(gradient scaling, norm, optimizer step) and `data_time(micro_batch)` for reading one microbatch
+(the first and the last stage each read it: inputs, labels). Profiles are JSON files users can
+edit and share:
 
     {"source": "analytic", "device_tflops": 312, "efficiency": 0.5,
      "memory_bandwidth_gb_per_s": 2000, "step_bytes_per_param": 36}
@@ -10,7 +12,12 @@ of the model (`models/flops.LayerCost`) and `step_time(params)` for a stage's pe
     {"source": "measured", "device": "cpu, 1 thread", "dtype": "fp32",
      "model": {"hidden_size": 64, ...},
      "layers": {"transformer": {"4": {"forward_s": 0.0011, "backward_s": 0.0023}}, ...},
-     "step_s_per_param": 2.1e-9}
+     "step_s_per_param": 2.1e-9, "data_s_per_sample": 2e-5}
+
+A measured profile times each layer type the way a 1F1B pipeline runs it: the forward of one
+microbatch, then the backward of the previous one, alternately (so caches are as cold as in the
+engine, where a forward follows another microbatch's backward), and times the project's own
+batch iterator on synthetic data of the model's shape for `data_s_per_sample`.
 
 A measured profile holds one entry per micro-batch size it timed; other sizes are interpolated
 linearly (and scaled proportionally outside the measured range). Tensor parallelism divides the
@@ -62,6 +69,10 @@ class AnalyticProfile:
     def step_time(self, params: int) -> float:
         return params * self.step_bytes_per_param / (self.memory_bandwidth_gb_per_s * 1e9)
 
+    def data_time(self, micro_batch: int) -> float:
+        """Accelerators read token ids prefetched by the host: nothing on the critical path."""
+        return 0.0
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -73,6 +84,7 @@ class MeasuredProfile:
     step_s_per_param: float
     dtype: str = "fp32"
     device: str = "cpu"
+    data_s_per_sample: float = 0.0        # reading one sample of inputs and labels
     source: str = "measured"
     path: str = field(default="", repr=False)
 
@@ -89,6 +101,8 @@ class MeasuredProfile:
                                     "times must be >= 0 seconds")
         if self.step_s_per_param < 0:
             raise PlanError(f"{where}: step_s_per_param must be >= 0")
+        if self.data_s_per_sample < 0:
+            raise PlanError(f"{where}: data_s_per_sample must be >= 0")
         return self
 
     def check_model(self, model, dtype: str) -> None:
@@ -110,9 +124,13 @@ class MeasuredProfile:
     def step_time(self, params: int) -> float:
         return params * self.step_s_per_param
 
+    def data_time(self, micro_batch: int) -> float:
+        return micro_batch * self.data_s_per_sample
+
     def to_dict(self) -> dict:
         return {"source": self.source, "device": self.device, "dtype": self.dtype,
                 "model": self.model, "step_s_per_param": self.step_s_per_param,
+                "data_s_per_sample": self.data_s_per_sample,
                 "layers": {k: {str(b): {"forward_s": f, "backward_s": g}
                                for b, (f, g) in sorted(v.items())}
                            for k, v in self.layers.items()}}
@@ -145,7 +163,7 @@ def profile_from_dict(data: dict, path: str = "") -> AnalyticProfile | MeasuredP
                          for b, e in table.items()} for kind, table in data["layers"].items()}
         return MeasuredProfile(dict(data.get("model", {})), layers, float(data["step_s_per_param"]),
                                data.get("dtype", "fp32"), data.get("device", "?"),
-                               path=path).validate()
+                               float(data.get("data_s_per_sample", 0.0)), path=path).validate()
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, PlanError):
             raise
@@ -173,15 +191,55 @@ def save_profile(profile, path: str) -> None:
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def _median_time(fn, repeats: int, setup=None) -> float:
+def _median_time(fn, repeats: int) -> float:
     times = []
     for i in range(repeats + 2):  # two warm-up runs
-        arg = setup() if setup else None
         t0 = time.perf_counter()
-        fn(arg)
+        fn()
         if i >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _interleaved_times(make_inputs, forward, repeats: int, sync, read=None) -> tuple:
+    """Median (forward, backward, read) seconds, timed as 1F1B runs them: the forward of
+    microbatch i, then the backward of microbatch i - 1, alternately (two warm-up rounds).
+    `read()`, when given, is timed right before each forward, where the engine reads a
+    microbatch (after a backward: caches as cold as in the engine)."""
+    import torch
+    fwds, bwds, reads, prev = [], [], [], None
+    for i in range(repeats + 3):
+        args = make_inputs()
+        t0 = time.perf_counter()
+        if read is not None:
+            read()
+        t1 = time.perf_counter()
+        out = forward(args)
+        sync()
+        t2 = time.perf_counter()
+        grad = torch.randn_like(out) if out.dim() else None
+        if prev is not None:
+            t3 = time.perf_counter()
+            prev[0].backward(prev[1])
+            sync()
+            if i >= 3:
+                bwds.append(time.perf_counter() - t3)
+        if i >= 2:
+            fwds.append(t2 - t1)
+            reads.append(t1 - t0)
+        prev = (out, grad)
+    return statistics.median(fwds), statistics.median(bwds), statistics.median(reads)
+
+
+def _batch_reader(model, micro_batch: int):
+    """next() of the project's batch iterator over the family's synthetic dataset (sample lookup,
+    stacking, the input/label split): what the engine does to read one microbatch."""
+    from ..config import BatchConfig, Config, TrainConfig
+    from ..training import mock_batches
+    cfg = Config(model=model, batch=BatchConfig(micro_batch, micro_batch),
+                 train=TrainConfig(train_iters=1))
+    it = mock_batches(cfg, 1, 0)
+    return lambda: next(it)
 
 
 CHAIN = 3  # transformer layers timed back to back (distinct weights: realistic cache misses)
@@ -237,34 +295,35 @@ def measure_profile(model, micro_batches=(1, 2, 4), dtype: str = "fp32", device:
 
     from ..config import OptimizerConfig
     from ..optim.optimizer import FlatAdamW
+    from ..pipeline.host_memory import keep_freed_memory
     from ..pipeline.weights import DTYPES
 
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     dev, dt = torch.device(device), DTYPES[dtype]
+    if dev.type == "cpu":
+        keep_freed_memory()  # as the engine does: time layers with the allocator it will have
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     try:
         mods, inputs, forward = _layer_runners(model, dev, dt)
         layers = {k: {} for k in KINDS}
+        data_per_sample = 0.0
         for b in micro_batches:
             for kind in KINDS:
                 div = CHAIN if kind == "transformer" else 1
-
-                def with_grad(kind=kind):
-                    out = forward(kind, inputs(kind, b))
-                    return out, (torch.randn_like(out) if out.dim() else None)
-                fwd = _median_time(lambda a: (forward(kind, a), sync()), repeats,
-                                   setup=lambda: inputs(kind, b))
-                bwd = _median_time(lambda a: (a[0].backward(a[1]), sync()), repeats,
-                                   setup=with_grad)
+                read = _batch_reader(model, b) if kind == "transformer" else None
+                fwd, bwd, rd = _interleaved_times(lambda: inputs(kind, b),
+                                                  lambda a: forward(kind, a), repeats, sync, read)
                 layers[kind][int(b)] = (fwd / div, bwd / div)
+                if read is not None and b == max(micro_batches):
+                    data_per_sample = rd / b
         n = max(sum(p.numel() for p in mods["transformer"].parameters()), 1 << 20)
         opt = FlatAdamW(n, n // 2, dev, OptimizerConfig())
         src, dst = torch.randn(n, device=dev), torch.empty(n, device=dev)
         grad = torch.randn(n + 1, device=dev)
 
-        def step(_):  # what R, N and S do locally: scale, squared norm, Adam into the other slot
+        def step():  # what R, N and S do locally: scale, squared norm, Adam into the other slot
             grad.mul_(1.0)
             torch.stack([grad[:n].pow(2).sum(), grad[n]])
             opt.step(src, grad[:n], dst, 1e-3)
@@ -276,7 +335,7 @@ def measure_profile(model, micro_batches=(1, 2, 4), dtype: str = "fp32", device:
     shape = {k: getattr(model, k, None) for k in SHAPE_FIELDS}
     name = f"{dev.type}, {threads} thread{'s' if threads != 1 else ''}" if dev.type == "cpu" \
         else torch.cuda.get_device_name(dev)
-    return MeasuredProfile(shape, layers, per_param, dtype, name)
+    return MeasuredProfile(shape, layers, per_param, dtype, name, data_per_sample)
 
 
 __all__ = ["AnalyticProfile", "MeasuredProfile", "load_profile", "save_profile",
