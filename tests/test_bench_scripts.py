@@ -90,6 +90,19 @@ def test_overhead_tiny(tmp_path):
     assert "target: engine-flush overhead <= 5%" in out
 
 
+def test_plan_accuracy_tiny():
+    out = _run(["bench/plan_accuracy.py", "--num-layers", "2", "--hidden-size", "32",
+                "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
+                "--micro-batch-size", "2", "--global-batch-size", "8", "--warmup", "1",
+                "--iters", "2", "--repeats", "2", "--json"])
+    rows = json.loads(out[out.index("["):])
+    assert [r["schedule"] for r in rows] == ["2bw", "flush", "gpipe"]
+    for r in rows:
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and len(r["ratios"]) == 2
+        assert min(r["ratios"]) <= r["ratio"] <= max(r["ratios"])  # the median of the rounds
+        assert f"{r['ratio']:.3f}" in out
+
+
 def test_compare_convergence_tiny(tmp_path):
     out = _run(["tools/compare_convergence.py", "--tiny", "--out-dir", tmp_path])
     with open(tmp_path / "losses.csv") as f:
