@@ -198,6 +198,24 @@ def test_reading_a_microbatch_costs_the_first_and_last_stage_forward():
     assert plans[0].bwd == plans[1].bwd
 
 
+def test_partition_minimizes_the_slowest_stage_with_the_data_read_included():
+    topo = Topology(num_nodes=1, gpus_per_node=8)
+    setup = Setup(MODEL, "fp32", "adam")
+    table = {"embedding": {1: (0.1, 0.1)}, "transformer": {1: (1.0, 2.0)}, "head": {1: (0.5, 0.5)}}
+    for data in (0.0, 1.0, 2.5, 4.0):
+        prof = MeasuredProfile({}, table, 0.0, data_s_per_sample=data)
+        for d in (2, 3, 4):
+            times = LayerTimes(setup, prof, topo)
+            n = len(times.get(1, 1)[0])
+
+            def slowest(bounds):
+                plan = stage_plan(setup, Layout("flush", 1, d, 1, 1, 4), times, topo, bounds)
+                return max(f + b for f, b in zip(plan.fwd, plan.bwd))
+            cuts = itertools.combinations(range(1, n), d - 1)
+            best = min(slowest([0, *c, n]) for c in cuts)
+            assert slowest(times.partition(1, 1, d, False)) == pytest.approx(best), (data, d)
+
+
 def test_2bw_reduction_overlaps_exactly_one_forward():
     for d in (2, 3, 4):
         acts = make_schedule("2bw", d, d + 1, 3).window(0, 1)

@@ -18,7 +18,7 @@ import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 TRIM_BYTES = 1 << 30          # keep up to 1 GiB of freed memory at the top of the heap
-MMAP_BYTES = 32 << 20         # glibc's largest mmap threshold on 64-bit: blocks below come from the heap
+MMAP_BYTES = 32 << 20         # glibc's largest mmap threshold (64-bit): smaller blocks use the heap
 
 _done: bool | None = None
 

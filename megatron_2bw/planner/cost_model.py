@@ -5,11 +5,11 @@ turns it into a `StagePlan`:
 
 - compute: F_s, B_s = sums of the per-layer profile times of the stage's layers (a contiguous
   range from `partition.py`); the first and the last stage's forward also read the microbatch
-  (inputs, labels: `profile.data_time`); recomputation adds the transformer layers' forward to B_s (the
-  engine, like Megatron, recomputes transformer layers only); tensor parallelism adds, over the
-  node-local link, two all-reduces of the activation per transformer layer and pass, one for the
-  vocab-parallel embedding (forward) and the output layer's input gradient, and the
-  cross-entropy's three small ones.
+  (inputs, labels: `profile.data_time`; the partitioner counts it too); recomputation adds the
+  transformer layers' forward to B_s (the engine, like Megatron, recomputes transformer layers
+  only); tensor parallelism adds, over the node-local link, two all-reduces of the activation per
+  transformer layer and pass, one for the vocab-parallel embedding (forward) and the output
+  layer's input gradient, and the cross-entropy's three small ones.
 - p2p: an activation (or its gradient) of b*s*h elements in the model dtype crosses the link the
   placement implies between stage c and c+1 (inter-node if any replica's pair sits on two nodes).
 - R/N/S: R launches the data-parallel all-reduce (ring over the slowest link of the group; the
@@ -233,6 +233,9 @@ class LayerTimes:
             costs, fwd, bwd = self.get(b, t)
             weights = [f + g + (f if recompute and _recomputed(c) else 0.0)
                        for c, f, g in zip(costs, fwd, bwd)]
+            data = self.profile.data_time(b)  # read by the stages holding the first/last layer
+            weights[0] += data
+            weights[-1] += data
             self._cache[key] = partition(weights, d)
         return self._cache[key]
 
