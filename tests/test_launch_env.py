@@ -63,3 +63,26 @@ def test_sbatch_examples_use_rendezvous_from_scontrol():
         text = (root / name).read_text()
         assert "scontrol show hostnames" in text and "--rdzv_endpoint" in text
         assert "--pipeline-schedule" in text
+
+
+@pytest.mark.parametrize("name", ["pretrain_gpt_2bw.sbatch", "pretrain_gpt_gpipe.sbatch",
+                                  "pretrain_gpt_srun.sbatch"])
+def test_sbatch_examples_flags_parse_and_validate(name):
+    """The pretrain flags of each SLURM example are real flags and a valid config for the
+    allocation the script asks for (nodes x GPUs per node)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from megatron_2bw.arguments import config_from_args, resolve_batch
+    from megatron_2bw.pretrain import build_parser
+    text = (Path(__file__).resolve().parent.parent / "examples" / "slurm" / name).read_text()
+    nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text).group(1))
+    gpus = int(re.search(r"#SBATCH --gpus-per-node=(\d+)", text).group(1))
+    command = text[text.index("pretrain_gpt.py") + len("pretrain_gpt.py"):].replace("\\\n", " ")
+    command = command.splitlines()[0].replace("$SCHEDULE", "2bw")
+    command = re.sub(r"\$\{?\w+\}?", "x", command)  # other shell variables: any word
+    args = build_parser("gpt").parse_args(shlex.split(command))
+    cfg = resolve_batch(config_from_args(args, "gpt"), nodes * gpus)
+    cfg.validate(nodes * gpus)
+    assert cfg.optimizer.adam_beta2 == 0.95 or "srun" in name
