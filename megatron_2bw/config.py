@@ -216,6 +216,15 @@ class Config:
             if m.recompute_num_layers < 1:
                 _fail(f"--recompute-num-layers must be >= 1 with --recompute-method, got "
                       f"{m.recompute_num_layers}")
+            # Megatron's bounds: block recomputes the first N layers of each stage, uniform
+            # groups the layers into chunks of N
+            per_stage = m.num_layers // max(p.pipeline, 1)
+            most, what = ((per_stage, f"the {per_stage} layers per pipeline stage")
+                          if m.recompute_method == "block" else
+                          (m.num_layers, f"--num-layers {m.num_layers}"))
+            if most >= 1 and m.recompute_num_layers > most:
+                _fail(f"--recompute-num-layers {m.recompute_num_layers} is more than {what} "
+                      f"(--recompute-method {m.recompute_method}): use at most {most}")
         if p.pipeline > m.num_layers:
             _fail(f"--pipeline-model-parallel-size {p.pipeline} is larger than --num-layers "
                   f"{m.num_layers}: every stage needs at least one transformer layer")

@@ -186,7 +186,7 @@ def test_flag_errors(tmp_path):
     with pytest.raises(DataError, match="missing.idx"):
         build_gpt_train_data(ns(data_path=[str(tmp_path / "missing")],
                                 tokenizer_type="NullTokenizer", vocab_size=10), 8, 1, 10)
-    with pytest.raises(DataError, match="train split is empty"):
+    with pytest.raises(DataError, match="--split 0,1,0: the train split has weight 0"):
         build_gpt_train_data(ns(data_path=[prefix], tokenizer_type="NullTokenizer",
                                 vocab_size=60000, split="0,1,0"), 8, 1, 10)
     mock = build_gpt_train_data(argparse.Namespace(mock_data=True, vocab_size=128), 16, 1)

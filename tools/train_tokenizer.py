@@ -9,14 +9,13 @@ the lines of each document's --json-keys values. Writes {model-prefix}.model wit
 bos 1, eos 2 (GPT's end of document), pad 3.
 """
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.data.errors import DataError  # noqa: E402
-from megatron_2bw.data.preprocess import numbered_lines  # noqa: E402
+from megatron_2bw.data.preprocess import document_texts, numbered_lines  # noqa: E402
 from megatron_2bw.data.tokenizer import train_sentencepiece  # noqa: E402
 
 
@@ -27,7 +26,9 @@ def parse(argv=None):
     p.add_argument("--json-keys", nargs="+", default=None,
                    help="read the inputs as JSONL and take these keys (default: text, for "
                         ".jsonl/.json files)")
-    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model")
+    p.add_argument("--model-prefix", "--output-prefix", dest="model_prefix", required=True,
+                   help="writes PREFIX.model (--output-prefix, as in preprocess_data.py, is the "
+                        "same flag)")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
     p.add_argument("--character-coverage", type=float, default=0.9995)
@@ -49,14 +50,11 @@ def sentences(paths, json_keys):
                 yield line.strip()
                 continue
             try:
-                doc = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {lineno}: not JSON ({e.msg}); pass plain "
-                                "text files without --json-keys") from None
-            for key in keys:
-                if key not in doc:
-                    raise DataError(f"{path}: line {lineno}: no key {key!r} (--json-keys)")
-                yield from (s.strip() for s in str(doc[key]).splitlines() if s.strip())
+                texts = document_texts(line, lineno, keys)
+            except DataError as e:
+                raise DataError(f"{path}: {e}") from None
+            for text in texts.values():
+                yield from (s.strip() for s in text.splitlines() if s.strip())
 
 
 def main(argv=None) -> int:

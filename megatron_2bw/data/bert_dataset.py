@@ -103,6 +103,10 @@ class BertDataset:
             raise DataError(f"--sentence-pair-task {pair_task}: choose sop or nsp")
         if seq_length < 8:
             raise DataError(f"--seq-length {seq_length}: BERT samples need at least 8 tokens")
+        for flag, value in (("--mask-prob", mask_prob), ("--short-seq-prob", short_seq_prob)):
+            if not 0.0 <= value <= 1.0:
+                raise DataError(f"{flag} {value}: a probability must be in [0, 1] (Megatron's "
+                                f"default: {'0.15' if flag == '--mask-prob' else '0.1'})")
         self.indexed, self.tokenizer = indexed, tokenizer
         self.seq_length, self.seed = seq_length, seed
         self.mask_prob, self.binary_head, self.pair_task = mask_prob, binary_head, pair_task

@@ -20,6 +20,7 @@ import numpy as np
 from .bert_dataset import BertDataset
 from .blended_dataset import BlendedDataset, normalize, parse_data_path, samples_per_dataset
 from .cache import user_cache_dir, writable_dir
+from .consistency import check_dataset
 from .default_corpus import default_corpus
 from .errors import DataError
 from .gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_indices
@@ -57,12 +58,24 @@ def _split_ranges(num_documents: int, split: str) -> list[range]:
     return [range(b[i], b[i + 1]) for i in range(3)]
 
 
-def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
-                       num_samples: tuple, data_cache_path: str | None = None) -> list:
-    """[train, valid, test] GPT datasets (None for an empty split) of num_samples[i] samples
-    each (None: one epoch). Several prefixes are blended by weight (default: by token count)."""
-    prefixes, weights = parse_data_path(data_path)
+def open_checked(data_path, tokenizer, data_cache_path: str | None = None) -> list:
+    """The --data-path prefixes' indexed datasets, each non-empty and within the tokenizer's
+    vocabulary (consistency.check_dataset); one-line DataError otherwise."""
+    prefixes, _ = parse_data_path(data_path)
     indexed = [MMapIndexedDataset(p) for p in prefixes]
+    for p, ds in zip(prefixes, indexed):
+        check_dataset(ds, tokenizer, index_cache_dir(p, data_cache_path, "TokenRange"))
+    return indexed
+
+
+def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
+                       num_samples: tuple, data_cache_path: str | None = None,
+                       indexed: list | None = None) -> list:
+    """[train, valid, test] GPT datasets (None for an empty split) of num_samples[i] samples
+    each (None: one epoch). Several prefixes are blended by weight (default: by token count).
+    `indexed`: the prefixes' datasets when already open (open_checked)."""
+    prefixes, weights = parse_data_path(data_path)
+    indexed = indexed or [MMapIndexedDataset(p) for p in prefixes]
     ranges = [_split_ranges(len(ds), split) for ds in indexed]
     out = []
     for s, name in enumerate(SPLIT_NAMES):
@@ -126,11 +139,9 @@ def _padded_vocab(args, tokenizer) -> int:
                                    _get(args, "tensor_model_parallel_size", 1))
 
 
-def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples) -> list:
+def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples, indexed) -> list:
     prefixes, _ = parse_data_path(data_path)
-    if len(prefixes) != 1:
-        raise DataError("--data-path: BERT takes one prefix (blending is GPT-only for now)")
-    indexed = MMapIndexedDataset(prefixes[0])
+    indexed = indexed[0]
     split = _get(args, "split", DEFAULT_SPLIT)
     ranges = _split_ranges(len(indexed.document_indices) - 1, split)
     out = []
@@ -174,17 +185,31 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
     default_type, prefix_attr = {"gpt": ("GPTSentencePieceTokenizer", "document_prefix"),
                                  "bert": ("SentencePieceTokenizer", "sentence_prefix")}[family]
     tokenizer, data_path = _tokenizer_and_data(args, default_type, prefix_attr)
+    if family == "bert" and len(parse_data_path(data_path)[0]) != 1:
+        raise DataError("--data-path: BERT takes one prefix (blending is GPT-only for now)")
+    cache, split = _get(args, "data_cache_path"), _get(args, "split", DEFAULT_SPLIT)
+    indexed = open_checked(data_path, tokenizer, cache)
     samples = (_num_samples(args, train_samples), valid_samples, 0)
     if family == "gpt":
-        train, valid, _ = build_gpt_datasets(data_path, _get(args, "split", DEFAULT_SPLIT),
-                                             seq_length, seed, samples,
-                                             _get(args, "data_cache_path"))
+        train, valid, _ = build_gpt_datasets(data_path, split, seq_length, seed, samples, cache,
+                                             indexed)
     else:
-        train, valid, _ = _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples)
+        train, valid, _ = _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples,
+                                         indexed)
     if train is None:
-        raise DataError(f"--split {_get(args, 'split', DEFAULT_SPLIT)}: the train split is "
-                        "empty; give it a positive weight")
+        raise _empty_train_split(split, parse_data_path(data_path)[0], indexed)
     return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
+
+
+def _empty_train_split(split: str, prefixes: list, indexed: list) -> DataError:
+    """Why the train split got no documents: its --split weight is 0, or too few documents."""
+    if parse_split(split)[0] == 0:
+        return DataError(f"--split {split}: the train split has weight 0: give it a positive "
+                         "weight, e.g. --split 969,30,1")
+    docs = {p: len(ds.document_indices) - 1 for p, ds in zip(prefixes, indexed)}
+    listed = ", ".join(f"{p} has {n}" for p, n in docs.items())
+    return DataError(f"--split {split}: the train split rounds to 0 documents ({listed}): add "
+                     "documents or raise the train weight")
 
 
 def build_gpt_train_data(args, seq_length: int | None = None, seed: int | None = None,

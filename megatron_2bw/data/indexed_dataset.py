@@ -13,7 +13,16 @@
 
 .bin is the sequences' tokens back to back. A "sequence" is a document (`_document` files) or a
 sentence (`_sentence` files, several per document). The reader memory-maps both files and
-returns zero-copy numpy views; every header/size problem is a one-line DataError naming the file.
+returns zero-copy numpy views. Before it hands out anything it checks that the index is
+self-consistent and matches the .bin: lengths are >= 0, pointer k is the byte offset the lengths
+before it imply (sum(lengths[:k]) x itemsize: Megatron never writes gaps), the document indices
+rise from 0 to S, and the .bin holds exactly sum(lengths) x itemsize bytes. A flipped byte in the
+lengths or pointers, a .bin/.idx pair from two runs, or a relabelled dtype code (uint16 data
+called uint8) is a one-line DataError naming the file, never silently different tokens.
+
+The builder writes both files under temporary names and renames them into place only when the
+index is complete (`finalize`), so a failed or interrupted run leaves any previous PREFIX.bin/.idx
+untouched and never a .bin without its .idx.
 """
 from __future__ import annotations
 
@@ -30,6 +39,8 @@ _HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
           7: np.float32, 8: np.uint16}
 _CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+_CHUNK = 1 << 22  # index entries checked per numpy pass (bounded temporary memory)
+_REGENERATE = "regenerate it with tools/preprocess_data.py"
 
 
 def dtype_code(dtype) -> int:
@@ -99,14 +110,44 @@ class IndexReader:
         d = self.document_indices
         if docs == 0 or d[0] != 0 or d[-1] != count or (docs > 1 and np.any(d[1:] < d[:-1])):
             raise DataError(f"{idx_path}: inconsistent document indices (must rise from 0 to "
-                            f"the sequence count {count}): regenerate it with "
-                            "tools/preprocess_data.py")
+                            f"the sequence count {count}): {_REGENERATE}")
+        self.num_tokens = self._check_lengths_and_pointers()
+
+    def _check_lengths_and_pointers(self) -> int:
+        """Lengths >= 0 and pointers = running byte offsets; returns the total token count."""
+        lengths, pointers, item = self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize
+        before = 0  # tokens before the current chunk
+        for lo in range(0, self.sequence_count, _CHUNK):
+            n = lengths[lo:lo + _CHUNK].astype(np.int64)
+            negative = np.flatnonzero(n < 0)
+            if len(negative):
+                i = lo + int(negative[0])
+                raise DataError(f"{self.path}: sequence {i} has length {int(lengths[i])} "
+                                f"(negative): the index is corrupt; {_REGENERATE}")
+            starts = before + np.cumsum(n) - n  # tokens before each sequence
+            wrong = np.flatnonzero(pointers[lo:lo + len(n)] != starts * item)
+            if len(wrong):
+                i, tokens = lo + int(wrong[0]), int(starts[wrong[0]])
+                raise DataError(f"{self.path}: sequence {i} starts at byte "
+                                f"{int(pointers[i])} but the lengths before it end at byte "
+                                f"{tokens * item}{self._dtype_hint(int(pointers[i]), tokens)}: "
+                                f"lengths and pointers disagree (corrupt index); {_REGENERATE}")
+            before += int(n.sum())
+        return before
+
+    def _dtype_hint(self, nbytes: int, tokens: int) -> str:
+        """' (they fit 2-byte tokens: ...)' when nbytes is tokens x another dtype's itemsize."""
+        if tokens <= 0 or nbytes % tokens:
+            return ""
+        size = nbytes // tokens
+        if size == self.dtype.itemsize or size not in (1, 2, 4, 8):
+            return ""
+        return (f" (they fit {size}-byte tokens, but the header says {self.dtype} with "
+                f"{self.dtype.itemsize}: the dtype code is wrong)")
 
     def bin_bytes_needed(self) -> int:
-        if self.sequence_count == 0:
-            return 0
-        last = int(self.sequence_lengths[-1]) * self.dtype.itemsize
-        return int(self.sequence_pointers[-1]) + last
+        """The exact size of the matching .bin: every token, no gaps, nothing after."""
+        return self.num_tokens * self.dtype.itemsize
 
 
 class MMapIndexedDataset:
@@ -122,6 +163,14 @@ class MMapIndexedDataset:
             raise DataError(f"{bin_path}: shorter than its index says ({have} bytes, "
                             f"{index_file_path(prefix)} needs {need}): the .bin is truncated "
                             "or belongs to another .idx; regenerate both")
+        if have > need:
+            ratio = have // need if need and have % need == 0 else 0
+            hint = (f"; it is exactly {ratio}x: the data looks like "
+                    f"{ratio * self.index.dtype.itemsize}-byte tokens, not "
+                    f"{self.index.dtype} as the index says" if ratio in (2, 4, 8) else "")
+            raise DataError(f"{bin_path}: longer than its index says ({have} bytes, "
+                            f"{index_file_path(prefix)} accounts for {need}{hint}): the .bin "
+                            "belongs to another .idx or the .idx is corrupt; regenerate both")
         self._bin = np.memmap(bin_path, mode="r", order="C") if have else np.empty(0, np.uint8)
 
     @property
@@ -142,7 +191,7 @@ class MMapIndexedDataset:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.sequence_lengths.sum(dtype=np.int64))
+        return self.index.num_tokens
 
     def __len__(self) -> int:
         return self.index.sequence_count
@@ -165,13 +214,23 @@ class MMapIndexedDataset:
         return np.frombuffer(self._bin, self.dtype, self.num_tokens, 0)
 
 
+def _temporary(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
 class IndexedDatasetBuilder:
-    """Write PREFIX.bin as tokens arrive; `finalize(PREFIX.idx)` writes the index (Megatron API)."""
+    """Write PREFIX.bin as tokens arrive; `finalize(PREFIX.idx)` writes the index (Megatron API).
+
+    Both files are written under temporary names (`.tmp-<pid>`) and renamed into place by
+    `finalize` (or `prepare` + `commit`, to commit several datasets only once all are complete);
+    `abort` deletes the temporaries. The .bin is renamed first and the .idx last."""
 
     def __init__(self, bin_path: str, dtype=np.int32):
         self.bin_path, self.dtype = bin_path, np.dtype(dtype)
         dtype_code(self.dtype)  # reject dtypes the format cannot name
-        self.data_file = open(bin_path, "wb")
+        self._tmp_bin = _temporary(bin_path)
+        self._idx: tuple[str, str] | None = None  # (final, temporary) once prepared
+        self.data_file = open(self._tmp_bin, "wb")
         self.sequence_lengths: list[int] = []
         self.document_indices: list[int] = [0]
 
@@ -206,9 +265,41 @@ class IndexedDatasetBuilder:
             while chunk := f.read(1 << 24):
                 self.data_file.write(chunk)
 
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.sequence_lengths))
+
     def finalize(self, idx_path: str) -> None:
+        """Write the index and move PREFIX.bin and PREFIX.idx into place."""
+        self.prepare(idx_path)
+        self.commit()
+
+    def prepare(self, idx_path: str) -> None:
+        """Close and sync the .bin, write the .idx; both still under temporary names."""
+        _close_synced(self.data_file)
+        tmp = _temporary(idx_path)
+        self._idx = (idx_path, tmp)
+        write_index(tmp, self.dtype, self.sequence_lengths, self.document_indices)
+
+    def commit(self) -> None:
+        idx_path, tmp_idx = self._idx
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(tmp_idx, idx_path)
+        self._idx = None
+
+    def abort(self) -> None:
+        """Drop the unfinished dataset: close and delete the temporary files (idempotent)."""
         self.data_file.close()
-        write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices)
+        for path in (self._tmp_bin, self._idx[1] if self._idx else None):
+            if path and os.path.exists(path):
+                os.remove(path)
+
+
+def _close_synced(f) -> None:
+    if not f.closed:
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
 
 
 def write_index(idx_path: str, dtype, sequence_lengths, document_indices) -> None:
@@ -227,3 +318,5 @@ def write_index(idx_path: str, dtype, sequence_lengths, document_indices) -> Non
         f.write(lengths.tobytes(order="C"))
         f.write(pointers.tobytes(order="C"))
         f.write(docs.tobytes(order="C"))
+        f.flush()
+        os.fsync(f.fileno())

@@ -4,9 +4,16 @@ Each JSON line is a document; for every `--json-keys` key K it writes
 `{output_prefix}_{K}_{document|sentence}.bin/.idx`. With `split_sentences` each sentence is one
 sequence of the document (for BERT); otherwise the document is one sequence (for GPT).
 `append_eod` adds the tokenizer's eod to every non-empty document.
+
+Bad input stops the run with a one-line DataError and writes nothing: a line that is not a JSON
+object, a missing key, a value that is not a string (`null` is not the text "None"), an input
+with no documents or no tokens. The outputs appear only when every key's .bin and .idx are
+complete (IndexedDatasetBuilder writes temporaries and renames), so a failed run leaves earlier
+outputs with the same prefix untouched.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import re
@@ -60,15 +67,39 @@ class Encoder:
     def encode(self, item: tuple[int, str]):
         lineno, line = item
         try:
-            doc = json.loads(line)
-        except json.JSONDecodeError as e:
-            return lineno, None, f"line {lineno}: not JSON ({e.msg})"
-        out = {}
-        for key in self.json_keys:
-            if key not in doc:
-                return lineno, None, f"line {lineno}: no key {key!r} (--json-keys)"
-            out[key] = self.encode_text(str(doc[key]))
+            texts = document_texts(line, lineno, self.json_keys)
+        except DataError as e:
+            return lineno, None, str(e)
+        out = {key: self.encode_text(text) for key, text in texts.items()}
         return lineno, out, len(line.encode())
+
+
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",
+               list: "a list", dict: "an object"}
+
+
+def document_texts(line: str, lineno: int, json_keys) -> dict[str, str]:
+    """{key: text} of one JSONL line, or a one-line DataError naming the line and the key."""
+    try:
+        doc = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"line {lineno}: not JSON ({e.msg})") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"line {lineno}: {_JSON_TYPES.get(type(doc), type(doc).__name__)}, "
+                        "not a JSON object: each line must be one document, e.g. "
+                        '{"text": "..."}')
+    out = {}
+    for key in json_keys:
+        if key not in doc:
+            raise DataError(f"line {lineno}: no key {key!r} (--json-keys; the line has "
+                            f"{', '.join(map(repr, doc)) or 'no keys'})")
+        value = doc[key]
+        if not isinstance(value, str):
+            raise DataError(f"line {lineno}: {key!r} is "
+                            f"{_JSON_TYPES.get(type(value), type(value).__name__)}, not a "
+                            "string: fix or drop the line")
+        out[key] = value
+    return out
 
 
 _WORKER: Encoder | None = None
@@ -135,29 +166,45 @@ def preprocess_jsonl(input_path: str, prefix: str, json_keys: Iterable[str] = ("
     encoder = Encoder(tokenizer_type, tokenizer_model, vocab_size, json_keys, split_sentences,
                       append_eod)
     outs = {k: output_prefix(prefix, k, split_sentences) for k in json_keys}
+    lines = numbered_lines(input_path)
+    first = next(lines, None)  # an unreadable or empty input fails before anything is written
+    if first is None:
+        raise DataError(f"{input_path}: no documents (the --input file is empty; nothing "
+                        "written)")
     dtype = optimal_dtype(tokenizer.vocab_size)
-    builders = {k: IndexedDatasetBuilder(data_file_path(p), dtype) for k, p in outs.items()}
+    builders: dict[str, IndexedDatasetBuilder] = {}
     progress = Progress(log_interval, progress_stream)
     pool = None
-    if workers > 1:
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encoder,))
-        docs = pool.imap(_encode_in_worker, numbered_lines(input_path), chunksize=32)
-    else:
-        encoder.tokenizer = tokenizer
-        docs = map(encoder.encode, numbered_lines(input_path))
     try:
+        for k, p in outs.items():
+            builders[k] = IndexedDatasetBuilder(data_file_path(p), dtype)
+        lines = itertools.chain([first], lines)
+        if workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (encoder,))
+            docs = pool.imap(_encode_in_worker, lines, chunksize=32)
+        else:
+            encoder.tokenizer = tokenizer
+            docs = map(encoder.encode, lines)
         for _, doc, info in docs:
             if doc is None:
-                raise DataError(f"{input_path}: {info}")
+                raise DataError(f"{input_path}: {info} (nothing written)")
             for key, (ids, lengths) in doc.items():
                 builders[key].add_document(ids, lengths)
             progress.update(info)
+        for key, b in builders.items():
+            if b.num_tokens == 0:
+                raise DataError(f"{input_path}: the {progress.docs} documents have no text "
+                                f"under {key!r} (every value is empty; nothing written)")
+        progress.show(final=True)
+        for key, b in builders.items():
+            b.prepare(index_file_path(outs[key]))
+        for b in builders.values():
+            b.commit()
     finally:
         if pool is not None:
             pool.terminate()
-    progress.show(final=True)
-    for key, b in builders.items():
-        b.finalize(index_file_path(outs[key]))
+        for b in builders.values():
+            b.abort()
     return outs
 
 
@@ -167,7 +214,10 @@ def write_documents(prefix: str, documents: Iterable[str], tokenizer, split: boo
     encoder = Encoder(None, None, None, (), split, append_eod)
     encoder.tokenizer = tokenizer
     builder = IndexedDatasetBuilder(data_file_path(prefix), optimal_dtype(tokenizer.vocab_size))
-    for text in documents:
-        builder.add_document(*encoder.encode_text(text))
-    builder.finalize(index_file_path(prefix))
+    try:
+        for text in documents:
+            builder.add_document(*encoder.encode_text(text))
+        builder.finalize(index_file_path(prefix))
+    finally:
+        builder.abort()
     return prefix

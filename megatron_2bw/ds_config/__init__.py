@@ -28,14 +28,17 @@ What maps where (DeepSpeed key -> Config field, Megatron flag):
 
 Any two of the batch triple imply the third (train_batch = micro x accumulation x data-parallel
 size). Every bad setting is a one-line `ConfigError` naming the JSON key, raised before any
-process group work. Keys DeepSpeed has and we do not use are ignored (DeepSpeed ignores unknown
-keys too), except near-misses of the keys above, which are reported as typos.
+process group work. Every key must be known (keys.py): DeepSpeed settings that change nothing
+here (monitors, profilers, I/O) are accepted and ignored; features that would change what is
+trained (curricula, autocast, sparse/quantized models, AutoTP, MoE) are refused; any other key
+is an error with the closest known key ("did you mean"), at the top level and in the sections
+we read (DeepSpeed itself silently ignores unknown keys).
 
 Semantics that differ from DeepSpeed (documented, not hidden): weight decay applies to matrices
 and embeddings only (DeepSpeed decays every parameter of a group); ZeRO-1 does not shard the
 optimizer state; fp16 dynamic loss scaling uses our scaler (same window/hysteresis meaning).
 
-Modules: read.py (finding the JSON), batch.py (the batch triple), setting.py (Setting, fail),
+Modules: read.py (finding the JSON), keys.py (the key vocabulary), batch.py (the batch triple), setting.py (Setting, fail),
 optim.py / schedulers.py / sections.py (JSON sections -> Settings; schedulers.py also holds
 `deepspeed_lr`), merge.py (Settings onto a Config: both front doors).
 """
@@ -43,9 +46,10 @@ from .batch import batch_triple
 from .merge import config_from_deepspeed, explicit_flags, merge_flags_and_ds_config
 from .read import load_ds_json
 from .schedulers import DS_SCHEDULERS, deepspeed_lr
-from .sections import SUPPORTED_KEYS, ds_settings
+from .keys import IGNORED_KEYS, REFUSED_KEYS, SUPPORTED_KEYS
+from .sections import ds_settings
 from .setting import Setting
 
-__all__ = ["DS_SCHEDULERS", "SUPPORTED_KEYS", "Setting", "batch_triple", "config_from_deepspeed",
+__all__ = ["DS_SCHEDULERS", "IGNORED_KEYS", "REFUSED_KEYS", "SUPPORTED_KEYS", "Setting", "batch_triple", "config_from_deepspeed",
            "deepspeed_lr", "ds_settings", "explicit_flags", "load_ds_json",
            "merge_flags_and_ds_config"]

@@ -1,10 +1,15 @@
 """The DeepSpeed "optimizer" section (Adam, AdamW, SGD) as Settings of Config.optimizer."""
 from __future__ import annotations
 
+from .keys import unknown_key
 from .setting import Setting, fail
 
 _ADAM_IGNORED = ("torch_adam", "adam_w_mode", "foreach", "fused", "fp32_optimizer_states",
                  "capturable", "differentiable", "set_grad_none")
+_SGD_IGNORED = ("foreach", "maximize", "differentiable", "fused")
+_KNOWN = {"adam": ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad",
+                   "max_grad_norm") + _ADAM_IGNORED,
+          "sgd": ("lr", "momentum", "weight_decay", "nesterov", "dampening") + _SGD_IGNORED}
 
 
 def optimizer_settings(ds: dict) -> list[Setting]:
@@ -55,11 +60,12 @@ def optimizer_settings(ds: dict) -> list[Setting]:
         take("weight_decay", "optimizer.weight_decay", "--weight-decay", 0.0)
         if params.pop("nesterov", False) or params.pop("dampening", 0):
             fail("DeepSpeed config: SGD nesterov / dampening are not supported")
-        for k in ("foreach", "maximize", "differentiable", "fused"):
+        for k in _SGD_IGNORED:
             params.pop(k, None)
     else:
         fail(f"DeepSpeed config: optimizer type {kind!r} is not supported: use Adam, AdamW or "
              "SGD")
     if params:
-        fail(f"DeepSpeed config: unknown optimizer.params key {sorted(params)[0]!r} for {kind}")
+        family = "sgd" if kind.lower() == "sgd" else "adam"
+        unknown_key(sorted(params)[0], _KNOWN[family], f"optimizer.params ({kind})")
     return out

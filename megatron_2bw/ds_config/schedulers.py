@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from .keys import unknown_key
 from .setting import Setting, fail
 
 DS_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -25,7 +26,7 @@ def _checked_params(kind: str, given: dict) -> dict:
     defaults = _SCHED_PARAMS[kind]
     for k in given:
         if k not in defaults:
-            fail(f"DeepSpeed config: unknown scheduler.params key {k!r} for {kind}")
+            unknown_key(k, defaults, f"scheduler.params ({kind})")
     p = {**defaults, **given}
     steps = p["warmup_num_steps"]
     if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:

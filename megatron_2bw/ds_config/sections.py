@@ -1,21 +1,13 @@
-"""Every Config setting a DeepSpeed JSON implies, section by section (`ds_settings`): top-level
-keys and their typos, ZeRO, precision, clipping, logging, wandb and the "pipeline" section;
+"""Every Config setting a DeepSpeed JSON implies, section by section (`ds_settings`): the keys
+(keys.py), ZeRO, precision, clipping, logging, wandb and the "pipeline" section;
 optimizer and scheduler come from optim.py and schedulers.py."""
 from __future__ import annotations
 
-import difflib
-
 from ..config import SCHEDULES
+from .keys import check_keys
 from .optim import optimizer_settings
 from .schedulers import scheduler_settings
 from .setting import Setting, fail
-
-SUPPORTED_KEYS = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping", "steps_per_print",
-    "wall_clock_breakdown", "wandb", "pipeline", "zero_optimization", "amp",
-    "dataloader_drop_last", "prescale_gradients", "gradient_predivide_factor")
-
 
 def _precision_settings(ds: dict) -> list[Setting]:
     if ds.get("amp", {}).get("enabled", False):
@@ -45,12 +37,9 @@ def _precision_settings(ds: dict) -> list[Setting]:
 
 
 def _check_keys_and_zero(ds: dict) -> None:
-    """Typos of supported keys, ZeRO stages and features the pipeline engine cannot honour."""
-    for key in ds:
-        if key not in SUPPORTED_KEYS:
-            close = difflib.get_close_matches(key, SUPPORTED_KEYS, n=1, cutoff=0.85)
-            if close:
-                fail(f"unknown DeepSpeed config key {key!r} (did you mean {close[0]!r}?)")
+    """Unknown and refused keys (keys.py), ZeRO stages and features the pipeline engine cannot
+    honour."""
+    check_keys(ds)
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     if stage >= 2:
