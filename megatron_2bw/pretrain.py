@@ -39,6 +39,9 @@ def build_parser(family: str) -> FlagParser:
                    help="profile JSON from tools/plan.py --profile-out")
     g.add_argument("--device-tflops", type=float, default=None)
     g.add_argument("--device-efficiency", type=float, default=None)
+    g.add_argument("--no-memory-check", action="store_true",
+                   help="start even when the planner's memory model says a rank's buffers do "
+                        "not fit in its device's free memory")
     return p
 
 
@@ -70,7 +73,11 @@ def parse(family: str, argv=None):
         data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
                                    t.train_iters * gbs, valid)
         cfg.model.vocab_size = data.vocab_size
-        return cfg.validate(world_size), data
+        cfg.validate(world_size)
+        if not args.no_memory_check:  # every rank, before any process group
+            from .planner.memory_check import check_memory
+            check_memory(cfg, world_size, rank, local_rank)
+        return cfg, data
 
     cfg, data = exit_on_config_error(build)
     return cfg, data, rank, world_size, local_rank

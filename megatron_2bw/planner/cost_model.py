@@ -124,6 +124,19 @@ def _kept(cost, recompute: bool) -> float:
     return cost.input_bytes if recompute and _recomputed(cost) else cost.act_bytes
 
 
+def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, stage: int,
+                 dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None
+                 ) -> tuple[dict, int]:
+    """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
+    "activations", "total"), peak in-flight microbatches)."""
+    mem = state_bytes(stage_params(costs, lo, hi, prefix), num_slots(schedule), dtype, optimizer)
+    per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix)
+    peak = in_flight(schedule, d, m, stage)
+    mem["activations"] = peak * per_mb + extra
+    mem["total"] = sum(mem.values())
+    return mem, peak
+
+
 # ---- the plan of one layout ------------------------------------------------------------------
 
 
@@ -266,7 +279,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         bounds = times.partition(b, t, d, L.recompute)
     fwd, bwd, memory, peaks, reduce_, norm, step, ar = [], [], [], [], [], [], [], []
     inter, dp_inter, tied_inter, mp_inter = times.placement(L)
-    w, slots = L.data, num_slots(L.schedule)
+    w = L.data
     norm_ar = topology.ring_time(8.0, d, mp_inter)  # [norm^2, loss] over one rank per stage
     data = times.profile.data_time(b)  # the first and the last stage read each microbatch
     for s in range(d):
@@ -276,11 +289,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         rc = P["rc_fwd"][hi] - P["rc_fwd"][lo] if L.recompute else 0.0
         bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)
         params = stage_params(costs, lo, hi, P)
-        mem = state_bytes(params, slots, setup.dtype, setup.optimizer)
-        per_mb, extra = activation_bytes(costs, lo, hi, L.recompute, s == d - 1, P)
-        peak = in_flight(L.schedule, d, m, s)
-        mem["activations"] = peak * per_mb + extra
-        mem["total"] = sum(mem.values())
+        mem, peak = stage_memory(costs, lo, hi, L.schedule, d, m, s, setup.dtype,
+                                 setup.optimizer, L.recompute, P)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
@@ -304,4 +314,5 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
 
 
 __all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "state_bytes",
-           "in_flight", "num_slots", "activation_bytes", "stage_params", "placement"]
+           "in_flight", "num_slots", "activation_bytes", "stage_params", "stage_memory",
+           "placement"]

@@ -1,0 +1,147 @@
+"""Refuse, before any process group, a layout whose buffers cannot fit in the memory it will run on.
+
+`--hidden-size 65536` would otherwise die in the first allocation with a long traceback (or get
+the host OOM-killed). `check_memory(cfg, world_size, rank, local_rank)` estimates each rank's
+peak bytes with the planner's memory model (`cost_model.stage_memory`: weight versions, master
+weights, gradient buffers, optimizer state and the activation stash of the schedule's in-flight
+microbatches, for the engine's own stage partition) and compares the ranks that share one memory
+with what that memory has free:
+
+- NCCL with CUDA: the local ranks on this rank's GPU (normally just itself) against
+  `torch.cuda.mem_get_info` of that GPU;
+- otherwise (gloo, CPU tensors): the local ranks of this host (`LOCAL_WORLD_SIZE` from torchrun,
+  `SLURM_NTASKS_PER_NODE`, `OMPI_COMM_WORLD_LOCAL_SIZE`; just this rank when none is set)
+  against the host's available memory (`MemAvailable`, lowered by a cgroup limit).
+
+The estimate leaves out the runtime's own overhead (CUDA context, allocator slack, the Python
+process), so a refusal means the run cannot fit, not that it is tight. It is one line with the
+estimate, the free memory and the fixes; `--no-memory-check` skips it (for a host with swap, or
+an estimate you know to be wrong).
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+from ..config import Config, ConfigError
+from ..models.flops import layer_costs
+from .cost_model import stage_memory
+from .topology import GB
+
+_KINDS = (("weights", "weights"), ("master", "master weights"), ("grads", "gradients"),
+          ("model_grad", "low-precision gradients"), ("optimizer", "optimizer state"),
+          ("activations", "activations"))
+
+
+class MemoryCheckError(ConfigError):
+    """The layout needs more memory than the device it runs on has free (one line)."""
+
+
+class DeviceMemory(NamedTuple):
+    name: str                 # "host memory" or "GPU 3"
+    free: int | None          # bytes; None: unknown (the check is skipped)
+    gpu: int | None = None    # this rank's GPU index (None: ranks share the host's memory)
+    gpus: int = 1             # GPUs on this host (local rank r uses GPU r % gpus)
+
+
+def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
+    """Peak bytes of one rank of each pipeline stage, by kind (`stage_memory`'s dict)."""
+    from ..training import model_parts  # the engine's own stage boundaries
+    d, m = cfg.parallel.pipeline, cfg.num_microbatches(world_size)
+    _, _, bounds = model_parts(cfg, num_stages=d)
+    costs = layer_costs(cfg.model, cfg.batch.micro_batch_size, cfg.parallel.tensor,
+                        cfg.precision.dtype, cfg.model.family)
+    recompute = cfg.model.recompute_method is not None
+    return [stage_memory(costs, bounds[s], bounds[s + 1], cfg.schedule, d, m, s,
+                         cfg.precision.dtype, cfg.optimizer.name, recompute)[0]
+            for s in range(d)]
+
+
+def local_world_size(env=None) -> int | None:
+    """Ranks on this host, from the launcher's variables (None when it does not say)."""
+    env = os.environ if env is None else env
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = env.get(var, "").split("(")[0]  # SLURM may write "4(x2)"
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """Memory this host can still give us: MemAvailable, capped by a cgroup (v2 or v1) limit."""
+    values = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    values.append(int(line.split()[1]) * 1024)
+    except OSError:
+        try:
+            values.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                cap, used = f.read().strip(), g.read().strip()
+        except OSError:
+            continue
+        if cap.isdigit() and used.isdigit() and int(cap) < 1 << 60:
+            values.append(max(int(cap) - int(used), 0))
+        break
+    return min(values) if values else None
+
+
+def device_memory(cfg: Config, local_rank: int) -> DeviceMemory:
+    """The memory this rank's tensors will live in, and how much of it is free."""
+    import torch
+    from ..parallel.distributed import default_backend
+    backend = cfg.parallel.backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        index = local_rank % gpus
+        free, _ = torch.cuda.mem_get_info(index)
+        return DeviceMemory(f"GPU {index}", int(free), index, gpus)
+    return DeviceMemory("host memory", host_available_bytes())
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f} GB"
+
+
+def check_memory(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 0,
+                 memory: DeviceMemory | None = None, local_ranks: int | None = None) -> int:
+    """Raise MemoryCheckError (one line) when the ranks sharing this rank's memory need more
+    than it has free; return their estimated bytes (0 when the free memory is unknown).
+    `memory` and `local_ranks` replace the measured device and the launcher's count (tests)."""
+    from ..parallel.grid import ProcessGrid
+    memory = memory or device_memory(cfg, local_rank)
+    if memory.free is None:
+        return 0
+    estimates = stage_estimates(cfg, world_size)
+    first = rank - local_rank
+    local = range(first, min(first + (local_ranks or local_world_size() or 1), world_size))
+    sharing = [r for r in local if memory.gpu is None or (r - first) % memory.gpus == memory.gpu]
+    grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
+                       cfg.data_parallel_size(world_size), rank_order=cfg.parallel.rank_order)
+    stages = [grid.coords(r)[1] for r in sharing or [rank]]
+    need = sum(estimates[s]["total"] for s in stages)
+    if need <= memory.free:
+        return int(need)
+    top = max(set(stages), key=lambda s: estimates[s]["total"])
+    mem = estimates[top]
+    parts = ", ".join(f"{label} {_gb(mem[k])}" for k, label in _KINDS if mem[k])
+    together = (f", the {len(stages)} ranks sharing {memory.name} {_gb(need)} together"
+                if len(stages) > 1 else "")
+    if mem["activations"] > mem["total"] / 2:
+        fix = ("--recompute-activations, a smaller --micro-batch-size or --seq-length, or more "
+               "pipeline stages (--pipeline-model-parallel-size)")
+    else:
+        fix = ("more pipeline stages (--pipeline-model-parallel-size) or tensor parallelism "
+               "(--tensor-model-parallel-size), or a smaller --hidden-size/--num-layers")
+    raise MemoryCheckError(
+        f"this layout needs about {_gb(mem['total'])} per rank on pipeline stage {top} "
+        f"({parts}){together}, but {memory.name} has {_gb(memory.free)} free: use {fix}, or "
+        "let --auto-plan choose a layout (--no-memory-check skips this check)")
