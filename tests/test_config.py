@@ -88,6 +88,14 @@ BAD = [
     ("negative-weight-decay", make(optimizer=dict(weight_decay=-0.1)), 1, ["--weight-decay"]),
     ("adam-beta-1", make(optimizer=dict(adam_beta2=1.0)), 1, ["--adam-beta2"]),
     ("negative-warmup", make(optimizer=dict(lr_warmup_iters=-1)), 1, ["--lr-warmup-iters"]),
+    ("recompute-uniform-more-layers-than-the-model",
+     make(model=dict(num_layers=2, recompute_method="uniform", recompute_num_layers=5)), 1,
+     ["--recompute-num-layers 5", "--num-layers 2", "at most 2"]),
+    ("recompute-block-more-layers-than-a-stage",
+     make(parallel=dict(pipeline=2), model=dict(num_layers=4, recompute_method="block",
+                                                recompute_num_layers=3),
+          batch=dict(global_batch_size=2)), 2,
+     ["--recompute-num-layers 3", "2 layers per pipeline stage", "at most 2"]),
 ]
 
 
@@ -140,6 +148,12 @@ GOOD = [
           optimizer=dict(name="sgd", lr_decay_style="cosine", clip_grad=0.0)), 1, 1, 1),
     ("tp-pp-dp-order", make(parallel=dict(rank_order="tp-pp-dp")), 1, 1, 1),
     ("max-positions-gt-seq", make(model=dict(max_position_embeddings=128)), 1, 1, 1),
+    ("recompute-uniform-all-layers",
+     make(model=dict(num_layers=2, recompute_method="uniform", recompute_num_layers=2)), 1, 1, 1),
+    ("recompute-block-all-layers-of-a-stage",
+     make(parallel=dict(pipeline=2), model=dict(num_layers=4, recompute_method="block",
+                                                recompute_num_layers=2),
+          batch=dict(global_batch_size=2)), 2, 1, 2),
 ]
 
 

@@ -1,6 +1,7 @@
 """Megatron's mmap indexed format, byte for byte: layout parsed with plain struct/numpy, the
 JSONL -> tools/preprocess_data.py -> reader round trip, and one-line errors for bad files."""
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -173,3 +174,81 @@ def test_preprocess_errors_are_one_line(tmp_path, sp_model, capsys):
                                  "--tokenizer-model", str(tmp_path / "missing.model")]) == 2
     err = capsys.readouterr().err.strip()
     assert "missing.model" in err and "\n" not in err
+
+
+# ---- index contents that disagree with themselves or with the .bin (flipped bytes, relabels) ----
+def _idx_arrays(raw: bytes):
+    """(header, lengths, pointers, doc index) as writable copies of a DOCS index."""
+    count, docs = struct.unpack("<QQ", raw[18:34])
+    lengths = np.frombuffer(raw, "<i4", count, 34).copy()
+    pointers = np.frombuffer(raw, "<i8", count, 34 + 4 * count).copy()
+    doc_idx = np.frombuffer(raw, "<i8", docs, 34 + 12 * count).copy()
+    return raw[:34], lengths, pointers, doc_idx
+
+
+def _rewrite(idx: Path, edit) -> None:
+    head, lengths, pointers, doc_idx = _idx_arrays(idx.read_bytes())
+    head = edit(head, lengths, pointers, doc_idx) or head
+    idx.write_bytes(head + lengths.tobytes() + pointers.tobytes() + doc_idx.tobytes())
+
+
+def _flip_length_sign(head, lengths, pointers, doc_idx):
+    lengths[1] = -lengths[1]
+
+
+def _grow_length(head, lengths, pointers, doc_idx):
+    lengths[2] += 5  # overlaps the next sequence: pointers no longer follow the lengths
+
+
+def _flip_pointer_byte(head, lengths, pointers, doc_idx):
+    pointers[3] ^= 1 << 8
+
+
+def _relabel_uint8(head, lengths, pointers, doc_idx):
+    return head[:17] + b"\x01" + head[18:]  # dtype code 8 (uint16) -> 1 (uint8)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (_flip_length_sign, ["sequence 1 has length -1 (negative)"]),
+    (_grow_length, ["sequence 3 starts at byte", "lengths and pointers disagree"]),
+    (_flip_pointer_byte, ["sequence 3 starts at byte", "lengths and pointers disagree"]),
+    (_relabel_uint8, ["they fit 2-byte tokens", "header says uint8", "dtype code is wrong"]),
+])
+def test_inconsistent_index_contents(tmp_path, edit, words):
+    prefix = write(tmp_path / "d", DOCS)
+    _rewrite(Path(prefix + ".idx"), edit)
+    one_line_error(lambda: MMapIndexedDataset(prefix), "d.idx", *words)
+
+
+def test_relabelled_dtype_of_a_single_sequence_is_caught_by_the_bin_size(tmp_path):
+    prefix = write(tmp_path / "d", [[[5, 6, 7, 8]]])
+    _rewrite(Path(prefix + ".idx"), _relabel_uint8)
+    one_line_error(lambda: MMapIndexedDataset(prefix), "d.bin", "longer than its index",
+                   "exactly 2x", "2-byte tokens, not uint8")
+
+
+def test_bin_longer_than_index(tmp_path):
+    prefix = write(tmp_path / "d", DOCS)
+    b = Path(prefix + ".bin")
+    b.write_bytes(b.read_bytes() + b"\x00\x00\x01")
+    one_line_error(lambda: MMapIndexedDataset(prefix), "d.bin", "longer than its index says")
+
+
+# ---- the builder: outputs appear whole or not at all ----------------------------------------
+def test_builder_writes_temporaries_and_renames_on_finalize(tmp_path):
+    b = IndexedDatasetBuilder(str(tmp_path / "d.bin"), np.uint16)
+    b.add_document([1, 2, 3], [3])
+    assert [p.name for p in tmp_path.iterdir()] == [f"d.bin.tmp-{os.getpid()}"]
+    b.finalize(str(tmp_path / "d.idx"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin", "d.idx"]
+    assert MMapIndexedDataset(str(tmp_path / "d"))[0].tolist() == [1, 2, 3]
+
+
+def test_builder_abort_leaves_the_previous_dataset_untouched(tmp_path):
+    prefix = write(tmp_path / "d", DOCS)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    b = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    b.add_document([9, 9], [2])
+    b.prepare(prefix + ".idx")
+    b.abort()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -77,12 +77,36 @@ def test_batch_triple_errors_are_one_line():
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "warmup_num_steps"),
     ({"pipeline": {"schedule": "1f1b"}}, "pipeline.schedule '1f1b'"),
     ({"train_micro_batch_size_per_gp": 2}, "did you mean 'train_micro_batch_size_per_gpu'"),
+    ({"gradient_cliping": 1.0}, "unknown DeepSpeed config key 'gradient_cliping' (did you mean "
+                                "'gradient_clipping'?)"),
+    ({"zero_optimisation": {"stage": 1}}, "did you mean 'zero_optimization'"),
+    ({"my_own_setting": 1}, "unknown DeepSpeed config key 'my_own_setting'"),
+    ({"fp16": {"enabled": True, "loss_scale_windw": 100}},
+     "'loss_scale_windw' in fp16 (did you mean 'loss_scale_window'?)"),
+    ({"pipeline": {"schedul": "flush"}}, "'schedul' in pipeline (did you mean 'schedule'?)"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 1, "momentun": 0.9}}},
+     "(did you mean 'momentum'?)"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
+     "(did you mean 'warmup_num_steps'?)"),
+    ({"torch_autocast": {"enabled": True}}, "'torch_autocast' is not supported"),
+    ({"curriculum_learning": {"enabled": True}}, "'curriculum_learning' is not supported"),
+    ({"gradient_allreduce_op": "sum"}, "'gradient_allreduce_op' is not supported"),
     ({"gradient_clipping": -1}, "gradient_clipping"),
     ({"amp": {"enabled": True}}, "amp"),
 ])
 def test_deepspeed_config_errors_are_one_line(extra, match):
     one_line_error(config_from_deepspeed, {**BASE, **extra}, world_size=2, num_stages=2,
                    num_layers=4, match=match)
+
+
+@pytest.mark.parametrize("extra", [
+    {"tensorboard": {"enabled": True, "output_path": "tb"}}, {"flops_profiler": {"enabled": True}},
+    {"activation_checkpointing": {"partition_activations": True}}, {"comms_logger": {}},
+    {"torch_autocast": {"enabled": False}}, {"curriculum_learning": {"enabled": False}},
+    {"gradient_allreduce_op": "mean"}, {"wandb": {"enabled": False, "team": "t"}},
+    {"bf16": {"enabled": True, "immediate_grad_update": True}}])
+def test_known_deepspeed_keys_that_change_nothing_here_are_accepted(extra):
+    config_from_deepspeed({**BASE, **extra}, world_size=2, num_stages=2, num_layers=4)
 
 
 def test_2bw_with_fewer_microbatches_than_stages_names_the_deepspeed_keys():

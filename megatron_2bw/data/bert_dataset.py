@@ -27,6 +27,15 @@ LONG_SENTENCE = 512  # documents with a longer sentence are skipped, as in Megat
 PAIR_TASKS = ("sop", "nsp")
 
 
+def check_probabilities(mask_prob: float, short_seq_prob: float) -> None:
+    """--mask-prob and --short-seq-prob are probabilities (one-line DataError otherwise)."""
+    for flag, value, default in (("--mask-prob", mask_prob, 0.15),
+                                 ("--short-seq-prob", short_seq_prob, 0.1)):
+        if not 0.0 <= value <= 1.0:
+            raise DataError(f"{flag} {value}: a probability must be in [0, 1] (Megatron's "
+                            f"default: {default})")
+
+
 def target_length(rng: np.random.RandomState, max_len: int, short_seq_prob: float) -> int:
     if short_seq_prob > 0 and rng.random_sample() < short_seq_prob:
         return int(rng.randint(2, max_len + 1))
@@ -103,10 +112,7 @@ class BertDataset:
             raise DataError(f"--sentence-pair-task {pair_task}: choose sop or nsp")
         if seq_length < 8:
             raise DataError(f"--seq-length {seq_length}: BERT samples need at least 8 tokens")
-        for flag, value in (("--mask-prob", mask_prob), ("--short-seq-prob", short_seq_prob)):
-            if not 0.0 <= value <= 1.0:
-                raise DataError(f"{flag} {value}: a probability must be in [0, 1] (Megatron's "
-                                f"default: {'0.15' if flag == '--mask-prob' else '0.1'})")
+        check_probabilities(mask_prob, short_seq_prob)
         self.indexed, self.tokenizer = indexed, tokenizer
         self.seq_length, self.seed = seq_length, seed
         self.mask_prob, self.binary_head, self.pair_task = mask_prob, binary_head, pair_task

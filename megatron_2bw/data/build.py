@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .bert_dataset import BertDataset
+from .bert_dataset import BertDataset, check_probabilities
 from .blended_dataset import BlendedDataset, normalize, parse_data_path, samples_per_dataset
 from .cache import user_cache_dir, writable_dir
 from .consistency import check_dataset
@@ -156,10 +156,12 @@ def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples, indexe
     return out
 
 
-def _mock(family: str, vocab: int, seq_length: int, seed: int):
+def _mock(args, family: str, vocab: int, seq_length: int, seed: int):
     if family == "bert":
         from .bert_mock import MockBertDataset
-        return MockBertDataset(vocab, seq_length, seed=seed)
+        return MockBertDataset(vocab, seq_length, seed=seed,
+                               mask_prob=_get(args, "mask_prob", 0.15),
+                               short_seq_prob=_get(args, "short_seq_prob", 0.1))
     return MockGPTDataset(vocab, seq_length, seed=seed)
 
 
@@ -175,13 +177,15 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
         raise DataError(f"unknown model family {family!r}: gpt or bert")
     seq_length = seq_length or _get(args, "seq_length")
     seed = _get(args, "seed", 1234) if seed is None else seed
+    if family == "bert":  # flags the mock data does not use are still checked
+        check_probabilities(_get(args, "mask_prob", 0.15), _get(args, "short_seq_prob", 0.1))
     if _get(args, "mock_data", False):
         if _get(args, "data_path"):
             raise DataError("--mock-data and --data-path are exclusive: pass one of them")
         vocab = _get(args, "vocab_size", 512)
-        return PretrainData(_mock(family, vocab, seq_length, seed),
-                            _mock(family, vocab, seq_length, seed + 1) if valid_samples else None,
-                            vocab, None)
+        return PretrainData(_mock(args, family, vocab, seq_length, seed),
+                            _mock(args, family, vocab, seq_length, seed + 1)
+                            if valid_samples else None, vocab, None)
     default_type, prefix_attr = {"gpt": ("GPTSentencePieceTokenizer", "document_prefix"),
                                  "bert": ("SentencePieceTokenizer", "sentence_prefix")}[family]
     tokenizer, data_path = _tokenizer_and_data(args, default_type, prefix_attr)
