@@ -68,10 +68,16 @@ class Encoder:
         lineno, line = item
         try:
             texts = document_texts(line, lineno, self.json_keys)
+            out = {key: self._encode_key(text, key, lineno) for key, text in texts.items()}
         except DataError as e:
             return lineno, None, str(e)
-        out = {key: self.encode_text(text) for key, text in texts.items()}
         return lineno, out, len(line.encode())
+
+    def _encode_key(self, text: str, key: str, lineno: int):
+        try:
+            return self.encode_text(text)
+        except DataError as e:
+            raise DataError(f"line {lineno}: {key!r}: {e}") from None
 
 
 _JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number",

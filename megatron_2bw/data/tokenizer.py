@@ -155,7 +155,19 @@ class NullTokenizer(Tokenizer):
         return self._eod_id + 1
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(x) for x in text.split()]
+        try:
+            ids = [int(x) for x in text.split()]
+        except ValueError:
+            word = next(x for x in text.split() if not x.lstrip("-").isdigit())
+            raise DataError(f"the NullTokenizer reads space-separated token ids, got "
+                            f"{word[:20]!r}: use a sentencepiece --tokenizer-model for text") \
+                from None
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise DataError(f"token id {bad[0]} is outside the NullTokenizer's 0-"
+                            f"{self.vocab_size - 1} (--vocab-size {self._eod_id}): raise "
+                            "--vocab-size")
+        return ids
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
