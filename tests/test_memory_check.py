@@ -97,3 +97,20 @@ def test_the_readme_main_job_fits_here():
     cfg.batch.micro_batch_size, cfg.batch.global_batch_size = 4, 32
     cfg.model.vocab_size = 2048
     assert 0 < check_memory(cfg.validate(2), 2, local_ranks=2) < 100 * 2 ** 20
+
+
+def test_nccl_runs_measure_the_local_ranks_gpu(monkeypatch):
+    """The CUDA branch without a GPU: torch.cuda's answers stubbed by the test."""
+    import torch
+    from megatron_2bw.planner.memory_check import device_memory
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda i: asked.append(i) or (3 * GB + i, 80 * GB))
+    cfg = tiny()
+    cfg.parallel.backend = "nccl"
+    assert device_memory(cfg, local_rank=3) == DeviceMemory("GPU 1", 3 * GB + 1, 1, 2)
+    assert asked == [1]
+    cfg.parallel.backend = "gloo"
+    assert device_memory(cfg, local_rank=3).name == "host memory"
