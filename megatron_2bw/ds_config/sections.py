@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 
 from ..config import SCHEDULES
+from ..pipeline.registry import DEFAULT_SCHEDULE
 from .optim import optimizer_settings
 from .schedulers import scheduler_settings
 from .setting import Setting, fail
@@ -101,7 +102,7 @@ def _pipeline_settings(ds: dict) -> tuple[list[Setting], dict]:
               "dataloader_drop_last": bool(ds.get("dataloader_drop_last", False))}
     if not isinstance(pipe, dict):
         fail('DeepSpeed config: "pipeline" must be an object')
-    schedule = pipe.get("schedule", "2bw")
+    schedule = pipe.get("schedule", DEFAULT_SCHEDULE)
     if schedule not in SCHEDULES:
         fail(f"DeepSpeed config: pipeline.schedule {schedule!r} is unknown: use one of "
              f"{', '.join(SCHEDULES)} (DeepSpeed's own 1F1B schedule is 'flush')")
