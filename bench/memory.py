@@ -34,7 +34,8 @@ import _common as C  # noqa: E402
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
-SUBJECT, BASELINE = "2bw", "gpipe"  # the targets compare these two
+SUBJECT = "2bw"     # the targets are about this schedule
+BASELINE = "gpipe"  # ... compared with this one
 
 
 def make_config(spec: dict, schedule: str, m: int):
