@@ -1,5 +1,5 @@
-"""The single-process references of DESIGN.md section 1, written with plain PyTorch only
-(torch.optim, clip_grad_norm_, gradient accumulation) so that they check the engine's own
+"""The single-process references of docs/ARCHITECTURE.md section 1, written with plain PyTorch
+only (torch.optim, clip_grad_norm_, gradient accumulation) so that they check the engine's own
 optimizer, clipping and reductions instead of reusing them.
 
 gpipe / flush:  W(t+1) = step(W(t), g_t(W(t)))

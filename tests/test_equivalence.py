@@ -1,4 +1,4 @@
-"""Every schedule on real gloo processes equals its single-process reference (DESIGN.md section 1).
+"""Every schedule on real gloo processes equals its single-process reference (docs/ARCHITECTURE.md section 1).
 
 Each case runs tools/verify_equivalence.py's logic: spawn t*d*w ranks, train, compare every
 parameter with plain PyTorch training (gpipe/flush) or the delayed-update reference (2bw).

@@ -142,7 +142,7 @@ def test_a_new_kind_is_asked_not_named():
         validate(Schedule(OneSlot(), 3, 4, 3))  # one version: batch 1 cannot wait for S(0)
 
 
-# ---- the engine's check: the validator's verdict, cached per shape ---------------------------------
+# ---- the engine's check: the validator's verdict, cached per shape -----------------------------
 
 
 def test_check_schedule_validates_once_per_shape(monkeypatch):
