@@ -95,7 +95,9 @@ def test_2bw_with_fewer_microbatches_than_stages_names_the_deepspeed_keys():
     msg = one_line_error(config_from_deepspeed, {"train_micro_batch_size_per_gpu": 2,
                                                  "gradient_accumulation_steps": 1},
                          world_size=2, num_stages=2, num_layers=4)
-    assert "gradient_accumulation_steps" in msg and '"flush"' in msg
+    assert msg == ("DeepSpeed config: 2bw needs at least as many microbatches per batch as "
+                   "pipeline stages (m=1 < d=2): raise gradient_accumulation_steps or set "
+                   '"pipeline": {"schedule": "flush"}')
     cfg, _ = config_from_deepspeed({"train_micro_batch_size_per_gpu": 2,
                                     "gradient_accumulation_steps": 1,
                                     "pipeline": {"schedule": "flush"}},
