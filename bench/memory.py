@@ -15,8 +15,8 @@ d fresh gloo processes for a few batches and reports, per stage:
   unique storages, parameters excluded) plus the received input and the stage output kept per
   in-flight microbatch, summed over the microbatches in flight, and the peak count of those;
 - the process's peak RSS above its RSS after imports and data;
-- the planner's prediction for the same layout (`planner.cost_model`: state_bytes,
-  activation_bytes x in_flight), and measured / predicted.
+- the planner's prediction for the same layout (`planner.cost_model`: state_bytes with the
+  schedule kind's num_slots, activation_bytes x the kind's in_flight), and measured / predicted.
 
 Targets (reported, not asserted): 2BW's stage-0 stash peaks at <= d microbatches; 2BW's stage
 memory (buffers + stash) <= 0.6 x GPipe's at m = 8 without recomputation.
@@ -31,8 +31,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
-SCHEDULES = ("gpipe", "flush", "2bw")
+SCHEDULES = schedule_names()
+SUBJECT = "2bw"     # the targets are about this schedule
+BASELINE = "gpipe"  # ... compared with this one
 
 
 def make_config(spec: dict, schedule: str, m: int):
@@ -136,15 +139,15 @@ def _take(it, n):
 def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list) -> dict:
     """The planner's memory model for this stage (planner/cost_model.py)."""
     from megatron_2bw.models.flops import layer_costs
-    from megatron_2bw.planner.cost_model import (activation_bytes, in_flight, num_slots,
-                                                 stage_params, state_bytes)
+    from megatron_2bw.planner.cost_model import activation_bytes, stage_params, state_bytes
     cfg = make_config(spec, schedule, m)
+    kind = schedule_kind(schedule)
     costs = layer_costs(cfg.model, spec["micro"], 1, "fp32", "gpt")
     lo, hi = bounds
     params = stage_params(costs, lo, hi)
-    mem = state_bytes(params, num_slots(schedule), "fp32", "adam")
+    mem = state_bytes(params, kind.num_slots, "fp32", "adam")
     per_mb, extra = activation_bytes(costs, lo, hi, spec["recompute"], stage == spec["d"] - 1)
-    peak = in_flight(schedule, spec["d"], m, stage)
+    peak = kind.in_flight(spec["d"], m, stage)
     mem["stash"] = peak * per_mb + extra
     mem["in_flight"] = peak
     mem["stash_per_microbatch"] = per_mb
@@ -157,8 +160,9 @@ def measure(spec: dict, schedules, ms, timeout=600, log=print) -> list:
     rows = []
     for m in ms:
         for schedule in schedules:
-            if schedule == "2bw" and m < spec["d"]:
-                log(f"  skip 2bw m={m}: 2bw needs m >= d={spec['d']}")
+            error = schedule_kind(schedule).microbatch_error(spec["d"], m, "skipped")
+            if error:
+                log(f"  {error}")
                 continue
             try:
                 res = C.run_spawned(functools.partial(run_stage, schedule=schedule, m=m),
@@ -181,20 +185,21 @@ def targets(spec: dict, rows: list) -> list:
     by = {(r["schedule"], r["m"]): r for r in rows if "stages" in r}
     res = []
     for (sched, m), r in sorted(by.items()):
-        if sched != "2bw":
+        if sched != SUBJECT:
             continue
         s0 = r["stages"][0]
-        res.append((f"2bw m={m}: stage-0 stash <= d={d} microbatches",
+        res.append((f"{SUBJECT} m={m}: stage-0 stash <= d={d} microbatches",
                     f"{s0['in_flight_peak']} in flight, "
                     f"{s0['stash_peak'] / max(s0['stash_per_microbatch'], 1):.2f} x one "
                     "microbatch's stash", s0["in_flight_peak"] <= d))
-    if ("2bw", 8) in by and ("gpipe", 8) in by:
-        ratios = [a["total"] / b["total"] for a, b in
-                  zip(by[("2bw", 8)]["stages"], by[("gpipe", 8)]["stages"])]
+    if (SUBJECT, 8) in by and (BASELINE, 8) in by:
+        pairs = list(zip(by[(SUBJECT, 8)]["stages"], by[(BASELINE, 8)]["stages"]))
+        ratios = [a["total"] / b["total"] for a, b in pairs]
         rss = [a["memory"]["peak_above_baseline"] / b["memory"]["peak_above_baseline"]
-               for a, b in zip(by[("2bw", 8)]["stages"], by[("gpipe", 8)]["stages"])
+               for a, b in pairs
                if a["memory"]["peak_above_baseline"] and b["memory"]["peak_above_baseline"]]
-        res.append(("2bw stage memory <= 0.6 x gpipe at m=8 (buffers + stash, worst stage)",
+        res.append((f"{SUBJECT} stage memory <= 0.6 x {BASELINE} at m=8 (buffers + stash, "
+                    "worst stage)",
                     f"{max(ratios):.3f} (per stage {', '.join(f'{x:.3f}' for x in ratios)}; "
                     f"peak RSS above baseline: {', '.join(f'{x:.3f}' for x in rss)})",
                     max(ratios) <= 0.6))

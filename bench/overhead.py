@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+from megatron_2bw.pipeline.registry import DEFAULT_SCHEDULE, schedule_kind  # noqa: E402
 
 VARIANTS = ("plain", "engine-flush", "engine-2bw")
 
@@ -75,7 +76,7 @@ class Plain:
 def build(name: str, spec: dict):
     from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.training import build_engine, mock_batches
-    cfg = make_config(spec, "2bw" if name == "engine-2bw" else "flush")
+    cfg = make_config(spec, DEFAULT_SCHEDULE if name == "plain" else name[len("engine-"):])
     data = mock_batches(cfg, 1, 0)  # the same microbatch stream for every variant
     if name == "plain":
         return Plain(cfg), data
@@ -131,7 +132,8 @@ def summarize(spec: dict, res: dict, rtol: float = 1e-4) -> dict:
         e = {"samples_per_s": C.median(rates), "samples_per_s_runs": rates,
              "ms_per_batch": 1e3 * C.median(ts) / spec["batches"]}
         if ref and n != "plain":
-            k = 1 if n == "engine-2bw" else 3
+            kind = schedule_kind(n[len("engine-"):])  # batches on the plain loop's weights:
+            k = next((t for t in range(3) if kind.weight_of_batch(t) != t), 3)
             diffs = [abs(a - b) / max(abs(b), 1e-12)
                      for a, b in zip(res["losses"][n][:k], ref[:k])]
             e["check"] = (f"{k} batch{'es' if k > 1 else ''} match (max rel diff "

@@ -43,7 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from peer_runs import runner, unavailable_reason  # noqa: E402
 
-OURS = ("ours-2bw", "ours-flush", "ours-gpipe")
+from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
+
+OURS = tuple(f"ours-{s}" for s in schedule_names())
 PEERS = ("deepspeed-1f1b", "torch-gpipe", "torch-1f1b")
 BOUNDS = ("single", "no-comm")
 ALL = OURS + PEERS + BOUNDS
@@ -54,8 +56,10 @@ CHECKED_BATCHES = 3
 
 
 def check_losses(name: str, losses: list, ref: dict, rtol: float) -> tuple[bool, str]:
-    """Compare the first losses of a run with the single-process reference."""
-    want = ref["losses_2bw"] if name == "ours-2bw" else ref["losses"]
+    """Compare the first losses of a run with the single-process reference (the delayed-update
+    one for a schedule whose batches run on older weights)."""
+    delayed = name in OURS and schedule_kind(name[len("ours-"):]).delay > 0
+    want = ref["losses_2bw"] if delayed else ref["losses"]
     n = min(CHECKED_BATCHES, len(losses), len(want))
     worst = 0.0
     for t in range(n):
@@ -255,8 +259,11 @@ def parse(argv=None):
     args.names = [n for n in ALL if n in names]
     if args.pipeline_stages < 1 or args.num_layers < args.pipeline_stages:
         p.error("--num-layers must be >= --pipeline-stages >= 1")
-    if "ours-2bw" in args.names and args.num_microbatches < args.pipeline_stages:
-        p.error(f"2bw needs --num-microbatches >= --pipeline-stages ({args.pipeline_stages})")
+    for name in set(args.names) & set(OURS):
+        error = schedule_kind(name[len("ours-"):]).microbatch_error(
+            args.pipeline_stages, args.num_microbatches, "raise --num-microbatches")
+        if error:
+            p.error(error)
     return args
 
 

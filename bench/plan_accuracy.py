@@ -34,6 +34,7 @@ from megatron_2bw.models.gpt import gpt_partition  # noqa: E402
 from megatron_2bw.planner import Topology, predict, stage_plan  # noqa: E402
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup  # noqa: E402
 from megatron_2bw.planner.profile import MeasuredProfile, measure_profile  # noqa: E402
+from megatron_2bw.pipeline.registry import schedule_names  # noqa: E402
 
 
 BIG = 16  # the second message size, in activations (the tied embedding gradient is ~this big)
@@ -134,7 +135,7 @@ def predict_round(schedule, res, model, micro_batch, global_batch) -> tuple:
     return predict(plan, full=True).time_per_batch, measured, latency, gbps
 
 
-def run(schedules=("2bw", "flush", "gpipe"), layers=4, hidden=128, heads=4, seq=64, vocab=1024,
+def run(schedules=schedule_names(), layers=4, hidden=128, heads=4, seq=64, vocab=1024,
         micro_batch=4, global_batch=32, warmup=3, iters=10, repeats=3, log=print):
     from megatron_2bw.launch import spawn
     model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -170,7 +171,7 @@ def run(schedules=("2bw", "flush", "gpipe"), layers=4, hidden=128, heads=4, seq=
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedules", default="2bw,flush,gpipe")
+    p.add_argument("--schedules", default=",".join(schedule_names()))
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-attention-heads", type=int, default=4)

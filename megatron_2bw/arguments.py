@@ -9,6 +9,7 @@ from .config import (LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS, SCHEDULES, BatchC
                      ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                      TrainConfig)
 from .models.flavours import FLAVOURS, flavour_shape
+from .pipeline.registry import DEFAULT_SCHEDULE
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -63,7 +64,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="default: world size / (tensor x pipeline), as Megatron derives it")
-    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="2bw")
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)

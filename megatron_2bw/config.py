@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-SCHEDULES = ("2bw", "flush", "gpipe")
+from .pipeline.registry import DEFAULT_SCHEDULE, schedule_kind, schedule_names
+
+SCHEDULES = schedule_names()  # the schedule kinds own their names and rules (pipeline/registry.py)
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
 RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
@@ -128,7 +130,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    schedule: str = "2bw"
+    schedule: str = DEFAULT_SCHEDULE
 
     # -- derived sizes -------------------------------------------------------------------------
     def data_parallel_size(self, world_size: int | None = None) -> int:
@@ -237,11 +239,14 @@ class Config:
             _fail(f"--global-batch-size {b.global_batch_size} is not divisible by "
                   f"--micro-batch-size x data-parallel size = {b.micro_batch_size} x {w}: "
                   f"use a multiple of {b.micro_batch_size * w}")
-        mbs = self.num_microbatches(world_size)
-        if self.schedule == "2bw" and mbs < p.pipeline:
-            _fail(f"2bw needs at least as many microbatches per batch as pipeline stages "
-                  f"(m={mbs} < d={p.pipeline}): raise --global-batch-size to at least "
-                  f"{p.pipeline * b.micro_batch_size * w} or lower --micro-batch-size")
+        kind = schedule_kind(self.schedule)
+        low = kind.min_microbatches(p.pipeline)
+        error = kind.microbatch_error(
+            p.pipeline, self.num_microbatches(world_size),
+            f"raise --global-batch-size to at least {low * b.micro_batch_size * w} or lower "
+            "--micro-batch-size")
+        if error:
+            _fail(error)
         tr = self.train
         for name, value in (("--eval-interval", tr.eval_interval),
                             ("--save-interval", tr.save_interval),

@@ -1,10 +1,11 @@
-"""The single-process references of DESIGN.md section 1, written with plain PyTorch only
-(torch.optim, clip_grad_norm_, gradient accumulation) so that they check the engine's own
+"""The single-process references of docs/ARCHITECTURE.md section 1, written with plain PyTorch
+only (torch.optim, clip_grad_norm_, gradient accumulation) so that they check the engine's own
 optimizer, clipping and reductions instead of reusing them.
 
 gpipe / flush:  W(t+1) = step(W(t), g_t(W(t)))
 2bw:            W(t+1) = step(W(t), g_t(W(max(t-1, 0))))
-g_t is the mean gradient over the batch's m * w microbatches.
+g_t is the mean gradient over the batch's m * w microbatches; which W(k) batch t runs on is the
+schedule kind's `weight_of_batch(t)` (pipeline/registry.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .config import Config
 from .optim.lr import LRSchedule
 from .optim.optimizer import torch_reference_optimizer
 from .pipeline.module import LayerSpec, StageModule
+from .pipeline.registry import schedule_kind
 
 
 def build_sequential(cfg: Config, specs: list[LayerSpec]) -> StageModule:
@@ -37,8 +39,10 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
     params = list(model.named_parameters())
     optimizer = torch_reference_optimizer(cfg.optimizer, params)
     lr_at = LRSchedule(cfg.optimizer, cfg.train.train_iters)
-    delayed = cfg.schedule == "2bw"
-    grad_model = copy.deepcopy(model) if delayed else model  # holds W(max(t-1, 0))
+    kind = schedule_kind(cfg.schedule)
+    delayed = kind.delay > 0
+    grad_model = copy.deepcopy(model) if delayed else model  # holds W(kind.weight_of_batch(t))
+    versions = {}  # k -> W(k), kept while a later batch still runs on it
     streams = [make_batches(r) for r in range(w)]
     eval_streams = [make_eval_batches(r) for r in range(w)] if eval_interval else []
     losses, eval_losses = [], []
@@ -54,7 +58,7 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
                 total += loss.item() / (m * w)
         losses.append(total)
         if delayed:
-            snapshot = copy.deepcopy(model.state_dict())  # W(t): batch t+1 uses it
+            versions[t] = copy.deepcopy(model.state_dict())  # W(t)
             for (_, p), (_, q) in zip(params, grad_model.named_parameters()):
                 p.grad = q.grad
         if cfg.optimizer.clip_grad > 0:
@@ -63,7 +67,9 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
             group["lr"] = lr_at(t)
         optimizer.step()
         if delayed:
-            grad_model.load_state_dict(snapshot)
+            k = kind.weight_of_batch(t + 1)
+            grad_model.load_state_dict(versions[k])
+            versions = {j: v for j, v in versions.items() if j >= k}
         if eval_interval and (t + 1) % eval_interval == 0:
             eval_losses.append(_evaluate(model, loss_fn, eval_streams, m))
     return {name: p.detach().clone() for name, p in params}, losses, eval_losses

@@ -40,9 +40,10 @@ def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
     return specs_fn(cfg.model, tp, seed=cfg.train.seed), loss_fn(tp), partition
 
 
-def build_engine(cfg: Config, grid: ProcessGrid, device, fault: str | None = None):
+def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEngine):
+    """The configured model's stage on this rank, run by `engine_class` (a PipelineEngine)."""
     specs, loss_fn, partition = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
-    return PipelineEngine(cfg, grid, specs, loss_fn, partition, device, fault=fault)
+    return engine_class(cfg, grid, specs, loss_fn, partition, device)
 
 
 def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_batch: int = 0):

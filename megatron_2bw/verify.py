@@ -1,14 +1,16 @@
 """Prove that a parallel layout reproduces single-process training (tools/verify_equivalence.py).
 
 Spawns t * d * w local gloo processes, trains the GPT with the chosen schedule, and compares every
-parameter of every rank with the single-process reference of DESIGN.md section 1 (plain training
-for gpipe/flush, the delayed-update reference for 2bw). The relative difference of a tensor is
-||a - b|| / max(||b||, init_std * sqrt(numel)) (L2 norms): a wrong update anywhere moves many
-elements by about lr and shows up at 1e-3 and above, while single elements whose gradient is only
-rounding noise (a dead GeLU unit, say; Adam normalizes their update to about lr whatever its sign)
-cannot fail the check on their own. The run passes when the largest relative difference over all
-tensors, and over the per-iteration losses, is within --rtol. It also checks that the
-tied embedding copies on the first and last stage and all data-parallel replicas are bitwise equal.
+parameter of every rank with the single-process reference of docs/ARCHITECTURE.md section 1
+(plain training for gpipe/flush, the delayed-update reference for 2bw). The relative difference
+of a tensor is ||a - b|| / max(||b||, init_std * sqrt(numel)) (L2 norms): a wrong update anywhere
+moves many elements by about lr and shows up at 1e-3 and above, while single elements whose
+gradient is only rounding noise (a dead GeLU unit, say; Adam normalizes their update to about lr
+whatever its sign) cannot fail the check on their own. The run passes when the largest relative
+difference over all tensors, and over the per-iteration losses, is within --rtol. It also checks
+that the tied embedding copies on the first and last stage and all data-parallel replicas are
+bitwise equal. `tests/test_equivalence.py` shows that a broken engine fails it (`run(...,
+engine_class=...)`).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from .arguments import (FlagParser, add_model_args, add_parallel_args, add_train
                         config_from_args, exit_on_config_error, resolve_batch)
 from .config import Config
 from .launch import spawn
-from .pipeline.engine import FAULTS
+from .pipeline.engine import PipelineEngine
 from .reference import build_sequential, reference_train
 from .training import build_engine, build_grid, mock_batches, model_parts
 
@@ -49,10 +51,10 @@ class Report:
 EVAL_DATA_OFFSET = 10 ** 6  # evaluation samples come from far beyond the training ones
 
 
-def _worker(rank: int, world_size: int, cfg: Config, outdir: str, fault,
+def _worker(rank: int, world_size: int, cfg: Config, outdir: str, engine_class,
             eval_interval: int = 0) -> None:
     grid = build_grid(cfg, rank, world_size)
-    engine = build_engine(cfg, grid, "cpu", fault=fault)
+    engine = build_engine(cfg, grid, "cpu", engine_class)
     data = mock_batches(cfg, grid.data, grid.dp_rank)
     eval_data = mock_batches(cfg, grid.data, grid.dp_rank, start_batch=EVAL_DATA_OFFSET)
     engine.start(cfg.train.train_iters)
@@ -148,13 +150,15 @@ def compare(cfg: Config, results: list[dict], ref_params: dict, ref_losses: list
     return rep
 
 
-def run(cfg: Config, fault: str | None = None, timeout_minutes: float = 2.0,
-        eval_interval: int = 0) -> Report:
+def run(cfg: Config, timeout_minutes: float = 2.0, eval_interval: int = 0,
+        engine_class=PipelineEngine) -> Report:
     """Train the layout on spawned processes and compare with the reference (and, every
-    `eval_interval` iterations, evaluation losses taken between training batches)."""
+    `eval_interval` iterations, evaluation losses taken between training batches).
+    `engine_class` (picklable) runs each stage: tests pass a deliberately broken engine to show
+    that the comparison catches it."""
     world = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.data_parallel_size()
     with tempfile.TemporaryDirectory() as outdir:
-        spawn(_worker, world, args=(cfg, outdir, fault, eval_interval),
+        spawn(_worker, world, args=(cfg, outdir, engine_class, eval_interval),
               timeout_minutes=timeout_minutes)
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
     specs, loss_fn, _ = model_parts(cfg)
@@ -178,8 +182,6 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--bert-no-binary-head", action="store_true")
     p.add_argument("--rtol", type=float, default=None,
                    help="tolerance on the relative difference (default: 1e-5 for fp32)")
-    p.add_argument("--inject-fault", choices=[f for f in FAULTS if f], default=None,
-                   help="deliberately break the engine to show that the check catches it")
     p.add_argument("--timeout-minutes", type=float, default=2.0,
                    help="per-collective timeout of the spawned ranks")
     args = p.parse_args(argv)
@@ -195,11 +197,8 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
     return cfg, args
 
 
-def main(argv=None) -> int:
-    cfg, args = exit_on_config_error(lambda: parse(argv))
-    rtol = args.rtol if args.rtol is not None else DEFAULT_RTOL[cfg.precision.dtype]
-    rep = run(cfg, fault=args.inject_fault, timeout_minutes=args.timeout_minutes,
-              eval_interval=args.eval_interval)
+def report(cfg: Config, rep: Report, rtol: float) -> int:
+    """Print the verdict of a run; 0 if it passed, 1 if not."""
     p = cfg.parallel
     ok = rep.passed(rtol)
     print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "
@@ -217,6 +216,13 @@ def main(argv=None) -> int:
         print(f"  problem: {problem}")
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    cfg, args = exit_on_config_error(lambda: parse(argv))
+    rtol = args.rtol if args.rtol is not None else DEFAULT_RTOL[cfg.precision.dtype]
+    rep = run(cfg, timeout_minutes=args.timeout_minutes, eval_interval=args.eval_interval)
+    return report(cfg, rep, rtol)
 
 
 if __name__ == "__main__":

@@ -193,3 +193,17 @@ def test_run_spawned_reports_failures_and_timeouts_in_one_line():
         C.run_spawned(_fails_on_rank_1, 2, timeout=60)
     with pytest.raises(C.RunError, match="timed out after 2 s"):
         C.run_spawned(_hangs, 1, timeout=2)
+
+
+@pytest.mark.parametrize("script,argv,fix", [
+    ("tools/plot_schedule.py", ["--schedule", "2bw", "-d", "4", "-m", "2"], "raise -m or lower -d"),
+    ("bench/peers.py", ["--runs", "ours-2bw", "-d", "4", "--num-layers", "4", "-m", "2"],
+     "raise --num-microbatches"),
+])
+def test_too_few_microbatches_for_2bw_is_the_kinds_one_line_error(script, argv, fix):
+    proc = subprocess.run([sys.executable, script] + argv, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith(
+        "error: 2bw needs at least as many microbatches per batch as pipeline stages "
+        f"(m=2 < d=4): {fix}"), proc.stderr

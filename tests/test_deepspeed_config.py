@@ -16,8 +16,14 @@ from megatron_2bw.ds_config import (batch_triple, config_from_deepspeed, explici
 from megatron_2bw.optim import LRSchedule
 from megatron_2bw.pipe import LayerSpec, PipeDataParallelTopology, PipelineModule, TiedLayerSpec
 
-HAVE_DS = importlib.util.find_spec("deepspeed") is not None
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
+
+
+def deepspeed_module(name: str):
+    """A module of the real DeepSpeed for an equality check; without DeepSpeed installed the
+    calling test is skipped, and says so."""
+    pytest.importorskip("deepspeed", reason="deepspeed not installed: no equality check against it")
+    return importlib.import_module(name)
 
 
 def one_line_error(fn, *args, match=None, **kwargs):
@@ -113,7 +119,9 @@ def test_2bw_with_fewer_microbatches_than_stages_names_the_deepspeed_keys():
     msg = one_line_error(config_from_deepspeed, {"train_micro_batch_size_per_gpu": 2,
                                                  "gradient_accumulation_steps": 1},
                          world_size=2, num_stages=2, num_layers=4)
-    assert "gradient_accumulation_steps" in msg and '"flush"' in msg
+    assert msg == ("DeepSpeed config: 2bw needs at least as many microbatches per batch as "
+                   "pipeline stages (m=1 < d=2): raise gradient_accumulation_steps or set "
+                   '"pipeline": {"schedule": "flush"}')
     cfg, _ = config_from_deepspeed({"train_micro_batch_size_per_gpu": 2,
                                     "gradient_accumulation_steps": 1,
                                     "pipeline": {"schedule": "flush"}},
@@ -264,20 +272,20 @@ def _our_lrs(sched, n=30, lr=2e-3):
 
 @pytest.mark.parametrize("sched", SCHEDULES)
 def test_lr_schedules_follow_deepspeed(sched):
-    ours = _our_lrs(sched)
-    if HAVE_DS:
-        from deepspeed.runtime import lr_schedules
-        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2e-3)
-        s = getattr(lr_schedules, sched["type"])(opt, **sched["params"])
-        ref = []
-        for _ in range(30):
-            ref.append(opt.param_groups[0]["lr"])   # the lr the engine's step uses
-            s.step()                                 # DeepSpeed steps it after the optimizer
-    else:  # the same arithmetic written out for the first schedule
-        if sched is not SCHEDULES[0]:
-            pytest.skip("deepspeed not installed")
-        ref = [1e-4] + [1e-4 + (1e-2 - 1e-4) * min(i / 7, 1.0) for i in range(29)]
-    assert ours == pytest.approx(ref, rel=1e-12, abs=1e-15)
+    lr_schedules = deepspeed_module("deepspeed.runtime.lr_schedules")
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2e-3)
+    s = getattr(lr_schedules, sched["type"])(opt, **sched["params"])
+    ref = []
+    for _ in range(30):
+        ref.append(opt.param_groups[0]["lr"])   # the lr the engine's step uses
+        s.step()                                 # DeepSpeed steps it after the optimizer
+    assert _our_lrs(sched) == pytest.approx(ref, rel=1e-12, abs=1e-15)
+
+
+def test_linear_warmup_lr_written_out():
+    """DeepSpeed's WarmupLR arithmetic for the first schedule, written out (no DeepSpeed)."""
+    ref = [1e-4] + [1e-4 + (1e-2 - 1e-4) * min(i / 7, 1.0) for i in range(29)]
+    assert _our_lrs(SCHEDULES[0]) == pytest.approx(ref, rel=1e-12, abs=1e-15)
 
 
 def test_deepspeed_lr_warmup_log_shape():

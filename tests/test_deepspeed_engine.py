@@ -159,3 +159,26 @@ def test_checkpoint_layout_and_resume_under_another_stage_count():
         mod = _load_all(d, 1)[0]
         assert mod["client"] == {} and mod["steps"] == 0
         assert torch.equal(mod["state"]["layers.0.layer.tok.weight"], layer0["tok.weight"])
+
+
+# -- a data iterator that runs dry ---------------------------------------------------------------------
+def _dry_worker(rank, world, outdir):
+    out = {}
+    for schedule in ("flush", "2bw"):
+        _, eng = engine(1, schedule=schedule)
+        one_batch = [next(micro_batches(2, start=k)) for k in range(2)]  # m = 2 microbatches
+        try:
+            eng.train_batch(iter(one_batch))
+            out[schedule] = "ok"
+        except RuntimeError as e:
+            out[schedule] = str(e)
+    _save(out, outdir, rank)
+
+
+def test_a_schedule_that_reads_ahead_says_so_when_the_data_runs_out():
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_dry_worker, 1, args=(d,), timeout_minutes=2)
+        out = _load_all(d, 1)[0]
+    assert out["flush"] == "ok"  # a flushing schedule reads exactly its batch
+    assert out["2bw"].startswith("train_batch: the data iterator ran out. 2bw reads the first "
+                                 "microbatches of the next batch ahead: pass one long iterator")

@@ -1,6 +1,5 @@
 """DeepSpeed drop-in, no processes: PipelineModule partition methods, topologies and the
 DeepSpeed layer call convention."""
-import importlib.util
 import random
 
 import pytest
@@ -9,12 +8,11 @@ from torch import nn
 
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipe import (LayerSpec, PipeDataParallelTopology, PipeModelDataParallelTopology,
-                               PipelineModule, ProcessTopology, partition_layers)
+                               PipelineModule, ProcessTopology, partition_layers,
+                               partition_uniform)
 from megatron_2bw.pipe.topology import grid_layout
 
-from test_deepspeed_config import one_line_error  # noqa: E402
-
-HAVE_DS = importlib.util.find_spec("deepspeed") is not None
+from test_deepspeed_config import deepspeed_module, one_line_error  # noqa: E402
 
 
 
@@ -53,16 +51,19 @@ def test_partition_methods_place_every_layer_once(method, n, d):
     _placed_once(partition_layers(layers, d, method, **kw), n, d)
 
 
-def test_partitions_match_deepspeed_and_profile_balances_measured_time():
+def test_partitions_match_deepspeed():
+    ds_utils = deepspeed_module("deepspeed.runtime.utils")
+    from megatron_2bw.pipe.partition import count_layer_params
     layers = thirty_layers()
-    counts = [0] * 30
-    parts = partition_layers(layers, 4, "parameters")
-    if HAVE_DS:
-        from deepspeed.runtime import utils as ds_utils
-        from megatron_2bw.pipe.partition import count_layer_params
-        counts = count_layer_params(layers)
-        assert parts == ds_utils.partition_balanced(counts, 4)
-        assert partition_layers(layers, 4, "uniform") == ds_utils.partition_uniform(30, 4)
+    counts = count_layer_params(layers)
+    assert partition_layers(layers, 4, "parameters") == ds_utils.partition_balanced(counts, 4)
+    assert partition_layers(layers, 4, "uniform") == ds_utils.partition_uniform(30, 4)
+    for n, d in ((3, 5), (5, 5), (7, 3), (30, 4)):
+        assert partition_uniform(n, d) == ds_utils.partition_uniform(n, d)
+
+
+def test_profile_partition_balances_measured_time():
+    layers = thirty_layers()
     # profile: measured forward+backward times on a sample input
     parts = partition_layers(layers, 4, "profile", profile_input=torch.randn(2, 8))
     _placed_once(parts, 30, 4)
@@ -76,9 +77,11 @@ def test_partitions_match_deepspeed_and_profile_balances_measured_time():
 
 
 # -- topologies -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("topo", [PipeDataParallelTopology(2, 3), ProcessTopology(["data", "pipe"],
-                                                                                   [3, 2]),
-                                  PipeModelDataParallelTopology(2, 1, 3)])
+TOPOLOGIES = [PipeDataParallelTopology(2, 3), ProcessTopology(["data", "pipe"], [3, 2]),
+              PipeModelDataParallelTopology(2, 1, 3)]
+
+
+@pytest.mark.parametrize("topo", TOPOLOGIES)
 def test_topologies_map_onto_the_process_grid(topo):
     layout = grid_layout(topo)
     for rank in range(6):
@@ -86,11 +89,14 @@ def test_topologies_map_onto_the_process_grid(topo):
                            rank_order=layout["rank_order"])
         c = topo.get_coord(rank)
         assert (grid.stage, grid.dp_rank) == (c.pipe, c.data)
-    if HAVE_DS:
-        from deepspeed.runtime.pipe import topology as ds_topo
-        ref = ds_topo.ProcessTopology(topo.axes, topo.dims)
-        assert all(ref.get_coord(r) == tuple(topo.get_coord(r)) for r in range(6))
-        assert ref.get_axis_comm_lists("data") == topo.get_axis_comm_lists("data")
+
+
+@pytest.mark.parametrize("topo", TOPOLOGIES)
+def test_topologies_match_deepspeed(topo):
+    ds_topo = deepspeed_module("deepspeed.runtime.pipe.topology")
+    ref = ds_topo.ProcessTopology(topo.axes, topo.dims)
+    assert all(ref.get_coord(r) == tuple(topo.get_coord(r)) for r in range(6))
+    assert ref.get_axis_comm_lists("data") == topo.get_axis_comm_lists("data")
 
 
 def test_unsupported_topologies_are_one_line_errors():

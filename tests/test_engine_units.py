@@ -114,3 +114,60 @@ def test_dynamic_loss_scaler():
     s.update(False)
     s.update(False)
     assert s.scale == 1024.0
+
+
+# ---- the engine validates the schedule it is about to run ------------------------------------------
+
+
+def _one_stage_engine(schedule):
+    from megatron_2bw.config import BatchConfig, Config, TrainConfig
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training import build_engine, mock_batches
+    cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                   vocab_size=64, seq_length=8),
+                 batch=BatchConfig(micro_batch_size=2, global_batch_size=4),
+                 train=TrainConfig(train_iters=3), schedule=schedule).validate(1)
+    engine = build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu")  # groups of one: no processes
+    return engine, mock_batches(cfg, 1, 0)
+
+
+class _Counting:
+    def __init__(self, it):
+        self.it, self.taken = it, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.taken += 1
+        return next(self.it)
+
+
+def test_engine_refuses_a_hand_broken_table_before_running_anything():
+    from megatron_2bw.pipeline import actions as A
+    from megatron_2bw.pipeline.schedules import make_schedule
+    from megatron_2bw.pipeline.simulate import ScheduleError
+    engine, data = _one_stage_engine("flush")
+    good = make_schedule("flush", 1, 2)
+    table = good.table()  # F0 B0 F1 B1 R0 N0 S0 -> F0 B0 F1 R0 N0 S0 B1
+    table[0].remove(A.B(1, 0))
+    table[0].append(A.B(1, 0))
+    engine.schedule = good.with_table(table)
+    before = engine.weights.slots[0].clone()
+    feed = _Counting(data)
+    with pytest.raises(ScheduleError, match=r"^Schedule\('flush'.*custom table\) is not a valid "
+                                            r"schedule: stage 0 step 3 \(0R0\): reduction of "
+                                            r"batch 0 before all its backwards \(1 of 2 done\)$"):
+        engine.train_batch(feed)
+    assert feed.taken == 0 and engine.iteration == 0
+    assert torch.equal(engine.weights.slots[0], before)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "gpipe"])
+def test_engine_runs_validated_windows_and_asks_the_kind_for_slots(schedule):
+    engine, data = _one_stage_engine(schedule)
+    assert engine.weights.num_slots == engine.kind.num_slots == {"2bw": 2}.get(schedule, 1)
+    for t in range(3):
+        engine.train_batch(data)
+        assert engine.schedule.verdict is True and engine.iteration == t + 1
+    assert engine.module is engine.weights.modules[engine.kind.newest_slot(3)]

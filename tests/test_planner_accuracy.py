@@ -1,20 +1,28 @@
 """The simulator's time per batch against the engine's, d=2 on 2 gloo processes, CPU profile
-measured by the planner itself (bench/plan_accuracy.py reports the exact ratios). The acceptance
-target is 15% on an idle machine; shared CI cores make timings noisy, hence the generous bound."""
+measured by the planner itself: bench/plan_accuracy.py with its defaults (every schedule, 3
+interleaved rounds of profile + engine, medians).
+
+The README states the claim this test holds: the prediction is below the engine's measured time
+per batch by 8-11% on the idle machine (the model leaves out per-forward Python work and gloo's
+small all-reduces, so it errs fast), and the issue's target is 15%. So every schedule's median
+predicted/measured must lie in [0.85, 1.0]. Slow, and meant for an idle machine: other processes
+on the two cores slow the engine more than the profile and push the ratio down."""
 import os
 import sys
 
 import pytest
 
+from megatron_2bw.pipeline.registry import schedule_names
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOW, HIGH = 0.85, 1.0
 
 
 @pytest.mark.slow
 def test_predicted_time_per_batch_tracks_the_engine():
     sys.path.insert(0, os.path.join(ROOT, "bench"))  # spawned workers import it by name
     import plan_accuracy as bench
-    rows = bench.run(("2bw", "flush"), layers=4, hidden=128, seq=64, micro_batch=4,
-                     global_batch=32, warmup=2, iters=6, repeats=1,
-                     log=lambda line: None)
+    rows = bench.run(schedule_names(), repeats=3, log=lambda line: None)
+    assert [r["schedule"] for r in rows] == list(schedule_names())
     for row in rows:
-        assert 0.6 < row["ratio"] < 1.5, row
+        assert LOW <= row["ratio"] <= HIGH, row

@@ -58,7 +58,7 @@ def _exhaustive(model, topo, prof, batch, dtype):
 
 
 def test_search_choice_equals_exhaustive_simulation():
-    checked = 0
+    checked = same = 0
     for model, topo, prof, batch, dtype in _problems(40, seed=1):
         try:
             res = search(model, topo, prof, batch, dtype=dtype, top_k=3)
@@ -68,15 +68,16 @@ def test_search_choice_equals_exhaustive_simulation():
             continue
         best = _exhaustive(model, topo, prof, batch, dtype)
         assert best is not None
-        # the same layout, or one whose fully simulated time ties with it (rounding)
+        # as fast, fully simulated, as the exhaustive best: another layout only on a time tie
         chosen = predict(res.best.plan, full=True).time_per_batch
-        assert res.best.layout.describe() == best[2] or chosen == pytest.approx(best[0], rel=1e-9)
         assert chosen == pytest.approx(best[0], rel=1e-9)
+        same += res.best.layout.describe() == best[2]
         everything = search(model, topo, prof, batch, dtype=dtype, exhaustive=True)
         assert everything.best.layout == res.best.layout
         assert [e.layout for e in everything.ranked[:3]] == [e.layout for e in res.ranked]
         checked += 1
     assert checked >= 20
+    assert same >= 0.9 * checked, "ties are rare: nearly always the very same layout"
 
 
 def test_search_is_fast_for_64_gpus_and_32_blocks():

@@ -19,9 +19,8 @@ KINDS = ("gpipe", "flush", "2bw")
 
 def _ms(kind, d):
     """A few valid microbatch counts per kind (2bw needs m >= d)."""
-    if kind == "2bw":
-        return sorted({d, d + 1, 2 * d + 1})
-    return sorted({1, max(d - 1, 1), d, d + 1, 2 * d})
+    return sorted({m for m in (1, max(d - 1, 1), d, d + 1, 2 * d, 2 * d + 1)
+                   if m >= {"2bw": d}.get(kind, 1)})
 
 
 # ---- golden grids ---------------------------------------------------------------------------
@@ -64,8 +63,12 @@ def test_validate_sweep(kind):
             for T in range(1, 6):
                 for t0 in (0, 3):
                     res = validate(make_schedule(kind, d, m, T, t0))
-                    assert res.makespan > 0
-                    assert all(0 <= b < 1 for b in res.bubble_fraction)
+                    # unit F=1, B=2, nothing else takes time: a flushing schedule fills and
+                    # drains the pipeline (d - 1 microbatch slots) every batch, 2bw once
+                    slots = T * m + d - 1 if kind == "2bw" else T * (m + d - 1)
+                    assert res.makespan == 3 * slots, (kind, d, m, T, t0)
+                    assert res.busy == [3 * T * m] * d
+                    assert res.bubble_fraction == pytest.approx([1 - T * m / slots] * d, abs=1e-12)
 
 
 def test_validate_with_costs_and_latency():
@@ -146,19 +149,21 @@ def test_peak_in_flight():
     for d in (2, 4, 5):
         for m in (d, d + 3):
             g = simulate(make_schedule("gpipe", d, m, 2))
-            assert g.peak_in_flight[0] == m
+            assert g.peak_in_flight == [m] * d
             for kind in ("flush", "2bw"):
-                sch = make_schedule(kind, d, m, 3)
-                res = simulate(sch)
-                for s in range(d):
-                    assert res.peak_in_flight[s] <= d - s
-                    assert sch.peak_in_flight(s) == res.peak_in_flight[s]
+                res = simulate(make_schedule(kind, d, m, 3))
+                assert res.peak_in_flight == [d - s for s in range(d)]
+    # a custom table is counted: stage 1 of this flush table runs both forwards first
+    tbl = make_schedule("flush", 2, 2).table()
+    tbl[1] = [A.RA(0), A.F(0, 0), A.RA(1), A.F(1, 0), A.B(0, 0), A.SG(0), A.B(1, 0), A.SG(1),
+              A.R(0), A.N(0), A.S(0)]
+    assert simulate(make_schedule("flush", 2, 2).with_table(tbl)).peak_in_flight == [2, 2]
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"m=2 < d=4.*--global-batch-size"):
         make_schedule("2bw", 4, 2)
-    with pytest.raises(ValueError, match="gpipe, flush, 2bw"):
+    with pytest.raises(ValueError, match="valid schedules: 2bw, flush, gpipe$"):
         make_schedule("pipedream", 4, 4)
     for args in ((0, 4), (2, 0), (2, 2, 0), (2, 2, 1, -1)):
         with pytest.raises(ValueError):

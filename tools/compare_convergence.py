@@ -39,7 +39,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-SCHEDULES = ("2bw", "flush", "gpipe")
+from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
+
+SCHEDULES = schedule_names()
+BASELINE = "gpipe"  # the curve the others are compared with
 DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
                  "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4",
                  "--global-batch-size", "32", "--init-method-std", "0.1",
@@ -131,7 +134,13 @@ def read_csv(path: str) -> dict:
     return {s: [float(r[i + 1]) for r in rows[1:] if r[i + 1] != ""] for i, s in enumerate(names)}
 
 
-COLOURS = {"2bw": "#d62728", "flush": "#1f77b4", "gpipe": "#2ca02c"}
+COLOURS = dict(zip(SCHEDULES, ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b")))
+
+
+def _style(s: str) -> str:
+    """Dashed for a schedule with the baseline's semantics (its curve lies on the baseline's)."""
+    same = s != BASELINE and schedule_kind(s).delay == schedule_kind(BASELINE).delay
+    return "--" if same else "-"
 
 
 def plot(path: str, curves: dict, finals: dict, title: str) -> None:
@@ -146,22 +155,22 @@ def plot(path: str, curves: dict, finals: dict, title: str) -> None:
         xs = list(range(1, len(ys) + 1))
         c = COLOURS.get(s)
         ax.plot(xs, ys, color=c, alpha=0.25, lw=0.8)
-        ax.plot(xs, smooth(ys, window), color=c, lw=1.8, ls="--" if s == "flush" else "-",
+        ax.plot(xs, smooth(ys, window), color=c, lw=1.8, ls=_style(s),
                 label=f"{s}  (final {finals[s]:.4f})")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title, fontsize=10)
     ax.legend(title=f"moving average over {window} iterations; final = mean of last 10%")
     ax.grid(alpha=0.3)
-    if "gpipe" in curves:
-        ref = smooth(curves["gpipe"], window)
+    if BASELINE in curves:
+        ref = smooth(curves[BASELINE], window)
         for s, ys in curves.items():
-            if s == "gpipe":
+            if s == BASELINE:
                 continue
             sm = smooth(ys, window)
             rel = [100 * (a - b) / b for a, b in zip(sm, ref)]
             bx.plot(range(1, len(rel) + 1), rel, color=COLOURS.get(s), lw=1.5, label=s,
-                    ls="--" if s == "flush" else "-")
-        bx.axhline(0, color=COLOURS["gpipe"], lw=1)
+                    ls=_style(s))
+        bx.axhline(0, color=COLOURS[BASELINE], lw=1)
         for y in (-3, 3):
             bx.axhline(y, color="grey", lw=0.8, ls="--")
         bx.set_ylabel("vs gpipe (%)")
@@ -241,7 +250,7 @@ def main(argv=None) -> int:
     n = max(len(v) for v in curves.values())
     title = f"{args.model_type.upper()} {' '.join(effective_flags(args.flags))}"
     plot(png_path, curves, finals, _wrap(title, 110))
-    ref = finals.get("gpipe")
+    ref = finals.get(BASELINE)
     print()
     print("| schedule | first loss | final loss (mean of last 10%) | vs gpipe | time (s) |")
     print("|----------|------------|-------------------------------|----------|----------|")

@@ -35,6 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_2bw.pipeline import actions as A  # noqa: E402
+from megatron_2bw.pipeline.registry import (DEFAULT_SCHEDULE, schedule_kind,  # noqa: E402
+                                            schedule_names)
 
 COLOURS = {("F", 0): "#9ecae1", ("F", 1): "#3182bd", ("B", 0): "#fdae6b", ("B", 1): "#e6550d",
            "S": "#31a354", "R": "#9e9ac8", "N": "#756bb1", "p2p": "#bdbdbd"}
@@ -255,7 +257,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("simulated schedule")
-    src.add_argument("--schedule", choices=("2bw", "flush", "gpipe"), default="2bw")
+    src.add_argument("--schedule", choices=schedule_names(), default=DEFAULT_SCHEDULE)
     src.add_argument("--pipeline-stages", "-d", type=int, default=4)
     src.add_argument("--num-microbatches", "-m", type=int, default=8)
     src.add_argument("--batches", type=int, default=2)
@@ -278,8 +280,10 @@ def parse_args(argv=None):
     if args.trace is None:
         if args.pipeline_stages < 1 or args.num_microbatches < 1 or args.batches < 1:
             p.error("-d, -m and --batches must be >= 1")
-        if args.schedule == "2bw" and args.num_microbatches < args.pipeline_stages:
-            p.error(f"2bw needs -m >= -d (m={args.num_microbatches} < d={args.pipeline_stages})")
+        error = schedule_kind(args.schedule).microbatch_error(
+            args.pipeline_stages, args.num_microbatches, "raise -m or lower -d")
+        if error:
+            p.error(error)
     if args.window:
         try:
             lo, hi = (float(x) for x in args.window.split(":"))

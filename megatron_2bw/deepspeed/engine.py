@@ -48,10 +48,11 @@ class _Feed:
         try:
             batch = next(it)
         except StopIteration:
-            extra = (" 2bw reads the first microbatches of the next batch ahead: pass one long "
-                     "iterator such as deepspeed.utils.RepeatingLoader to every call, or use "
-                     "\"pipeline\": {\"schedule\": \"flush\"}"
-                     if self.what == "train_batch" and self.engine._cfg.schedule == "2bw" else "")
+            kind = self.engine._engine.kind
+            extra = (f" {kind.name} reads the first microbatches of the next batch ahead: pass "
+                     "one long iterator such as deepspeed.utils.RepeatingLoader to every call, "
+                     "or use \"pipeline\": {\"schedule\": \"flush\"}"
+                     if self.what == "train_batch" and not kind.flushes else "")
             raise RuntimeError(f"{self.what}: the data iterator ran out.{extra}") from None
         if self.engine.batch_fn is not None:
             batch = self.engine.batch_fn(batch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from operator import attrgetter
 
 from ..config import Config
+from ..pipeline.registry import schedule_kind
 from .batch import batch_triple
 from .read import load_ds_json
 from .sections import ds_settings
@@ -17,13 +18,14 @@ def _set(cfg: Config, path: str, value) -> None:
     setattr(attrgetter(head)(cfg) if head else cfg, last, value)
 
 
-def _check_2bw(cfg: Config, dp: int) -> None:
+def _check_microbatches(cfg: Config, dp: int) -> None:
+    """The schedule's minimum gradient_accumulation_steps, named in DeepSpeed's words."""
     m = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * dp)
-    d = cfg.parallel.pipeline
-    if cfg.schedule == "2bw" and m < d:
-        fail(f"DeepSpeed config: 2bw needs gradient_accumulation_steps >= pipeline stages (got "
-             f"{m} < {d}): raise gradient_accumulation_steps or set \"pipeline\": "
-             "{\"schedule\": \"flush\"}")
+    error = schedule_kind(cfg.schedule).microbatch_error(
+        cfg.parallel.pipeline, m, "raise gradient_accumulation_steps or set \"pipeline\": "
+        "{\"schedule\": \"flush\"}")
+    if error:
+        fail(f"DeepSpeed config: {error}")
 
 
 # -- front door 1: pure DeepSpeed (megatron_2bw.deepspeed.initialize) ------------------------------
@@ -53,7 +55,7 @@ def config_from_deepspeed(ds, world_size: int, num_stages: int, num_layers: int,
     if cfg.optimizer.ds_scheduler is not None:
         total = cfg.optimizer.ds_scheduler["params"].get("total_num_steps")
         cfg.train.train_iters = max(int(total or 1), 1)
-    _check_2bw(cfg, dp)
+    _check_microbatches(cfg, dp)
     return cfg.validate(world_size), extras
 
 
@@ -116,5 +118,5 @@ def merge_flags_and_ds_config(cfg: Config, explicit_flag_names, ds_json, world_s
                 conflict(s.flag, have, s.key, s.value)
             continue
         _set(cfg, s.path, s.value)
-    _check_2bw(cfg, dp)
+    _check_microbatches(cfg, dp)
     return cfg

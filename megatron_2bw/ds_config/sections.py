@@ -4,10 +4,12 @@ optimizer and scheduler come from optim.py and schedulers.py."""
 from __future__ import annotations
 
 from ..config import SCHEDULES
+from ..pipeline.registry import DEFAULT_SCHEDULE
 from .keys import check_keys
 from .optim import optimizer_settings
 from .schedulers import scheduler_settings
 from .setting import Setting, fail
+
 
 def _precision_settings(ds: dict) -> list[Setting]:
     if ds.get("amp", {}).get("enabled", False):
@@ -90,7 +92,7 @@ def _pipeline_settings(ds: dict) -> tuple[list[Setting], dict]:
               "dataloader_drop_last": bool(ds.get("dataloader_drop_last", False))}
     if not isinstance(pipe, dict):
         fail('DeepSpeed config: "pipeline" must be an object')
-    schedule = pipe.get("schedule", "2bw")
+    schedule = pipe.get("schedule", DEFAULT_SCHEDULE)
     if schedule not in SCHEDULES:
         fail(f"DeepSpeed config: pipeline.schedule {schedule!r} is unknown: use one of "
              f"{', '.join(SCHEDULES)} (DeepSpeed's own 1F1B schedule is 'flush')")

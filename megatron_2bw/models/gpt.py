@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..pipeline.module import LayerSpec, partition_uniform
+from ..pipeline.module import LayerSpec, split_evenly
 from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, copy_to_tp_region,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import sharded_normal
@@ -75,7 +75,7 @@ def gpt_layer_specs(cfg: ModelConfig, tp: TPGroup = TPGroup(), seed: int = 1234,
 def gpt_partition(cfg: ModelConfig, num_stages: int) -> list[int]:
     """Spec-index boundaries: transformer layers split evenly, embedding on the first stage and the
     head on the last."""
-    bounds = [b + 1 for b in partition_uniform(cfg.num_layers, num_stages)]
+    bounds = [b + 1 for b in split_evenly(cfg.num_layers, num_stages)]
     bounds[0], bounds[-1] = 0, cfg.num_layers + 2
     return bounds
 

@@ -103,8 +103,9 @@ def rank_world() -> tuple[int, int]:
     return rank, world
 
 
-def resolve_topology(num_stages, topology, world_size: int):
-    """Our ProcessTopology for (num_stages, topology) in a world; one-line ConfigErrors."""
+def resolve_process_topology(num_stages, topology, world_size: int):
+    """Our ProcessTopology (DeepSpeed's rank grid) for a PipelineModule's (num_stages, topology)
+    in a world; one-line ConfigErrors. (The planner's `resolve_topology` is the hardware.)"""
     if topology is None:
         if num_stages is None:
             raise ConfigError("PipelineModule needs num_stages or topology")
@@ -142,7 +143,7 @@ class PipelineModule(nn.Module):
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
             raise ConfigError("checkpointable_layers must be a list of layer class names")
         rank, world = rank_world()
-        topo = resolve_topology(num_stages, topology, world)
+        topo = resolve_process_topology(num_stages, topology, world)
         specs = list(layers)
         parts = partition_layers(specs, topo.get_dim("pipe"), partition_method,
                                  layer_costs=layer_costs, profile_input=profile_input,
@@ -220,7 +221,7 @@ class PipelineModule(nn.Module):
         the layers it already built (weights are kept as they are)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        topo = resolve_topology(None, ds_module._topo, ds_module.world_size)
+        topo = resolve_process_topology(None, ds_module._topo, ds_module.world_size)
         self._setup(list(ds_module._layer_specs), topo, ds_module.global_rank,
                     ds_module.world_size, ds_module.parts, ds_module.loss_fn,
                     ds_module.seed_layers, ds_module.seed_fn, ds_module.base_seed, "deepspeed",

@@ -28,20 +28,17 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..pipeline.module import split_evenly
 
 METHODS = ("uniform", "parameters", "type:REGEX", "profile")
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
-    """DeepSpeed's uniform split: the first `num_items % num_parts` parts get one more item."""
+    """DeepSpeed's uniform split: the engine's `split_evenly` (the first `num_items % num_parts`
+    parts get one more item), and with fewer items than parts one item each, then empty parts."""
     if num_items <= num_parts:
         return [min(p, num_items) for p in range(num_parts + 1)]
-    chunk, residual = divmod(num_items, num_parts)
-    parts = [p * chunk for p in range(num_parts + 1)]
-    for i in range(residual):
-        for j in range(i + 1, num_parts + 1):
-            parts[j] += 1
-    return parts
+    return split_evenly(num_items, num_parts)
 
 
 def partition_balanced(weights, num_parts: int) -> list[int]:

@@ -39,8 +39,6 @@ class BatchStepper:
         self.last_loss = torch.zeros((), device=device)
         self.last_grad_norm = torch.zeros((), device=device)
         self.last_lr = 0.0
-        # test hook: write weights behind autograd's back (used to inject a one-version 2BW bug)
-        self.bypass_version_counter = False
 
     # -- R --------------------------------------------------------------------------------------
     def reduce(self, batch: int, slot: int) -> None:
@@ -131,7 +129,7 @@ class BatchStepper:
             grad.mul_(coef / scale if scale != 1.0 else coef)
         elif scale != 1.0:
             grad.mul_(1.0 / scale)
-        dst = w.slots[dst_slot].data if self.bypass_version_counter else w.slots[dst_slot]
+        dst = w.slots[dst_slot]
         if w.master is not None:
             self.optimizer.step(w.master, grad, w.master, lr)
             dst.copy_(w.master)

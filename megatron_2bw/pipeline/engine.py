@@ -3,7 +3,9 @@
 `train_batch(data_iter)` runs the stage's next window of the schedule: the actions after the
 previous optimizer step up to and including this batch's step. In 2BW a window already contains
 the next batch's first forwards (there is no flush); windows are self-contained (the validator
-checks it), so evaluation or a checkpoint can happen between any two calls.
+checks it, `simulate.check_schedule`, before the engine runs any window of a schedule), so
+evaluation or a checkpoint can happen between any two calls. Which weight version a batch uses and
+which one a step writes is the schedule kind's rule (`registry.py`); the engine only asks.
 
 Data: the first stage takes inputs and the last stage takes labels from `next(data_iter)`, one
 (inputs, labels) pair per forward, in microbatch order; other stages never touch the iterator.
@@ -22,10 +24,11 @@ from . import actions as A
 from .batch_step import BatchStepper
 from .host_memory import keep_freed_memory
 from .module import LayerSpec, StageModule
+from .registry import schedule_kind
 from .schedules import forward_only, make_schedule
+from .simulate import check_schedule
 from .weights import VersionedWeights
 
-FAULTS = (None, "single-version")
 UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
 _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
                 A.NORM: "all-reduce", A.STEP: "optimizer"}
@@ -33,9 +36,7 @@ _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-red
 
 class PipelineEngine:
     def __init__(self, cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
-                 loss_fn: Callable, partition: list[int], device, fault: str | None = None):
-        if fault not in FAULTS:
-            raise ValueError(f"unknown fault {fault!r}: use one of {FAULTS}")
+                 loss_fn: Callable, partition: list[int], device):
         self.cfg, self.grid, self.loss_fn, self.device = cfg, grid, loss_fn, torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for the stash at every batch (host_memory.py)
@@ -46,11 +47,10 @@ class PipelineEngine:
         module = StageModule(specs, start, end, seed=cfg.train.seed,
                              recompute_method=cfg.model.recompute_method,
                              recompute_num_layers=cfg.model.recompute_num_layers)
-        num_slots = 2 if cfg.schedule == "2bw" and fault is None else 1
-        self.weights = VersionedWeights(module, num_slots, cfg.precision.dtype, self.device,
-                                        tied=module.tied)
+        self.kind = schedule_kind(cfg.schedule)
+        self.weights = VersionedWeights(module, self.kind.num_slots, cfg.precision.dtype,
+                                        self.device, tied=module.tied)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device)
-        self.stepper.bypass_version_counter = fault == "single-version"
         self.p2p = P2P(grid.prev_rank, grid.next_rank, self.device)
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
@@ -66,7 +66,7 @@ class PipelineEngine:
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
         """Begin a schedule segment at the current iteration (warm-up happens here once)."""
-        self.schedule = make_schedule(self.cfg.schedule, self.num_stages, self.m,
+        self.schedule = make_schedule(self.kind, self.num_stages, self.m,
                                       num_batches=num_batches or UNBOUNDED,
                                       first_batch=self.iteration)
         self.p2p.reset()
@@ -78,6 +78,7 @@ class PipelineEngine:
         s = self.schedule
         if s is None or self.iteration >= s.first_batch + s.num_batches:
             self.start()
+        check_schedule(self.schedule)
         self._data = data_iter
         self._run(self.schedule.window(self.stage, self.iteration))
         self._data = None
@@ -89,7 +90,9 @@ class PipelineEngine:
         weights, without touching in-flight 2BW state; returns the mean loss (over microbatches
         and replicas) on every rank."""
         n = num_microbatches or self.m
-        actions = forward_only(self.num_stages, n).window(self.stage, 0)
+        schedule = forward_only(self.num_stages, n)
+        check_schedule(schedule)
+        actions = schedule.window(self.stage, 0)
         saved = (self.inputs, self.outputs, self.act_out, self.grad_in, self.grad_out,
                  self.p2p.meta_sent, self.p2p.recv_meta)
         self._clear_stash()
@@ -128,13 +131,13 @@ class PipelineEngine:
         weights (fp32), the version the next batch runs on (2BW: W(t-1)), optimizer and loss
         scaler state. In-flight microbatches of the next batch are not saved: a resumed run
         redoes them from the same data."""
-        w, t = self.weights, self.iteration
+        w, t, kind = self.weights, self.iteration, self.kind
         state = {"iteration": t, "schedule": self.cfg.schedule, "names": list(w.names),
                  "newest": w.fp32_weights(self._newest_slot()).clone(),
                  "optimizer": self.stepper.optimizer.state_dict(),
                  "scaler": self.stepper.scaler.state_dict(), "skipped": self.stepper.skipped}
         if w.num_slots > 1:
-            state["previous"] = w.slots[self._slot(t % 2)].clone()
+            state["previous"] = w.slots[kind.slot_of_batch(t)].clone()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -146,11 +149,11 @@ class PipelineEngine:
         with torch.no_grad():
             if w.master is not None:
                 w.master.copy_(state["newest"])
-            newest = (t + 1) % 2 if w.num_slots > 1 else 0
-            w.slots[newest].copy_(state["newest"])
+            w.slots[self.kind.newest_slot(t)].copy_(state["newest"])
             if w.num_slots > 1:
                 prev = state.get("previous")
-                w.slots[t % 2].copy_(prev if prev is not None else state["newest"])
+                w.slots[self.kind.slot_of_batch(t)].copy_(prev if prev is not None
+                                                          else state["newest"])
             for g in w.grads:
                 g.zero_()
         self.stepper.optimizer.load_state_dict(state["optimizer"])
@@ -227,14 +230,9 @@ class PipelineEngine:
         self.grad_in: dict[int, tuple] = {}     # gradients received for our outputs
         self.grad_out: dict[int, tuple] = {}    # gradients of our inputs waiting to be sent
 
-    def _slot(self, version: int) -> int:
-        return min(version, self.weights.num_slots - 1)
-
     def _newest_slot(self) -> int:
-        """Slot of W(iteration): 2BW's S(t) writes slot t % 2."""
-        if self.weights.num_slots == 1 or self.iteration == 0:
-            return 0
-        return (self.iteration - 1) % 2
+        """Slot of W(iteration)."""
+        return self.kind.newest_slot(self.iteration)
 
     def _next_data(self):
         try:
@@ -256,7 +254,7 @@ class PipelineEngine:
 
     def _forward(self, a: A.Action) -> None:
         self._seed_microbatch(a.mb)
-        module = self.weights.modules[self._slot(a.version)]
+        module = self.weights.modules[a.version]
         labels = None
         if self.first or self.last:
             inputs, labels = self._next_data()
@@ -267,7 +265,7 @@ class PipelineEngine:
             loss = self.loss_fn(out, labels)
             self.outputs[a.mb] = loss
             batch = a.mb // self.m
-            slot = self._slot(self.schedule.slot_of_batch(batch))
+            slot = self.kind.slot_of_batch(batch)
             self.weights.grads[slot][-1:].add_(loss.detach().float(), alpha=1.0 / self.m)
         else:
             out = out if isinstance(out, tuple) else (out,)
@@ -285,7 +283,7 @@ class PipelineEngine:
         if not self.first:
             x = self.inputs.pop(a.mb)
             self.grad_out[a.mb] = tuple(t.grad for t in x if t.requires_grad)
-        self.weights.fold_model_grad(self._slot(a.version))
+        self.weights.fold_model_grad(a.version)
 
     def _communicate(self, group: list[A.Action]) -> None:
         sends, recvs, received = [], [], []
@@ -310,17 +308,14 @@ class PipelineEngine:
             self.inputs[mb] = tuple(t.requires_grad_(req) for t, (_, _, req) in zip(bufs, meta))
 
     def _reduce(self, a: A.Action) -> None:
-        self.stepper.reduce(a.batch, self._slot(self.schedule.slot_of_batch(a.batch)))
+        self.stepper.reduce(a.batch, self.kind.slot_of_batch(a.batch))
 
     def _norm(self, a: A.Action) -> None:
-        self.stepper.norm(a.batch, self._slot(self.schedule.slot_of_batch(a.batch)))
+        self.stepper.norm(a.batch, self.kind.slot_of_batch(a.batch))
 
     def _step(self, a: A.Action) -> None:
-        s, t = self.schedule, a.batch
-        grad_slot = self._slot(s.slot_of_batch(t))
-        dst = self._slot(s.step_writes_slot(t))
-        src = self._slot(s.slot_of_batch(t + 1)) if s.num_slots > 1 else dst
-        self.stepper.step(t, grad_slot, src, dst)
+        k, t = self.kind, a.batch
+        self.stepper.step(t, k.slot_of_batch(t), k.newest_slot(t), k.step_writes_slot(t))
         self.iteration = t + 1
 
 

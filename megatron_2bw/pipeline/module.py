@@ -118,8 +118,10 @@ def _recompute_plan(specs: list[LayerSpec], method: str | None, n: int) -> list[
     return plan
 
 
-def partition_uniform(num_layers: int, num_stages: int) -> list[int]:
-    """Stage boundaries [0, ..., num_layers] splitting layers as evenly as possible."""
+def split_evenly(num_layers: int, num_stages: int) -> list[int]:
+    """Stage boundaries [0, ..., num_layers] splitting layers as evenly as possible (the first
+    num_layers % num_stages stages get one more); every stage gets at least one layer.
+    DeepSpeed's `pipe.partition_uniform` is this plus empty stages when layers run short."""
     if num_stages > num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
     base, extra = divmod(num_layers, num_stages)

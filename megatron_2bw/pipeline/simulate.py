@@ -12,7 +12,8 @@ stage 0. Collective waits complete when the last participant posted.
 
 Any broken rule raises `ScheduleError` with a one-line message "stage S step I (LABEL): what" and
 the partial grid up to the failure as `.grid`; a deadlock names every blocked stage and what it
-waits for.
+waits for. `check_schedule` is what the engine asks before it runs a window: the same validator,
+its verdict cached per schedule shape.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class SimResult:
     makespan: float
     busy: list                # per stage: time spent in F/B/R/N/S
     bubble_fraction: list     # per stage: idle / makespan
-    peak_in_flight: list      # per stage: max #microbatches with F done and B not done
+    peak_in_flight: list      # per stage: max #microbatches with F done and B not done (the
+                              # schedule's, `Schedule.peak_in_flight`)
     slot_weights: list = field(default_factory=list)  # per stage: final W index in each slot
 
     @property
@@ -73,7 +75,6 @@ class _Stage:
         self.next = {REDUCE: t0, NORM: t0, STEP: t0}
         self.window = t0           # t0 + number of S done
         self.b_per_batch = {}
-        self.live = self.peak = 0
         self.timeline = []
         self.wait = ""             # what a blocked stage waits for
         self.wait_step = 0         # the op of a posted group it waits on
@@ -237,8 +238,6 @@ class _Sim:
                 fail(f"slot {a.version} holds W({st.slots[a.version]}) but batch {t} "
                      f"needs W({sched.weight_of_batch(t)})")
             st.f[a.mb] = (a.version, st.slots[a.version])
-            st.live += 1
-            st.peak = max(st.peak, st.live)
         elif a.kind == BACKWARD:
             if not sched.is_training:
                 fail("a forward-only schedule has no backward")
@@ -256,7 +255,6 @@ class _Sim:
                      f"{a.mb} used W({weight}): a step overwrote it too early")
             st.b.add(a.mb)
             st.b_per_batch[t] = st.b_per_batch.get(t, 0) + 1
-            st.live -= 1
         else:
             t, kind = a.batch, a.kind
             if not sched.is_training:
@@ -337,7 +335,8 @@ class _Sim:
         bubble = [(makespan - st.busy) / makespan if makespan > 0 else 0.0 for st in self.stages]
         return SimResult(self.sched, [st.timeline for st in self.stages], makespan,
                          [st.busy for st in self.stages], bubble,
-                         [st.peak for st in self.stages], [st.slots for st in self.stages])
+                         [self.sched.peak_in_flight(st.idx) for st in self.stages],
+                         [st.slots for st in self.stages])
 
 
 def simulate(schedule_or_table, durations=None, comm_latency=0.0) -> SimResult:
@@ -352,6 +351,30 @@ def validate(schedule) -> SimResult:
     return simulate(schedule)
 
 
+_VERDICTS: dict = {}  # Schedule.shape -> True or the ScheduleError
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Raise the validator's one-line ScheduleError if `schedule` is invalid. The verdict is
+    computed once per shape (generated tables) or per object (custom tables), so the engine asks
+    before every window it runs at the cost of an attribute read."""
+    verdict = schedule.verdict
+    if verdict is None:
+        key = schedule.shape
+        verdict = _VERDICTS.get(key) if key is not None else None
+        if verdict is None:
+            try:
+                validate(schedule.materialized())
+                verdict = True
+            except ScheduleError as e:
+                verdict = e
+            if key is not None:
+                _VERDICTS[key] = verdict
+        schedule.verdict = verdict
+    if verdict is not True:
+        raise ScheduleError(f"{schedule!r} is not a valid schedule: {verdict}", verdict.grid)
+
+
 GRID_DURATIONS = {FORWARD: 1.0, BACKWARD: 1.0, STEP: 1.0, REDUCE: 0.0, NORM: 0.0}
 
 
@@ -361,5 +384,5 @@ def format_grid(schedule, durations=None, comm_latency: float = 0.0) -> str:
     return res.grid()
 
 
-__all__ = ["ScheduleError", "SimResult", "simulate", "validate", "format_grid",
+__all__ = ["ScheduleError", "SimResult", "simulate", "validate", "check_schedule", "format_grid",
            "DEFAULT_DURATIONS", "GRID_DURATIONS"]

@@ -14,14 +14,16 @@ turns it into a `StagePlan`:
   placement implies between stage c and c+1 (inter-node if any replica's pair sits on two nodes).
 - R/N/S: R launches the data-parallel all-reduce (ring over the slowest link of the group; the
   tied embedding gradient goes over the 2w-rank tied group); N waits for it, so N costs what is
-  left after the compute between R and N (one forward in 2BW, nothing in flush/gpipe); S is the
+  left after the compute between R and N (the kind's `forwards_between_reduce_and_norm`: one
+  forward in 2BW, nothing in flush/gpipe); S is the
   local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce.
 - memory: exactly the engine's buffers (`pipeline/weights.py`, `optim/optimizer.py`): weight
-  versions (2 in 2BW) in the model dtype, fp32 master (bf16/fp16), fp32 gradient buffer per version
-  slot (+1 element carrying the loss), the low-precision gradient buffer (bf16/fp16), optimizer
-  state (Adam 2, SGD 1 fp32 copies); plus stashed activations per in-flight microbatch (2BW and
-  flush: min(d - s, m) on stage s, GPipe: m); recomputation stashes only each transformer layer's
-  input and needs one layer's full activations while recomputing.
+  versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16), fp32
+  gradient buffer per version slot (+1 element carrying the loss), the low-precision gradient
+  buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies); plus stashed activations per
+  in-flight microbatch (the kind's `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m);
+  recomputation stashes only each transformer layer's input and needs one layer's full
+  activations while recomputing.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..models.flops import DTYPE_BYTES, layer_costs
 from ..parallel.grid import ProcessGrid
+from ..pipeline.registry import ScheduleKind, schedule_kind
 from .partition import partition
 
 OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
@@ -53,6 +56,10 @@ class Layout:
     @property
     def num_gpus(self) -> int:
         return self.tensor * self.pipeline * self.data
+
+    @property
+    def kind(self) -> ScheduleKind:
+        return schedule_kind(self.schedule)
 
     def describe(self) -> str:
         return (f"{self.schedule} t{self.tensor} d{self.pipeline} w{self.data} b{self.micro_batch} "
@@ -81,15 +88,6 @@ def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam"
             "grads": num_slots * (params + 1) * 4,
             "model_grad": params * p if mixed else 0,
             "optimizer": OPTIMIZER_COPIES[optimizer] * params * 4}
-
-
-def num_slots(schedule: str) -> int:
-    return 2 if schedule == "2bw" else 1
-
-
-def in_flight(schedule: str, d: int, m: int, stage: int) -> int:
-    """Peak number of microbatches whose activations stage `stage` stashes."""
-    return m if schedule == "gpipe" else min(d - stage, m)
 
 
 def stage_params(costs: list, lo: int, hi: int, prefix: dict | None = None) -> int:
@@ -129,9 +127,10 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
                  ) -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
     "activations", "total"), peak in-flight microbatches)."""
-    mem = state_bytes(stage_params(costs, lo, hi, prefix), num_slots(schedule), dtype, optimizer)
+    kind = schedule_kind(schedule)
+    mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix)
-    peak = in_flight(schedule, d, m, stage)
+    peak = kind.in_flight(d, m, stage)
     mem["activations"] = peak * per_mb + extra
     mem["total"] = sum(mem.values())
     return mem, peak
@@ -168,7 +167,7 @@ class StagePlan:
         """A time per batch no schedule run can beat (the prediction is never below it)."""
         d, m = self.layout.pipeline, self.layout.num_microbatches
         bound = max(self.busy(s) for s in range(d))
-        if self.layout.schedule == "2bw":
+        if not self.layout.kind.flushes:
             return bound
         chain = 0.0  # flush/gpipe: the batch drains, so the first microbatch's round trip counts
         tail = self.reduce[0] + self.norm[0] + self.step[0]
@@ -279,7 +278,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         bounds = times.partition(b, t, d, L.recompute)
     fwd, bwd, memory, peaks, reduce_, norm, step, ar = [], [], [], [], [], [], [], []
     inter, dp_inter, tied_inter, mp_inter = times.placement(L)
-    w = L.data
+    w, kind = L.data, L.kind
     norm_ar = topology.ring_time(8.0, d, mp_inter)  # [norm^2, loss] over one rank per stage
     data = times.profile.data_time(b)  # the first and the last stage read each microbatch
     for s in range(d):
@@ -301,7 +300,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         if tied:
             t_ar += topology.ring_time(4.0 * tied, 2 * w, tied_inter)
         ar.append(t_ar)
-        overlap = f if L.schedule == "2bw" else 0.0  # 2bw: N comes one forward after R
+        overlap = kind.forwards_between_reduce_and_norm * f  # compute between R and N
         reduce_.append(0.0)
         norm.append(max(0.0, t_ar - overlap))
         step.append(times.profile.step_time(params) + norm_ar)
@@ -314,5 +313,4 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
 
 
 __all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "state_bytes",
-           "in_flight", "num_slots", "activation_bytes", "stage_params", "stage_memory",
-           "placement"]
+           "activation_bytes", "stage_params", "stage_memory", "placement"]

@@ -1,5 +1,6 @@
 """Search over layouts: every (t, d, w) with t*d*w = N (t inside a node), every micro batch b that
-divides the per-replica batch, recomputation on/off, each schedule (2BW needs m >= d) and, on more
+divides the per-replica batch, recomputation on/off, each schedule the number of microbatches suits
+(`ScheduleKind.accepts`: 2BW needs m >= d) and, on more
 than one node, both rank orders. Layouts over the usable memory are dropped; the rest are ranked
 by predicted time per batch (the global batch is fixed, so this is ranking by samples/s).
 
@@ -15,11 +16,12 @@ from dataclasses import dataclass, field
 
 from ..config import RANK_ORDERS, ModelConfig
 from ..models.flops import DTYPE_BYTES
+from ..pipeline.registry import schedule_kind, schedule_names
 from .cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
 from .simulate import Estimate, predict
 from .topology import GB, PlanError, Topology
 
-SCHEDULES = ("2bw", "flush", "gpipe")
+SCHEDULES = schedule_names()
 
 
 @dataclass
@@ -91,7 +93,7 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
                 m = global_batch // (w * b)
                 for rc in recompute:
                     for sched in schedules:
-                        if sched == "2bw" and m < d:
+                        if not schedule_kind(sched).accepts(d, m):
                             continue
                         for order in (orders if d > 1 and w > 1 else orders[:1]):
                             yield Layout(sched, t, d, w, b, m, bool(rc), order)
@@ -121,8 +123,9 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
         raise PlanError(f"no valid layout for {topology.num_gpus} GPUs, global batch "
                         f"{global_batch} "
                         f"and schedules {','.join(schedules)}: the global batch must be a multiple "
-                        "of micro batch x data-parallel size (2bw also needs at least as many "
-                        "microbatches as stages); try a multiple of the GPU count")
+                        "of micro batch x data-parallel size (and some schedules need a minimum "
+                        "number of microbatches: 2bw as many as stages); try a multiple of the "
+                        "GPU count")
     if not cands:
         raise PlanError(f"does not fit: smallest footprint {smallest / GB:.2f} GB > "
                         f"{topology.usable_memory_gb:.2f} GB usable per GPU (of "

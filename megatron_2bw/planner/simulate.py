@@ -1,9 +1,10 @@
 """The planner's timing: replay the engine's own schedule tables through `pipeline.simulate`.
 
 The time per batch of a layout is the steady-state increment the simulator reports: the makespan
-of a 4-batch segment minus that of a 3-batch segment, with the cost model's durations (F, B, R, N,
-S per stage) and per-op p2p transfer times. GPipe and flush drain the pipeline at every step, so
-every batch is the same and 2 minus 1 batches gives the identical number with fewer events. Two
+of a b-batch segment minus that of an a-batch one, (a, b) = the schedule kind's `segments`, with
+the cost model's durations (F, B, R, N, S per stage) and per-op p2p transfer times. 2BW compares 4
+with 3 batches (past its one warm-up); GPipe and flush drain the pipeline at every step, so every
+batch is the same and 2 minus 1 batches gives the identical number with fewer events. Two
 refinements keep the search fast and honest:
 
 - many microbatches: with m > M = max(2d, 8) the simulator runs m' = M and M - M/2 microbatches
@@ -22,8 +23,6 @@ from ..pipeline.schedules import make_schedule
 from ..pipeline.simulate import SimResult, simulate
 from .cost_model import StagePlan
 from .topology import GB
-
-SEGMENTS = {"2bw": (3, 4), "flush": (1, 2), "gpipe": (1, 2)}
 
 
 @dataclass
@@ -73,7 +72,7 @@ def run_segment(plan: StagePlan, num_batches: int, m: int | None = None) -> SimR
 
 
 def steady_increment(plan: StagePlan, m: int | None = None) -> float:
-    a, b = (run_segment(plan, T, m).makespan for T in SEGMENTS[plan.layout.schedule])
+    a, b = (run_segment(plan, T, m).makespan for T in plan.layout.kind.segments)
     return b - a
 
 
