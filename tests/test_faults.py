@@ -71,7 +71,8 @@ def test_raising_rank_is_named(tmp_path):
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     assert "error: rank 1 (stage 1/2" in proc.stderr and "injected failure" in proc.stderr
-    assert "Traceback" in proc.stderr, "an unexpected error keeps its traceback"
+    assert str(ROOT / "megatron_2bw" / "training.py") in proc.stderr, \
+        "an unexpected error keeps its traceback"
 
 
 def _latest(d):
@@ -102,21 +103,41 @@ def test_signal_saves_exits_cleanly_and_resume_is_exact(tmp_path, sig):
     assert first + rest == full
 
 
-def test_real_sigterm_to_a_run_checkpoints_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_real_signal_to_a_run_checkpoints_and_exits_zero(tmp_path, sig):
+    """SIGINT (Ctrl-C) behaves like SIGTERM: a final checkpoint, exit 0, no traceback."""
     ck = tmp_path / "ck"
     proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), "--mock-data",
                              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
                              "4", "--seq-length", "16", "--train-iters", "100000",
                              "--save", str(ck), "--log-interval", "1"],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("iteration"):
             break
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    assert "SIGTERM: saved a checkpoint" in out
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"{sig.name}: saved a checkpoint" in out
+    assert "Traceback" not in err
     assert _latest(ck) >= 1
+
+
+def test_ctrl_c_without_save_is_one_line_and_exit_130(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *SMALL[:1],
+                             *SMALL[3:], "--train-iters", "100000"],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("iteration"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == ["error: rank 0 (stage 0/1, data-parallel replica 0, "
+                                        "tensor rank 0) aborted by SIGINT: no checkpoint of this "
+                                        "point (one Ctrl-C saves one when --save is set)"]
 
 
 def test_corrupted_shard_is_a_clear_error(tmp_path):
