@@ -54,7 +54,7 @@ def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: s
         tensor = state.get(key) if state else None
         if tensor is None:
             continue
-        top = float(tensor.detach().abs().max())
+        top = float(torch.linalg.vector_norm(tensor.detach(), float("inf")))  # max |w|, no copy
         if not (top <= torch.finfo(dtype).max):  # nan compares False
             last = latest_iteration(save_dir)
             kept = f"the last good one is iteration {last} in {save_dir}" if last is not None \

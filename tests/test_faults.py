@@ -32,6 +32,11 @@ def _env():
     return env
 
 
+def _single_process_env():
+    """A world of one still opens a rendezvous port: a free one, not the shared default 29500."""
+    return dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
 def test_killed_rank_stops_the_others_under_torchrun(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -111,7 +116,7 @@ def test_real_signal_to_a_run_checkpoints_and_exits_zero(tmp_path, sig):
                              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
                              "4", "--seq-length", "16", "--train-iters", "100000",
                              "--save", str(ck), "--log-interval", "1"],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            cwd=ROOT, env=_single_process_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("iteration"):
@@ -127,7 +132,7 @@ def test_real_signal_to_a_run_checkpoints_and_exits_zero(tmp_path, sig):
 def test_ctrl_c_without_save_is_one_line_and_exit_130(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *SMALL[:1],
                              *SMALL[3:], "--train-iters", "100000"],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            cwd=ROOT, env=_single_process_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("iteration"):
