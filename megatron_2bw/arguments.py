@@ -97,6 +97,10 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--max-skipped-steps", type=int, default=None,
+                   help="fp16: end the run with an error after this many consecutive skipped "
+                        "(overflowing) steps; 0: no limit (default: the skips the loss scale "
+                        "needs to fall from --initial-loss-scale to --min-loss-scale, plus 10)")
     g.add_argument("--train-samples", type=int, default=None,
                    help="alternative to --train-iters: samples / global batch size iterations")
     g.add_argument("--eval-interval", type=int, default=0)
@@ -167,7 +171,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis)
+        hysteresis=args.hysteresis, max_skipped_steps=args.max_skipped_steps)
     train = TrainConfig(
         train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,

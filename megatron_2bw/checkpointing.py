@@ -1,95 +1,31 @@
-"""Megatron-style checkpoints with exact resume.
+"""Megatron-style checkpoints with exact resume (files and their rules: checkpoint_files.py).
 
-Layout (Megatron's):
-    {save}/latest_checkpointed_iteration.txt
-    {save}/iter_0000100/mp_rank_00/model_optim_rng.pt          (one pipeline stage)
-    {save}/iter_0000100/mp_rank_00_001/model_optim_rng.pt      (tensor rank 0, stage 1)
+Each stage file holds the stage's engine state at an iteration boundary (newest fp32 weights, the
+2BW version the next batch runs on, optimizer, loss scaler), the iteration, the consumed samples,
+the config and the parallel layout. Data-parallel replicas are identical, so replica 0 writes.
 
-Each file holds the stage's engine state at an iteration boundary (newest fp32 weights, the 2BW
-version the next batch runs on, optimizer, loss scaler), the iteration, the consumed samples, the
-config and the parallel layout. Data-parallel replicas are identical, so replica 0 writes.
-
-Writes are atomic: each file goes to a temporary name, is fsynced and renamed; after every rank has
-written (a barrier), rank 0 writes `latest_checkpointed_iteration.txt` the same way. A writer
-killed mid-save therefore never leaves a `latest` that points at a partial checkpoint.
+A save is collective and all-or-nothing. Every rank first agrees that the iteration is newer
+than `latest` and that every stage's weights are finite (else nobody writes); then each stage
+writes its file and checksum atomically; if any write failed (disk full ...), every rank raises
+the same one-line error and the files of that iteration are removed; only when all succeeded does
+rank 0 move `latest` forward. A writer killed mid-save therefore never leaves a `latest` that
+points at a partial checkpoint, and no save overwrites a newer iteration.
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import re
-import shutil
-import signal
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError
+from .checkpoint_files import (FILENAME, LATEST, CheckpointError, latest_iteration, not_newer,
+                               prune, rank_dir, remove_temporary_files, verify_checksum,
+                               write_latest, write_with_checksum)
+from .config import Config, TrainConfig
+from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe
 
-LATEST = "latest_checkpointed_iteration.txt"
-FILENAME = "model_optim_rng.pt"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used; the message names the file and the fix."""
-
-
-def rank_dir(root: str, iteration: int, tp: int, pp: int, num_stages: int) -> str:
-    name = f"mp_rank_{tp:02d}" if num_stages == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
-    return os.path.join(root, f"iter_{iteration:07d}", name)
-
-
-def atomic_write(path: str, write) -> None:
-    """write(file_object) into a temporary file next to `path`, fsync, then rename over it."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def verify_checksum(path: str) -> None:
-    """Compare a checkpoint file with its `.sha256` sidecar; one-line error naming the file."""
-    side = path + ".sha256"
-    if not os.path.exists(side):
-        raise CheckpointError(f"checkpoint file {path} has no checksum ({side} is missing): the "
-                              "save did not finish; load an earlier iteration")
-    want = open(side).read().split()[0]
-    if sha256_of(path) != want:
-        raise CheckpointError(f"checkpoint file {path} does not match its checksum: it is "
-                              "truncated or corrupted; load an earlier iteration")
-
-
-def prune(save_dir: str, keep_last: int) -> None:
-    """Delete all but the `keep_last` newest iteration directories (never the latest)."""
-    its = sorted(int(m.group(1)) for d in os.listdir(save_dir)
-                 if (m := re.fullmatch(r"iter_(\d{7})", d)))
-    latest = latest_iteration(save_dir)
-    for it in its[:-keep_last] if keep_last > 0 else []:
-        if it != latest:
-            shutil.rmtree(os.path.join(save_dir, f"iter_{it:07d}"), ignore_errors=True)
+__all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteration",
+           "save_checkpoint", "load_checkpoint", "layout", "preflight", "check_iterations"]
 
 
 def layout(cfg: Config, grid) -> dict:
@@ -101,51 +37,86 @@ def layout(cfg: Config, grid) -> dict:
             "tensor": grid.tensor, "pipeline": grid.pipeline}
 
 
+def _agree(problem: str | None, grid) -> str | None:
+    """Collective: the first rank's problem (in rank order), the same on every rank."""
+    problems = [problem]
+    if dist.is_initialized() and grid.world_size > 1:
+        problems = [None] * grid.world_size
+        dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
+def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: str
+               ) -> str | None:
+    """A message when the weights about to be saved are not finite as the engine computes with
+    them (in `dtype`); one reduction per tensor, at save time only."""
+    for key in ("newest", "previous"):
+        tensor = state.get(key) if state else None
+        if tensor is None:
+            continue
+        top = float(torch.linalg.vector_norm(tensor.detach(), float("inf")))  # max |w|, no copy
+        if not (top <= torch.finfo(dtype).max):  # nan compares False
+            last = latest_iteration(save_dir)
+            kept = f"the last good one is iteration {last} in {save_dir}" if last is not None \
+                else f"{save_dir} holds none"
+            return (f"the {key} weights of {describe(grid)} are not finite in {dtype} (max |w| "
+                    f"{top:g}) at iteration {t}: no checkpoint written ({kept}); the run "
+                    "diverged: lower --lr or add --clip-grad and resume from the last good one")
+    return None
+
+
 def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True,
-                    keep_last: int = 0) -> str:
+                    keep_last: int = 0, hooks: FaultHooks = NO_FAULTS) -> str:
     """Collective over all ranks: every stage of replica 0 writes its file and its checksum,
-    then rank 0 writes `latest` and prunes old iterations (keep_last > 0)."""
+    then rank 0 moves `latest` forward and prunes old iterations (keep_last > 0)."""
     t = engine.iteration
     path = os.path.join(rank_dir(save_dir, t, grid.tp_rank, grid.stage, grid.pipeline), FILENAME)
-    if grid.dp_rank == 0:
-        state = engine.state_dict()
+    current = latest_iteration(save_dir)
+    if current is not None and t <= current:  # every rank reads the same `latest`
+        raise CheckpointError(not_newer(save_dir, t, current))
+    state = engine.state_dict() if grid.dp_rank == 0 else None
+    bad = _agree(_nonfinite(state, engine.weights.slots[0].dtype, grid, t, save_dir), grid)
+    if bad:
+        raise NumericsError(bad)
+    problem = None
+    if state is not None:
         if not save_optim:
             state.pop("optimizer")
         payload = {"engine": state, "iteration": t,
                    "consumed_samples": t * cfg.batch.global_batch_size,
                    "layout": layout(cfg, grid), "config": cfg.to_dict(),
                    "rng": {"cpu": torch.get_rng_state()}}
-        from .reliability import injected_fault
-        if injected_fault("kill-in-save", grid, t):  # tests: die with a half-written file
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(os.path.join(os.path.dirname(path), ".tmp-partial"), "wb") as f:
-                f.write(b"PK\x03\x04 half a checkpoint")
-                f.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        atomic_write(path, lambda f: torch.save(payload, f))
-        digest = sha256_of(path)
-        atomic_write(path + ".sha256", lambda f: f.write(f"{digest}  {FILENAME}\n".encode()))
-    if dist.is_initialized():
-        dist.barrier()
-    if grid.rank == 0:
-        atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(f"{t}\n".encode()))
-        if keep_last:
-            prune(save_dir, keep_last)
-    if dist.is_initialized():
-        dist.barrier()
+        hooks.during_save(grid, t, path)
+        try:
+            write_with_checksum(path, lambda f: torch.save(payload, f))
+        except CheckpointError as e:
+            kept = f"iteration {current}" if current is not None else "none"
+            problem = f"{e}; the previous checkpoint ({kept}) in {save_dir} is intact"
+    problem = _agree(problem, grid)
+    if problem is None and grid.rank == 0:
+        try:
+            write_latest(save_dir, t)
+            if keep_last:
+                prune(save_dir, keep_last)
+        except CheckpointError as e:
+            problem = str(e)
+    problem = _agree(problem, grid)
+    if problem:
+        if state is not None and latest_iteration(save_dir) != t:
+            _remove_stage_files(path)  # leave no half of an iteration behind
+        raise CheckpointError(problem)
     return path
 
 
-def latest_iteration(load_dir: str) -> int | None:
-    """The iteration named by `latest`, or None when the directory holds no checkpoint yet."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} does not hold an iteration number ({text!r}): fix or "
-                              "delete it")
-    return int(text)
+def _remove_stage_files(path: str) -> None:
+    for p in (path, path + ".sha256"):
+        if os.path.exists(p):
+            os.unlink(p)
+    for d in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        try:
+            os.rmdir(d)  # only when empty: other stages may still be removing theirs
+        except OSError:
+            pass
 
 
 def _read(path: str, t: int, cfg: Config, grid) -> dict:
@@ -166,9 +137,17 @@ def _read(path: str, t: int, cfg: Config, grid) -> dict:
     return payload
 
 
+def _loss_scaling(precision: dict) -> tuple:
+    """What a loss scaler's state means: (dtype, fixed scale or None for dynamic)."""
+    dtype = precision.get("dtype", "fp32")
+    return (dtype, precision.get("loss_scale") if dtype == "fp16" else 1.0)
+
+
 def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool = True,
-                    finetune: bool = False) -> int:
-    """Load this rank's stage state; returns the iteration to continue from (0 if none)."""
+                    finetune: bool = False, log=None) -> int:
+    """Load this rank's stage state; returns the iteration to continue from (0 if none).
+    A checkpoint saved with another precision or loss-scaling mode loads with a fresh loss
+    scaler (log says so): fp16's scale means nothing to fp32/bf16 and vice versa."""
     t = latest_iteration(load_dir)
     if t is None:
         return 0
@@ -178,21 +157,92 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
         payload = _read(path, t, cfg, grid)
     except CheckpointError as e:
         problem = str(e)
-    problems = [problem]
-    if dist.is_initialized() and grid.world_size > 1:  # every rank reports the same first error
-        problems = [None] * grid.world_size
-        dist.all_gather_object(problems, problem)
-    first = next((p for p in problems if p), None)
+    first = _agree(problem, grid)  # every rank reports the same first error
     if first:
         raise CheckpointError(first)
     state = payload["engine"]
     if finetune or not load_optim or "optimizer" not in state:
         state = dict(state, optimizer=engine.stepper.optimizer.state_dict())
+    theirs = _loss_scaling(payload.get("config", {}).get("precision", {}))
+    ours = _loss_scaling({"dtype": cfg.precision.dtype, "loss_scale": cfg.precision.loss_scale})
+    if finetune or theirs != ours:
+        state = dict(state, scaler=engine.stepper.scaler.state_dict())
+        if theirs != ours and log is not None:
+            log(f"checkpoint {load_dir} (iteration {t}) was saved with {_scaling_name(theirs)}; "
+                f"continuing with {_scaling_name(ours)}: the loss scaler starts fresh")
     if finetune:
-        state = dict(state, iteration=0, skipped=0, scaler=engine.stepper.scaler.state_dict())
+        state = dict(state, iteration=0, skipped=0)
         state.pop("previous", None)
     try:
         engine.load_state_dict(state)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     return engine.iteration
+
+
+def _scaling_name(scaling: tuple) -> str:
+    dtype, scale = scaling
+    if dtype != "fp16":
+        return dtype
+    return "fp16 (dynamic loss scale)" if scale is None else f"fp16 (loss scale {scale:g})"
+
+
+# -- start-up checks (before any process group) ---------------------------------------------------
+def preflight(train: TrainConfig, rank: int = 0, log=print) -> int:
+    """Check --load and --save before training starts; returns the iteration the run starts from.
+
+    --load must hold a checkpoint, unless it equals --save (the first start of a job that is
+    resubmitted with the same flags: announced in one line). --save must be a directory this
+    process can create and write, and must not hold an iteration newer than the start (a fresh
+    run would overwrite it and move `latest` back). Rank 0 deletes the temporary files that killed
+    writers left in --save (no process of this job writes yet)."""
+    load, save = train.load, train.save
+    same = bool(load and save) and os.path.realpath(load) == os.path.realpath(save)
+    start = 0
+    if load and os.path.exists(load) and not os.path.isdir(load):
+        raise CheckpointError(f"--load {load} is a file, not a checkpoint directory: fix the path")
+    if load:
+        found = latest_iteration(load) if os.path.isdir(load) else None
+        if found is None and not same:
+            what = "does not exist" if not os.path.exists(load) else f"holds no checkpoint " \
+                f"(no {LATEST})"
+            raise CheckpointError(f"--load {load} {what}: fix the path, or pass the same "
+                                  "directory to --load and --save to start a new job")
+        if found is None and rank == 0:
+            log(f"--load {load} holds no checkpoint yet and equals --save: starting from scratch "
+                "(the first start of this job)")
+        start = 0 if (found is None or train.finetune) else found
+    if save:
+        _check_save_dir(save)
+        if rank == 0:
+            for path in remove_temporary_files(save):
+                log(f"removed {path}: the leftover of a checkpoint write that was killed")
+        newer = latest_iteration(save)
+        if newer is not None and newer > start:
+            origin = f"iteration {start} of --load {load}" if load else "scratch (no --load)"
+            raise CheckpointError(f"--save {save} already holds iteration {newer}, newer than "
+                                  f"this run's start from {origin}: resume with --load {save}, "
+                                  "or save this run elsewhere")
+    check_iterations(train.train_iters, start, load)
+    return start
+
+
+def _check_save_dir(save: str) -> None:
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise CheckpointError(f"--save {save} is a file, not a directory: choose a directory")
+    try:
+        os.makedirs(save, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--save {save} cannot be created ({e.strerror}): choose a "
+                              "directory you can write") from None
+    if not os.access(save, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--save {save} is not writable: choose a directory you can "
+                              "write")
+
+
+def check_iterations(train_iters: int, start: int, load: str | None) -> None:
+    """A checkpoint past --train-iters is an error (the run would silently do nothing)."""
+    if start > train_iters:
+        raise CheckpointError(f"--train-iters {train_iters} is below iteration {start} of the "
+                              f"checkpoint in --load {load}: raise --train-iters above {start}, "
+                              "or load another checkpoint")

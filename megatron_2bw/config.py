@@ -5,6 +5,7 @@ raises `ConfigError` with a one-line message naming the setting and the fix.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from .pipeline.registry import DEFAULT_SCHEDULE, schedule_kind, schedule_names
@@ -97,6 +98,18 @@ class PrecisionConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    max_skipped_steps: int | None = None  # fp16: end the run after this many skips in a row
+
+    def skip_limit(self) -> int:
+        """The most consecutive skipped fp16 steps a run may take (0: no limit). By default the
+        overflows a dynamic scaler needs to fall from the initial to the minimum scale, plus 10:
+        more skips than that in a row mean the run diverged, not that the scale was too high."""
+        if self.max_skipped_steps is not None:
+            return self.max_skipped_steps
+        if self.loss_scale is not None:
+            return 10
+        halvings = math.ceil(math.log2(max(self.initial_loss_scale / self.min_loss_scale, 1.0)))
+        return self.hysteresis - 1 + halvings + 10
 
 
 @dataclass
@@ -281,6 +294,10 @@ class Config:
             _fail(f"--loss-scale must be > 0, got {pr.loss_scale}")
         if pr.initial_loss_scale <= 0:
             _fail(f"--initial-loss-scale must be > 0, got {pr.initial_loss_scale}")
+        if pr.min_loss_scale <= 0:
+            _fail(f"--min-loss-scale must be > 0, got {pr.min_loss_scale}")
+        if pr.max_skipped_steps is not None and pr.max_skipped_steps < 0:
+            _fail(f"--max-skipped-steps must be >= 0 (0: no limit), got {pr.max_skipped_steps}")
         return self
 
 

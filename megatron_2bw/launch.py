@@ -11,6 +11,7 @@ import socket
 import torch.multiprocessing as mp
 
 from .parallel.distributed import init_process_group
+from .reliability import watch_launcher
 
 
 def free_port() -> int:
@@ -24,6 +25,7 @@ def _worker(rank, world_size, port, backend, timeout_minutes, fn, args):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
     torch.set_num_threads(1)
+    watch_launcher()  # the spawning process dies: this worker exits too
     init_process_group(rank, world_size, backend=backend, timeout_minutes=timeout_minutes)
     try:
         fn(rank, world_size, *args)

@@ -1,7 +1,14 @@
 """The shared entry point of pretrain_gpt.py and pretrain_bert.py.
 
-Order matters: parse flags, fill and validate the typed config (every bad input is a one-line
-error, exit 2), and only then start the process group and train.
+Order matters: watch the launcher (a worker never outlives it), parse flags, fill and validate
+the typed config and check the checkpoint directories (every bad input is a one-line error,
+exit 2), and only then start the process group and train. How a run ends:
+
+    0    trained to --train-iters, or stopped by --exit-* / SIGTERM / SIGUSR1 / SIGINT after
+         saving a checkpoint (when --save is set)
+    1    a rank failed: one line naming it (a traceback too when the error is unexpected)
+    2    bad input, before any process group
+    130  aborted by Ctrl-C without a checkpoint (no --save, or a second Ctrl-C)
 """
 from __future__ import annotations
 
@@ -12,7 +19,9 @@ from .arguments import (FlagParser, add_model_args, add_parallel_args, add_train
                         config_from_args, exit_on_config_error, resolve_batch)
 from .data.arguments import add_data_args
 from .data.build import build_pretrain_data
-from .parallel.distributed import default_device, env_rank_world, init_process_group
+from .config import ConfigError
+from .parallel.distributed import default_device, env_rank_world, init_process_group, launched
+from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe, watch_launcher
 
 
 def build_parser(family: str) -> FlagParser:
@@ -67,6 +76,8 @@ def parse(family: str, argv=None):
         if family == "bert":
             cfg.model.bert_binary_head = not args.bert_no_binary_head
         cfg.validate(world_size)  # bad settings fail before any data is touched
+        from .checkpointing import preflight
+        preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)
@@ -83,7 +94,17 @@ def parse(family: str, argv=None):
     return cfg, data, rank, world_size, local_rank
 
 
-def main(family: str, argv=None) -> int:
+def main(family: str, argv=None, hooks: FaultHooks = NO_FAULTS) -> int:
+    """Train; `hooks` injects faults (tests only, see tests/fault_entry.py)."""
+    if launched():
+        watch_launcher()
+    try:
+        return _main(family, argv, hooks)
+    except KeyboardInterrupt:
+        _exit("error: interrupted (SIGINT) before training started", 130)
+
+
+def _main(family: str, argv, hooks: FaultHooks) -> int:
     cfg, data, rank, world_size, local_rank = parse(family, argv)
     backend = init_process_group(rank, world_size, backend=cfg.parallel.backend,
                                  timeout_minutes=cfg.parallel.timeout_minutes)
@@ -101,30 +122,37 @@ def main(family: str, argv=None) -> int:
               f"{cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}, "
               f"seq {cfg.model.seq_length})", flush=True)
     try:
-        _train(cfg, grid, device, data)
+        _train(cfg, grid, device, data, hooks)
+    except KeyboardInterrupt:
+        _exit(f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
+              "(one Ctrl-C saves one when --save is set)", 130)
     except BaseException as e:  # noqa: BLE001 - name the failed rank, let the launcher stop the rest
         if isinstance(e, SystemExit) and not e.code:
             raise
-        import traceback
-        from .reliability import describe
-        traceback.print_exc()
+        if not isinstance(e, (ConfigError, NumericsError)):  # expected errors say it in one line
+            import traceback
+            traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: {describe(grid)} failed: {type(e).__name__}: {first}", file=sys.stderr,
-              flush=True)
-        os._exit(1)
+        _exit(f"error: {describe(grid)} failed: {type(e).__name__}: {first}", 1)
     import torch.distributed as dist
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def _train(cfg, grid, device, data) -> None:
+def _exit(line: str, code: int) -> None:
+    """Print one line on stderr and leave at once (no atexit, no waiting on peers)."""
+    print(line, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def _train(cfg, grid, device, data, hooks: FaultHooks) -> None:
     from .training import batches, train
     train(cfg, grid, device,
           make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
           make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))
           if data.valid is not None else None,
-          log=lambda line: print(line, flush=True))
+          log=lambda line: print(line, flush=True), hooks=hooks)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,36 @@
-"""Failure handling of a training run: preemption signals, failures named by rank and stage,
-non-finite losses, and a fault-injection hook for tests.
+"""Failure handling of a training run: the launcher watch, preemption signals, failures named by
+rank and stage, non-finite losses, and the fault-injection hooks tests pass in.
 
-- Preemption: SIGTERM and SIGUSR1 (SLURM's pre-timeout signal, `#SBATCH --signal=USR1@300`) set a
-  flag; at the next iteration boundary every rank agrees (a one-element all-reduce) and the run
-  saves a checkpoint and exits 0. The next job resumes from it.
+- Launcher watch: a worker that a launcher started (torchrun, srun, mpirun, torch
+  multiprocessing) exits within about a second of that launcher's death (`kill -9` of torchrun,
+  an unhandled SIGUSR1, a dead slurmstepd): no orphan keeps training or writing checkpoints.
+- Preemption: SIGTERM, SIGUSR1 (SLURM's pre-timeout signal, `#SBATCH --signal=USR1@300`) and
+  SIGINT (Ctrl-C) set a flag; at the next iteration boundary every rank agrees (a one-element
+  all-reduce) and the run saves a checkpoint and exits 0. The next job resumes from it. A second
+  Ctrl-C, a second or more after the first, aborts at once.
 - Failures: an exception on any rank is printed as one line naming the rank, stage, data and
   tensor coordinates, and the process exits non-zero, so the launcher (torchrun, srun
   --kill-on-bad-exit, torch.multiprocessing) stops the others; ranks blocked on a dead peer fail
   within the collective timeout (--distributed-timeout-minutes) with the peer named.
-- Fault injection (tests only): MEGATRON_2BW_FAULT="kind:rank:iteration" with kind in
-  kill (SIGKILL itself after that iteration), raise, sigterm (signal itself), kill-in-save (die
-  halfway through writing the checkpoint of that iteration), nan (poison the loss there).
+- Fault injection: `FaultHooks` is the set of points where tests inject faults. Production code
+  calls the no-op defaults; tests pass their own object to `training.train(..., hooks=)` or
+  `pretrain.main(family, argv, hooks=)`. Nothing here reads the environment to inject a fault.
 """
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-FAULT_ENV = "MEGATRON_2BW_FAULT"
-
 
 class NumericsError(RuntimeError):
-    """A non-finite loss or gradient in a run without loss scaling."""
+    """A run that diverged: a non-finite loss without loss scaling, too many consecutive
+    skipped fp16 steps, or non-finite weights at a checkpoint."""
 
 
 def describe(grid) -> str:
@@ -32,14 +38,64 @@ def describe(grid) -> str:
             f"{grid.dp_rank}, tensor rank {grid.tp_rank})")
 
 
-class Preemption:
-    """Catches SIGTERM/SIGUSR1 and turns them into a checkpoint-and-exit at a safe point."""
+class FaultHooks:
+    """The points where tests inject faults; every default does nothing.
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    after_iteration(grid, iteration)     after each training iteration (1-based), on every rank
+    during_save(grid, iteration, path)   on each writing rank, before it writes `path`
+    wrap_loss(loss_fn, engine)           once per engine: the loss function the engine uses
+    """
+
+    def after_iteration(self, grid, iteration: int) -> None:
+        pass
+
+    def during_save(self, grid, iteration: int, path: str) -> None:
+        pass
+
+    def wrap_loss(self, loss_fn: Callable, engine) -> Callable:
+        return loss_fn
+
+
+NO_FAULTS = FaultHooks()
+
+WATCHER = "megatron-2bw-launcher-watch"
+
+
+def watch_launcher(poll_seconds: float = 1.0) -> None:
+    """Exit this process within about `poll_seconds` of its parent's death (idempotent).
+
+    Call it only in workers a launcher started: their parent (torchrun's agent, slurmstepd, the
+    spawning process) lives as long as the job. When it dies the kernel re-parents the worker,
+    os.getppid() changes, and the worker exits with one line on stderr. A daemon thread polls
+    instead of prctl(PR_SET_PDEATHSIG), which fires when the *thread* that forked the worker
+    exits and so kills workers of launchers that spawn from short-lived threads."""
+    if any(t.name == WATCHER for t in threading.enumerate()):
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        try:
+            os.write(2, (f"error: worker pid {os.getpid()}: its launcher (pid {parent}) is gone; "
+                         "exiting so that no orphan keeps training or writing checkpoints\n"
+                         ).encode())
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name=WATCHER, daemon=True).start()
+
+
+class Preemption:
+    """Catches SIGTERM/SIGUSR1/SIGINT and turns them into a checkpoint-and-exit at a safe point."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+    ABORT_AFTER_S = 1.0  # torchrun forwards the terminal's Ctrl-C to workers that already got it
 
     def __init__(self):
         self.requested = False
         self.signal_name = None
+        self._interrupted_at = None
         self._previous = {}
         for name in self.SIGNALS:
             sig = getattr(signal, name, None)
@@ -50,8 +106,14 @@ class Preemption:
                     pass
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is not None and now - self._interrupted_at >= \
+                    self.ABORT_AFTER_S:
+                raise KeyboardInterrupt  # the second Ctrl-C: abort without the checkpoint
+            self._interrupted_at = self._interrupted_at or now
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def agreed(self, grid) -> bool:
         """Collective: True on every rank when any rank got the signal."""
@@ -63,24 +125,6 @@ class Preemption:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def injected_fault(kind: str, grid, iteration: int) -> bool:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return False
-    want, rank, it = spec.split(":")
-    return want == kind and int(rank) == grid.rank and int(it) == iteration
-
-
-def maybe_inject(grid, iteration: int) -> None:
-    """Fault-injection hook called after each training iteration (no-op unless the env says)."""
-    if injected_fault("kill", grid, iteration):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if injected_fault("sigterm", grid, iteration):  # as if SLURM/torchrun signalled this rank
-        os.kill(os.getpid(), signal.SIGTERM)
-    if injected_fault("raise", grid, iteration):
-        raise RuntimeError(f"injected failure at iteration {iteration}")
 
 
 def check_finite(values: list[float], first_iteration: int, grid, dtype: str) -> None:

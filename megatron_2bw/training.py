@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .checkpointing import load_checkpoint, save_checkpoint
+from .checkpointing import check_iterations, load_checkpoint, save_checkpoint
 from .config import Config
 from .data.bert_mock import BertBatches, MockBertDataset
 from .data.mock import GPTBatches, MockGPTDataset
@@ -16,7 +16,7 @@ from .models.bert import bert_layer_specs, bert_partition, make_bert_loss
 from .models.gpt import gpt_layer_specs, gpt_partition, make_gpt_loss
 from .parallel.grid import ProcessGrid
 from .pipeline.engine import PipelineEngine
-from .reliability import Preemption, check_finite, injected_fault, maybe_inject
+from .reliability import NO_FAULTS, FaultHooks, Preemption, check_finite
 from .tensor_parallel import TPGroup
 
 FAMILIES = {
@@ -86,16 +86,24 @@ def _stop_requested(cfg: Config, started: float, iteration: int, grid) -> bool:
 
 
 def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
-          make_eval_data: Callable[[], Iterator] | None = None, log=print) -> list[float]:
+          make_eval_data: Callable[[], Iterator] | None = None, log=print,
+          hooks: FaultHooks = NO_FAULTS) -> list[float]:
     """Train to cfg.train.train_iters (resuming from --load), evaluating, saving and logging as
     configured. make_data(start_batch) gives this replica's training microbatches. Returns the
-    losses of the iterations run (read on the host only at log intervals)."""
+    losses of the iterations run (read on the host only at log intervals). `hooks` injects
+    faults (tests only: reliability.FaultHooks)."""
     t = cfg.train
+    reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
     engine = build_engine(cfg, grid, device)
-    start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune) if t.load else 0
+    engine.loss_fn = hooks.wrap_loss(engine.loss_fn, engine)
+    start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune,
+                            log=log if reporter else None) if t.load else 0
+    check_iterations(t.train_iters, start, t.load)
+    if start == t.train_iters and reporter:
+        log(f"the checkpoint in {t.load} is at iteration {start} = --train-iters: nothing to "
+            "train (raise --train-iters to continue)")
     data = make_data(start)
     eval_data = make_eval_data() if (make_eval_data and t.eval_interval) else None
-    reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
     logger = TrainLogger(cfg, grid, reporter, log)
     flops = _flops_per_sample(cfg)
     B, seq = cfg.batch.global_batch_size, cfg.model.seq_length
@@ -105,17 +113,13 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         engine.enable_trace()
     preemption = Preemption() if t.save else None
     save = lambda: save_checkpoint(t.save, engine, cfg, grid, t.save_optim,  # noqa: E731
-                                   t.keep_last)
+                                   t.keep_last, hooks)
     pending, losses, saved_at = [], [], None
     started = tick = time.time()
     since = 0
     for it in range(start + 1, t.train_iters + 1):
-        loss_fn = engine.loss_fn
-        if injected_fault("nan", grid, it):
-            engine.loss_fn = lambda out, labels: loss_fn(out, labels) * float("nan")
         pending.append(engine.train_batch(data).detach().clone())
-        engine.loss_fn = loss_fn
-        maybe_inject(grid, it)
+        hooks.after_iteration(grid, it)
         since += 1
         if it % t.log_interval == 0 or it == t.train_iters:
             values = torch.stack(pending).tolist()  # the only host read: once per log interval

@@ -1,6 +1,8 @@
 """Fault injection: no hangs, no lost work, clear errors (issue: reliability).
 
-Faults are injected with MEGATRON_2BW_FAULT="kind:rank:iteration" (see reliability.py)."""
+Faults are injected by passing a hooks object (tests/fault_hooks.py): to training.train through
+test_resume.run, or to pretrain.main through tests/fault_entry.py --inject KIND:RANK:ITERATION.
+The table of faults and their guarantees continues in test_fault_table.py."""
 import os
 import signal
 import subprocess
@@ -9,33 +11,38 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
+from fault_hooks import InjectedFault
 from megatron_2bw.checkpointing import LATEST, rank_dir
 from megatron_2bw.launch import free_port, spawn
 from test_resume import _worker, make_cfg, run
 
 ROOT = Path(__file__).resolve().parent.parent
+ENTRY = str(ROOT / "tests" / "fault_entry.py")
 SMALL = ["--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "2",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1"]
 
 
-def _env(fault=None):
+def _env():
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["WANDB_MODE"] = "offline"
-    if fault:
-        env["MEGATRON_2BW_FAULT"] = fault
     return env
+
+
+def _single_process_env():
+    """A world of one still opens a rendezvous port: a free one, not the shared default 29500."""
+    return dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def test_killed_rank_stops_the_others_under_torchrun(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(ROOT / "pretrain_gpt.py"), *SMALL,
+                           "--nproc_per_node", "2", ENTRY, "--inject", "kill:1:3", *SMALL,
                            "--train-iters", "50", "--distributed-timeout-minutes", "0.5"],
-                          cwd=ROOT, env=_env("kill:1:3"), capture_output=True, text=True,
-                          timeout=180)
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120
 
@@ -46,11 +53,11 @@ def test_surviving_rank_exits_within_the_timeout_naming_itself_and_the_peer(tmp_
     procs = []
     t0 = time.monotonic()
     for rank in (0, 1):
-        env = _env("kill:1:3")
+        env = _env()
         env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, str(ROOT / "pretrain_gpt.py"), *SMALL, "--train-iters", "50",
+            [sys.executable, ENTRY, "--inject", "kill:1:3", *SMALL, "--train-iters", "50",
              "--distributed-timeout-minutes", str(timeout_min)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out0 = procs[0].communicate(timeout=2 * 60 * timeout_min + 60)
@@ -64,59 +71,78 @@ def test_surviving_rank_exits_within_the_timeout_naming_itself_and_the_peer(tmp_
 
 def test_raising_rank_is_named(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(ROOT / "pretrain_gpt.py"), *SMALL,
+                           "--nproc_per_node", "2", ENTRY, "--inject", "raise:1:2", *SMALL,
                            "--train-iters", "20", "--distributed-timeout-minutes", "0.5"],
-                          cwd=ROOT, env=_env("raise:1:2"), capture_output=True, text=True,
-                          timeout=180)
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     assert "error: rank 1 (stage 1/2" in proc.stderr and "injected failure" in proc.stderr
+    assert str(ROOT / "megatron_2bw" / "training.py") in proc.stderr, \
+        "an unexpected error keeps its traceback"
 
 
 def _latest(d):
     return int(open(os.path.join(d, LATEST)).read())
 
 
-def test_kill_during_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path, monkeypatch):
+def test_kill_during_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path):
     d = str(tmp_path)
     full = run(make_cfg(["--train-iters", "6"]), f"{d}/full")
-    monkeypatch.setenv("MEGATRON_2BW_FAULT", "kill-in-save:1:4")
-    with pytest.raises(Exception):
+    with pytest.raises(ProcessExitedException, match="signal SIGKILL"):
         run(make_cfg(["--train-iters", "6", "--save", f"{d}/ck", "--save-interval", "2"]),
-            f"{d}/killed")
-    monkeypatch.delenv("MEGATRON_2BW_FAULT")
+            f"{d}/killed", hooks=InjectedFault("kill-in-save", 1, 4))
     assert _latest(f"{d}/ck") == 2, "latest still names the last complete checkpoint"
     rest = run(make_cfg(["--train-iters", "6", "--save", f"{d}/ck", "--load", f"{d}/ck"]),
                f"{d}/rest")
     assert rest == full[2:]
 
 
-def test_sigterm_saves_exits_cleanly_and_resume_is_exact(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sig", ["sigterm", "sigint"])
+def test_signal_saves_exits_cleanly_and_resume_is_exact(tmp_path, sig):
     d = str(tmp_path)
     full = run(make_cfg(["--train-iters", "6"]), f"{d}/full")
-    monkeypatch.setenv("MEGATRON_2BW_FAULT", "sigterm:0:3")
-    first = run(make_cfg(["--train-iters", "6", "--save", f"{d}/ck"]), f"{d}/first")
-    monkeypatch.delenv("MEGATRON_2BW_FAULT")
+    first = run(make_cfg(["--train-iters", "6", "--save", f"{d}/ck"]), f"{d}/first",
+                hooks=InjectedFault(sig, 0, 3))
     assert len(first) == 3 and _latest(f"{d}/ck") == 3
     rest = run(make_cfg(["--train-iters", "6", "--save", f"{d}/ck", "--load", f"{d}/ck"]),
                f"{d}/rest")
     assert first + rest == full
 
 
-def test_real_sigterm_to_a_run_checkpoints_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_real_signal_to_a_run_checkpoints_and_exits_zero(tmp_path, sig):
+    """SIGINT (Ctrl-C) behaves like SIGTERM: a final checkpoint, exit 0, no traceback."""
     ck = tmp_path / "ck"
     proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), "--mock-data",
                              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
                              "4", "--seq-length", "16", "--train-iters", "100000",
                              "--save", str(ck), "--log-interval", "1"],
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=_single_process_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("iteration"):
             break
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    assert "SIGTERM: saved a checkpoint" in out
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"{sig.name}: saved a checkpoint" in out
+    assert "Traceback" not in err
     assert _latest(ck) >= 1
+
+
+def test_ctrl_c_without_save_is_one_line_and_exit_130(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt.py"), *SMALL[:1],
+                             *SMALL[3:], "--train-iters", "100000"],
+                            cwd=ROOT, env=_single_process_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("iteration"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == ["error: rank 0 (stage 0/1, data-parallel replica 0, "
+                                        "tensor rank 0) aborted by SIGINT: no checkpoint of this "
+                                        "point (one Ctrl-C saves one when --save is set)"]
 
 
 def test_corrupted_shard_is_a_clear_error(tmp_path):
@@ -126,16 +152,15 @@ def test_corrupted_shard_is_a_clear_error(tmp_path):
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
-    with pytest.raises(Exception, match="does not match its checksum"):
+    with pytest.raises(ProcessRaisedException, match="does not match its checksum"):
         spawn(_worker, 2, args=(make_cfg(["--train-iters", "3", "--load", d]), f"{d}/y"),
               timeout_minutes=1)
 
 
-def test_nan_loss_in_fp32_is_a_clear_error(tmp_path, monkeypatch):
+def test_nan_loss_in_fp32_is_a_clear_error(tmp_path):
     # the window of iteration 3 already runs forwards of iteration 4 (2BW), so either may be hit
-    monkeypatch.setenv("MEGATRON_2BW_FAULT", "nan:1:3")
-    with pytest.raises(Exception, match="loss is nan at iteration [34] on rank"):
-        run(make_cfg(["--train-iters", "6"]), f"{tmp_path}/n")
+    with pytest.raises(ProcessRaisedException, match="loss is nan at iteration [34] on rank"):
+        run(make_cfg(["--train-iters", "6"]), f"{tmp_path}/n", hooks=InjectedFault("nan", 1, 3))
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

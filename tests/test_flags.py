@@ -72,6 +72,7 @@ TABLE = [
     (["--fp16", "--min-loss-scale", "2"], "precision.min_loss_scale", 2.0),
     (["--fp16", "--loss-scale-window", "50"], "precision.loss_scale_window", 50),
     (["--fp16", "--hysteresis", "3"], "precision.hysteresis", 3),
+    (["--fp16", "--max-skipped-steps", "5"], "precision.max_skipped_steps", 5),
 ]
 
 

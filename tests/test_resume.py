@@ -10,6 +10,7 @@ from megatron_2bw.arguments import config_from_args, resolve_batch
 from megatron_2bw.checkpointing import LATEST, CheckpointError, rank_dir
 from megatron_2bw.launch import spawn
 from megatron_2bw.pretrain import build_parser
+from megatron_2bw.reliability import NO_FAULTS
 from megatron_2bw.training import batches, build_grid, mock_dataset, train
 
 BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -22,17 +23,22 @@ def make_cfg(argv, family="gpt"):
     return resolve_batch(cfg, 2).validate(2)
 
 
-def _worker(rank, world_size, cfg, out):
+def _worker(rank, world_size, cfg, out, hooks=NO_FAULTS, log=None):
     grid = build_grid(cfg, rank, world_size)
     dataset = mock_dataset(cfg)
+    lines = []
     losses = train(cfg, grid, "cpu",
                    make_data=lambda start: batches(cfg, dataset, grid.data, grid.dp_rank, start),
-                   log=lambda line: None)
+                   log=lines.append, hooks=hooks)
     torch.save(losses, f"{out}.{rank}")
+    if log:
+        open(f"{log}.{rank}", "w").write("".join(line + "\n" for line in lines))
 
 
-def run(cfg, out):
-    spawn(_worker, 2, args=(cfg, out), timeout_minutes=1)
+def run(cfg, out, hooks=NO_FAULTS, log=None):
+    """Train on 2 spawned ranks (`hooks`: faults to inject; `log`: each rank writes its log
+    lines to {log}.{rank}); returns the losses."""
+    spawn(_worker, 2, args=(cfg, out, hooks, log), timeout_minutes=1)
     losses = [torch.load(f"{out}.{r}") for r in range(2)]
     assert losses[0] == losses[1], "every rank reports the same losses"
     return losses[0]

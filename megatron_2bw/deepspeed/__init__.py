@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from ..ds_config import config_from_deepspeed, load_ds_json
-from ..parallel.distributed import (default_backend, env_rank_world, expand_nodelist,
+from ..parallel.distributed import (default_backend, env_rank_world, expand_nodelist, launched,
                                     slurm_rendezvous)
+from ..reliability import watch_launcher
 from ..pipe.module import PipelineModule, _is_ds_pipeline_module, rank_world
 from ..pipe.topology import grid_layout
 from .engine import DeepSpeedPipelineEngine
@@ -74,6 +75,8 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     if dist_init_required is False:
         raise ConfigError("torch.distributed is not initialized and dist_init_required=False: "
                           "call init_distributed() first")
+    if launched():
+        watch_launcher()  # a worker never outlives its launcher
     if auto_mpi_discovery:
         _discover_env(distributed_port)
     env_rank, env_world, _ = env_rank_world()

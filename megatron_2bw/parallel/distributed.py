@@ -8,16 +8,24 @@ import torch
 import torch.distributed as dist
 
 
+LAUNCHER_VARS = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),   # torchrun, torch multiprocessing
+                 ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+                 ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"))
+
+
 def env_rank_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun, SLURM or MPI variables; (0, 1, 0) if none."""
-    for rank_var, world_var, local_var in (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                                           ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-                                           ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                                            "OMPI_COMM_WORLD_LOCAL_RANK")):
+    for rank_var, world_var, local_var in LAUNCHER_VARS:
         if rank_var in os.environ and world_var in os.environ:
             return (int(os.environ[rank_var]), int(os.environ[world_var]),
                     int(os.environ.get(local_var, 0)))
     return 0, 1, 0
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun, srun, mpirun, torch multiprocessing) started this process,
+    i.e. its rank variables are set; False for a plain `python pretrain_gpt.py` from a shell."""
+    return any(r in os.environ and w in os.environ for r, w, _ in LAUNCHER_VARS)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -10,7 +10,9 @@ N(t)  wait for the data-parallel reduction (and, on the first stage, the tied on
 S(t)  wait for everything, clip by the global norm, unscale (fp16), step the optimizer from the
       version the schedule names into the slot it names, zero the buffer.
 
-Nothing here synchronizes with the host except fp16's overflow check (one read per batch).
+Nothing here synchronizes with the host except fp16's overflow check (one read per batch). A
+skipped fp16 step is counted; more than the config's skip limit in a row (a diverged run, not a
+loss scale still settling) ends the run with a NumericsError on every rank alike.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..optim import LRSchedule, make_loss_scaler, make_optimizer
 from ..parallel.grid import ProcessGrid
+from ..reliability import NumericsError, describe
 from .weights import VersionedWeights
 
 BUCKET_ELEMENTS = 2 ** 24  # 64 MB of fp32 per all-reduce call
@@ -36,6 +39,8 @@ class BatchStepper:
         self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
         self.pending: dict[int, dict] = {}
         self.skipped = 0
+        self.skipped_in_a_row = 0
+        self.skip_limit = cfg.precision.skip_limit()
         self.last_loss = torch.zeros((), device=device)
         self.last_grad_norm = torch.zeros((), device=device)
         self.last_lr = 0.0
@@ -116,12 +121,15 @@ class BatchStepper:
             self.scaler.update(found_inf)
             if found_inf:
                 self.skipped += 1
+                self.skipped_in_a_row += 1
+                self._check_skips(batch, scale)
                 if w.master is not None:
                     w.slots[dst_slot].copy_(w.master)
                 elif dst_slot != src_slot:
                     w.slots[dst_slot].copy_(w.slots[src_slot])
                 buf.zero_()
                 return
+            self.skipped_in_a_row = 0
         grad = buf[:n]
         clip = self.cfg.optimizer.clip_grad
         if clip > 0:
@@ -137,6 +145,15 @@ class BatchStepper:
             src = dst if src_slot == dst_slot else w.slots[src_slot]
             self.optimizer.step(src, grad, dst, lr)
         buf.zero_()
+
+    def _check_skips(self, batch: int, scale: float) -> None:
+        if self.skip_limit and self.skipped_in_a_row > self.skip_limit:
+            raise NumericsError(
+                f"fp16 skipped {self.skipped_in_a_row} steps in a row (gradients not finite at "
+                f"iterations {batch + 2 - self.skipped_in_a_row}-{batch + 1}, loss scale "
+                f"{scale:g}) on {describe(self.grid)}: the run diverged; lower --lr or add "
+                "--clip-grad and resume from the last checkpoint (--max-skipped-steps sets the "
+                "limit, 0 disables it)")
 
 
 def _wait(works, what: str = "collective") -> None:

@@ -1,0 +1,57 @@
+"""Test-only fault injection: a reliability.FaultHooks that injects one fault on one rank at one
+iteration. Production code never builds one; tests pass it to training.train(hooks=) or, for
+launcher tests, through tests/fault_entry.py (--inject KIND:RANK:ITERATION).
+
+Kinds: kill (SIGKILL itself after that iteration), sigterm / sigint (signal itself there),
+raise (a RuntimeError there), kill-in-save (die halfway through writing that iteration's
+checkpoint, leaving a temporary file), nan (poison the loss from that iteration on the last stage)."""
+from __future__ import annotations
+
+import os
+import signal
+
+from megatron_2bw.checkpoint_files import TMP_PREFIX
+from megatron_2bw.reliability import FaultHooks
+
+KINDS = ("kill", "sigterm", "sigint", "raise", "kill-in-save", "nan")
+
+
+class InjectedFault(FaultHooks):
+    def __init__(self, kind: str, rank: int, iteration: int):
+        assert kind in KINDS, kind
+        self.kind, self.rank, self.iteration = kind, rank, iteration
+
+    @classmethod
+    def parse(cls, spec: str) -> "InjectedFault":
+        kind, rank, it = spec.split(":")
+        return cls(kind, int(rank), int(it))
+
+    def _here(self, kind: str, grid, iteration: int) -> bool:
+        return self.kind == kind and grid.rank == self.rank and iteration == self.iteration
+
+    def after_iteration(self, grid, iteration: int) -> None:
+        if self._here("kill", grid, iteration):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._here("sigterm", grid, iteration):  # as if SLURM/torchrun signalled this rank
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self._here("sigint", grid, iteration):
+            os.kill(os.getpid(), signal.SIGINT)
+        if self._here("raise", grid, iteration):
+            raise RuntimeError(f"injected failure at iteration {iteration}")
+
+    def during_save(self, grid, iteration: int, path: str) -> None:
+        if self._here("kill-in-save", grid, iteration):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(os.path.join(os.path.dirname(path), TMP_PREFIX + "partial"), "wb") as f:
+                f.write(b"PK\x03\x04 half a checkpoint")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap_loss(self, loss_fn, engine):
+        if self.kind != "nan" or engine.grid.rank != self.rank:
+            return loss_fn
+        target = self.iteration
+
+        def poisoned(out, labels):  # engine.iteration: optimizer steps done in this window
+            loss = loss_fn(out, labels)
+            return loss * float("nan") if engine.iteration + 1 >= target else loss
+        return poisoned
