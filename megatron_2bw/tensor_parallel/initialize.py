@@ -18,7 +18,8 @@ therefore comes out of consecutive `normal_` calls on pieces whose lengths are m
 and streamed in groups of whole rows (a multiple of 16 elements, about `chunk` of them): a group
 that holds part of the shard is generated with `normal_` and its part copied out; a group that
 holds none is skipped by drawing as many uniforms (`uniform_` consumes the stream exactly like
-`normal_`, for less work). Other dtypes and tiny tensors are drawn whole and sliced.
+`normal_`, for less work). Other dtypes, tiny tensors and other default devices (meta, under
+`with torch.device(...)`) are drawn whole and sliced, as before.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def normal_shard(shape: tuple, std: float, dim: int, rank: int = 0, size: int = 
         raise ValueError(f"dimension {shape[dim]} is not divisible by the tensor-parallel size "
                          f"{size}")
     numel = math.prod(shape)
-    if size == 1 or torch.get_default_dtype() != torch.float32 or numel < _BLOCK:
+    if size == 1 or torch.get_default_dtype() != torch.float32 or numel < _BLOCK or \
+            torch.empty(0).device.type != "cpu":  # another default device: its own generator
         full = torch.empty(shape).normal_(0.0, std)
         return full if size == 1 else full.chunk(size, dim=dim)[rank].clone()
     per = shape[dim] // size
