@@ -137,3 +137,37 @@ def test_microbatches_are_pinned_on_cuda():
     tokens, labels = next(data)
     assert tokens.is_pinned() and labels.is_pinned()
     close_pipelines(data)
+
+
+class BrokenAt:
+    """A GPT dataset whose sample 9 cannot be read."""
+
+    def __init__(self, cfg):
+        from megatron_2bw.training import mock_dataset
+        self.inner = mock_dataset(cfg)
+
+    def __getitem__(self, i):
+        if i == 9:
+            raise OSError("short read at byte 4096 of corpus.bin")
+        return self.inner[i]
+
+
+def _train_on_broken_data(rank, world_size, cfg):
+    from megatron_2bw.training import batches, build_grid, train
+    grid = build_grid(cfg, rank, world_size)
+    data = BrokenAt(cfg)
+    train(cfg, grid, "cpu", make_data=lambda s: batches(cfg, data, grid.data, grid.dp_rank, s),
+          log=lambda line: None)
+
+
+def test_a_failed_read_stops_training_with_one_line():
+    from megatron_2bw.arguments import config_from_args, resolve_batch
+    from megatron_2bw.launch import spawn
+    from megatron_2bw.pretrain import build_parser
+    argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --global-batch-size 4 --train-iters 4").split()
+    cfg = resolve_batch(config_from_args(build_parser("gpt").parse_args(argv)), 1).validate(1)
+    # sample 9 is in batch 2 (samples 8-11), microbatch 0 (samples 8-9)
+    with pytest.raises(Exception, match=r"DataError: train data \(BrokenAt\): reading batch 2 "
+                                        r"microbatch 0 failed: OSError: short read at byte 4096"):
+        spawn(_train_on_broken_data, 1, args=(cfg,), timeout_minutes=1)
