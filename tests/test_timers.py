@@ -38,6 +38,7 @@ class FakeEvents:
 
     def __init__(self):
         self.now, self.syncs, self.created = 0.0, 0, 0
+        self.done_until = float("inf")  # the device has finished the events recorded up to here
 
     def __call__(self):
         self.created += 1
@@ -50,8 +51,12 @@ class FakeEvents:
                 outer.now += 1.0
                 self.stamp = outer.now
 
-            def synchronize(self):
+            def synchronize(self):  # waits for this event, hence for every earlier one
                 outer.syncs += 1
+                outer.done_until = max(outer.done_until, self.stamp)
+
+            def query(self):
+                return self.stamp is not None and self.stamp <= outer.done_until
 
             def elapsed_time(self, other):
                 return other.stamp - self.stamp
@@ -77,6 +82,21 @@ def test_event_clock_waits_once_per_read_not_per_action():
     starts = [e[1] for e in trace]
     assert starts == sorted(starts) and trace[1][1] - trace[0][1] == pytest.approx(2e-3, abs=1e-6)
     assert events.created <= 1 + 2 * 4  # resolved events are reused
+
+
+def test_a_trace_only_run_keeps_a_bounded_number_of_events(monkeypatch):
+    from megatron_2bw.pipeline import timers
+    monkeypatch.setattr(timers, "PENDING_LIMIT", 8)
+    events = FakeEvents()
+    clock = ActionClock("cpu", make_event=events)
+    clock.trace()
+    for mb in range(100):
+        events.done_until = events.now - 6  # the device runs a few actions behind the host
+        t = clock.start()
+        clock.stop(t, "forward", [A.Action(A.FORWARD, mb=mb, version=0)])
+        assert len(clock._pending) <= 8
+    assert events.syncs == 1 and events.created <= 1 + 2 * 8  # never waited; events reused
+    assert [e[0] for e in clock.events()] == [f"F{mb}v0" for mb in range(100)]
 
 
 def test_the_cuda_clock_is_constructible_without_a_gpu():

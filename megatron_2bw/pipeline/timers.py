@@ -12,7 +12,9 @@ for them until the totals or the events are read (once per log interval, and whe
 written), which waits for the newest event only. Times are seconds since the epoch on every
 device: a CUDA event's time is its `elapsed_time` from an anchor event recorded, right after one
 synchronize, at a known `time.time()`, so the traces of different ranks line up as before.
-Resolved events go back to a pool, so a long run creates no events after its first intervals.
+Resolved events go back to a pool, so a long run creates no events after its first intervals;
+past PENDING_LIMIT recorded intervals the completed ones are read without waiting (`query()`), so
+a run with --trace alone holds a bounded number of events too.
 
 The clock is a read-only mapping of breakdown key -> seconds (the engine's `timers`), with
 `clear()` to start a new interval. Trace labels are the printable actions joined by spaces, made
@@ -25,6 +27,8 @@ from collections.abc import Mapping
 from typing import Callable
 
 import torch
+
+PENDING_LIMIT = 1024  # recorded intervals kept before completed ones are read without waiting
 
 
 class ActionClock(Mapping):
@@ -70,6 +74,8 @@ class ActionClock(Mapping):
         event = self._event()
         event.record()
         self._pending.append((key, label, token, event))
+        if len(self._pending) >= PENDING_LIMIT:
+            self._drain()  # keep the events bounded without waiting (a trace-only run)
 
     # -- reading --------------------------------------------------------------------------------
     def __getitem__(self, key: str) -> float:
@@ -112,12 +118,19 @@ class ActionClock(Mapping):
             self._events.append((" ".join(str(a) for a in actions), start, start + seconds))
 
     def _resolve(self) -> None:
-        if not self._pending:
-            return
-        self._pending[-1][3].synchronize()  # events complete in stream order: the newest last
+        if self._pending:
+            self._pending[-1][3].synchronize()  # events complete in stream order: newest last
+            self._drain()
+
+    def _drain(self) -> None:
+        """Account for the pending intervals whose end event has completed (no waiting)."""
         anchor, wall = self._anchor
+        done = 0
         for key, actions, begin, end in self._pending:
+            if not end.query():
+                break
             self._add(key, actions, wall + anchor.elapsed_time(begin) / 1e3,
                       begin.elapsed_time(end) / 1e3)
             self._pool += (begin, end)
-        self._pending.clear()
+            done += 1
+        del self._pending[:done]
