@@ -40,8 +40,10 @@ def test_processes_share_one_cache(tmp_path, builders_only):
             _dataset_as_rank, [(r, data, tmp_path / "c", builders_only) for r in range(4)]
         ).get(timeout=120)  # a builder that failed would leave the waiters waiting
     built = [b for b, _ in results]
-    # with a builder per (pretend) node, how many build depends on timing; at least one does
-    assert built == [True, False, False, False] if not builders_only else built[0]
+    if builders_only:  # a builder per (pretend) node: which ones build depends on timing
+        assert any(built)
+    else:
+        assert built == [True, False, False, False]
     assert all(samples == results[0][1] for _, samples in results)
     assert len(list((tmp_path / "c").glob("*.npy"))) == 3
     assert _no_leftovers(tmp_path / "c")
