@@ -3,6 +3,7 @@ numbers to wandb (offline unless WANDB_MODE says otherwise), and memory per stag
 from __future__ import annotations
 
 import os
+import re
 import resource
 
 import torch
@@ -63,3 +64,26 @@ class TrainLogger:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+
+
+def parse_line(line: str) -> tuple[int, dict] | None:
+    """(iteration, {key: value}) of a line `TrainLogger.log` printed (numbers as floats, lists
+    as lists of floats, anything else as text); None for any other line."""
+    m = re.match(r"\s*iteration\s+(\d+)/\d+ \| (.*)$", line)
+    if not m:
+        return None
+    fields = {}
+    for part in m.group(2).split(" | "):
+        kv = re.match(r"(.*?) (\[.*\]|\S+)$", part.strip())
+        if kv:
+            key, value = kv.groups()
+            fields[key] = ([float(x) for x in value.strip("[]").split(",") if x.strip()]
+                           if value.startswith("[") else _number(value))
+    return int(m.group(1)), fields
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text

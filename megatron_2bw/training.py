@@ -11,6 +11,7 @@ from .checkpointing import check_iterations, load_checkpoint, save_checkpoint
 from .config import Config
 from .data.bert_mock import BertBatches, MockBertDataset
 from .data.mock import GPTBatches, MockGPTDataset
+from .data.prefetch import close_pipelines, input_pipeline
 from .logger import TrainLogger, memory_per_stage
 from .models.bert import bert_layer_specs, bert_partition, make_bert_loss
 from .models.gpt import gpt_layer_specs, gpt_partition, make_gpt_loss
@@ -102,8 +103,9 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if start == t.train_iters and reporter:
         log(f"the checkpoint in {t.load} is at iteration {start} = --train-iters: nothing to "
             "train (raise --train-iters to continue)")
-    data = make_data(start)
-    eval_data = make_eval_data() if (make_eval_data and t.eval_interval) else None
+    data = input_pipeline(make_data(start), "train data", grid, device)
+    eval_data = input_pipeline(make_eval_data(), "validation data", grid, device) \
+        if (make_eval_data and t.eval_interval) else None
     logger = TrainLogger(cfg, grid, reporter, log)
     flops = _flops_per_sample(cfg)
     B, seq = cfg.batch.global_batch_size, cfg.model.seq_length
@@ -164,6 +166,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         preemption.restore()
     if pending:
         losses += torch.stack(pending).tolist()
+    close_pipelines(data, eval_data)
     if t.trace:
         engine.save_trace(f"{t.trace}.rank{grid.rank}.json")
     if t.save and saved_at is None and engine.iteration > start:

@@ -32,7 +32,7 @@ def digest(root):
     return str(c.directory), {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in files}
 
 
-def test_concurrent_processes_build_once(tmp_path):
+def test_concurrent_builders_agree(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(3) as pool:
         results = pool.map(digest, [str(tmp_path)] * 3)
@@ -48,7 +48,7 @@ def test_concurrent_processes_build_once(tmp_path):
     assert (corpus_dir / "tokenizer.model").stat().st_mtime_ns == stamp
 
 
-def test_concurrent_threads_build_once(tmp_path, monkeypatch):
+def test_local_rank_0_builds_the_others_wait(tmp_path, monkeypatch):
     import threading
     import time
     from megatron_2bw.data import default_corpus as dc
@@ -56,17 +56,21 @@ def test_concurrent_threads_build_once(tmp_path, monkeypatch):
 
     def slow_build(d, vocab_size):
         calls.append(d)
-        time.sleep(0.3)  # every thread arrives while the first one builds
+        time.sleep(0.3)  # the waiters arrive while local rank 0 builds
         real_build(d, vocab_size)
     monkeypatch.setattr(dc, "_build", slow_build)
     out = []
-    threads = [threading.Thread(target=lambda: out.append(dc.default_corpus(tmp_path)))
-               for _ in range(3)]
+    threads = [threading.Thread(target=lambda b=b: out.append(dc.default_corpus(tmp_path,
+                                                                                builder=b)))
+               for b in (False, True, False)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(out) == 3 and len(set(out)) == 1
+    with pytest.raises(DataError, match="not built after 0.1 s") as e:
+        dc.default_corpus(tmp_path / "other", builder=False, timeout_s=0.1)
+    assert "\n" not in str(e.value)
     assert MMapIndexedDataset(out[0].document_prefix).num_tokens > 0
 
 

@@ -1,7 +1,6 @@
 """GPT dataset: Megatron's sample index, splits, cached indices, determinism, resume, blending."""
 import argparse
 import os
-import threading
 import time
 
 import numpy as np
@@ -10,7 +9,6 @@ import torch
 
 from megatron_2bw.data.blended_dataset import build_blending_indices, parse_data_path
 from megatron_2bw.data.build import build_gpt_datasets, build_gpt_train_data
-from megatron_2bw.data.cache import cached_arrays
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.gpt_dataset import (GPTDataset, build_sample_index, parse_split,
                                            split_indices)
@@ -106,26 +104,6 @@ def test_indices_cached_and_reused(tmp_path):
     other_seed = GPTDataset(ds, np.arange(50), 300, 8, 6, tmp_path / "c")
     assert other_seed.built_indices
     assert any(not torch.equal(first[i], other_seed[i]) for i in range(20))
-
-
-def test_concurrent_builders_build_once(tmp_path):
-    calls, results = [], []
-
-    def build():
-        calls.append(1)
-        time.sleep(0.2)
-        return {"a": np.arange(10)}
-
-    def worker():
-        results.append(cached_arrays(tmp_path, {"class": "T", "k": 1}, ("a",), build))
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(calls) == 1 and sum(built for _, built in results) == 1
-    assert all(r["a"].tolist() == list(range(10)) for r, _ in results)
-    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
 def test_multi_epoch_and_resume(tmp_path):

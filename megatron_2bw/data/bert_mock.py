@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .mock import microbatch_sample_indices
+from .mock import MicrobatchIterator
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 NUM_SPECIAL = 4
@@ -65,24 +65,12 @@ class MockBertDataset:
                 "is_random": torch.tensor(int(swapped))}
 
 
-class BertBatches:
+class BertBatches(MicrobatchIterator):
     """((tokens, types, padding_mask), (labels, loss_mask, sentence_order)) microbatches for one
     data-parallel replica, in schedule order (same sample layout as GPTBatches)."""
 
-    def __init__(self, dataset, micro_batch_size: int, num_microbatches: int,
-                 data_parallel_size: int = 1, dp_rank: int = 0, start_batch: int = 0):
-        self.dataset, self.b, self.m = dataset, micro_batch_size, num_microbatches
-        self.w, self.r = data_parallel_size, dp_rank
-        self.k = start_batch * num_microbatches
-
-    def __iter__(self):
-        return self
-
     def __next__(self):
-        batch, mb = divmod(self.k, self.m)
-        self.k += 1
-        idx = microbatch_sample_indices(batch, mb, self.r, self.b, self.m, self.w)
-        samples = [self.dataset[i] for i in idx]
+        samples = self._next_samples()
         col = lambda key: torch.stack([smp[key] for smp in samples])  # noqa: E731
         inputs = (col("tokens"), col("types"), col("padding_mask").bool())
         labels = (col("labels"), col("loss_mask"), col("is_random"))

@@ -8,22 +8,21 @@ trains a small sentencepiece model on it and writes two indexed datasets into th
     topics_text_document.*   one document per topic + eod        (GPTSentencePieceTokenizer)
     topics_text_sentence.*   one sequence per sentence, no eod    (SentencePieceTokenizer, BERT)
 
-It takes about a second. Concurrent builders (several ranks starting at once, no process group
-needed) serialize on a file lock; the set is built in a temporary directory and renamed into
-place, so nobody ever reads a half-written file. The directory name hashes the text, the vocab
+It takes about a second. Local rank 0 builds it (no process group needed, no file lock) in a
+temporary directory renamed into place, so nobody ever reads a half-written file; the other
+ranks of the node wait for the directory (data/cache.py). Two builders (one per node on a shared
+filesystem) are harmless: the first rename wins and the other discards its copy. The directory name hashes the text, the vocab
 size and the sentencepiece version, so a different Python gets its own corpus.
 """
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from .cache import file_lock, user_cache_dir
+from .cache import atomic_build_dir, is_local_builder, user_cache_dir, wait_until
 from .errors import DataError
 from .indexed_dataset import MMapIndexedDataset
 from .preprocess import write_documents
@@ -73,33 +72,24 @@ def _build(d: Path, vocab_size: int) -> None:
 
 
 def default_corpus(cache_root: str | Path | None = None,
-                   vocab_size: int = DEFAULT_VOCAB_SIZE) -> DefaultCorpus:
-    """Paths of the default corpus, building it first if this cache does not have it yet."""
+                   vocab_size: int = DEFAULT_VOCAB_SIZE, builder: bool | None = None,
+                   **wait) -> DefaultCorpus:
+    """Paths of the default corpus, building it first (builder: default local rank 0) or
+    waiting for its builder (`wait`: wait_until's keywords) if this cache does not have it."""
     root = Path(cache_root) if cache_root else user_cache_dir()
     final = _corpus_dir(root, vocab_size)
     if not final.is_dir():
+        if not (builder if builder is not None else is_local_builder()):
+            wait_until(final.is_dir, final, **wait)
+            return _paths(final)
         try:
-            _build_once(final, vocab_size)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            atomic_build_dir(final, lambda tmp: _build(tmp, vocab_size))
         except OSError as e:
             raise DataError(f"{final.parent}: cannot build the default corpus there "
                             f"({e.strerror or e}): set MEGATRON_2BW_CACHE to a writable "
                             "directory") from None
     return _paths(final)
-
-
-def _build_once(final: Path, vocab_size: int) -> None:
-    """Build into a temporary directory and rename it into place, under a file lock."""
-    with file_lock(final.with_name(final.name + ".lock")):
-        if final.is_dir():
-            return  # another process built it while we waited
-        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            _build(tmp, vocab_size)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def unigram_entropy(prefix: str) -> float:

@@ -35,8 +35,9 @@ def microbatch_sample_indices(batch: int, microbatch: int, dp_rank: int, micro_b
     return range(first, first + b)
 
 
-class GPTBatches:
-    """Iterator of (tokens, labels) microbatches for one data-parallel replica, in schedule order."""
+class MicrobatchIterator:
+    """Microbatches of a dataset for one data-parallel replica, in schedule order, from batch
+    `start_batch` on (the layout of `microbatch_sample_indices`)."""
 
     def __init__(self, dataset, micro_batch_size: int, num_microbatches: int,
                  data_parallel_size: int = 1, dp_rank: int = 0, start_batch: int = 0):
@@ -47,9 +48,21 @@ class GPTBatches:
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def next_microbatch(self) -> tuple[int, int]:
+        """(batch, microbatch) of the next item."""
+        return divmod(self.k, self.m)
+
+    def _next_samples(self) -> list:
         batch, mb = divmod(self.k, self.m)
         self.k += 1
         idx = microbatch_sample_indices(batch, mb, self.r, self.b, self.m, self.w)
-        samples = torch.stack([self.dataset[i] for i in idx])
+        return [self.dataset[i] for i in idx]
+
+
+class GPTBatches(MicrobatchIterator):
+    """(tokens, labels) microbatches for one data-parallel replica, in schedule order."""
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        samples = torch.stack(self._next_samples())
         return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()

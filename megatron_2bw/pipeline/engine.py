@@ -12,7 +12,6 @@ Data: the first stage takes inputs and the last stage takes labels from `next(da
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Iterator
 
 import torch
@@ -27,6 +26,7 @@ from .module import LayerSpec, StageModule
 from .registry import schedule_kind
 from .schedules import forward_only, make_schedule
 from .simulate import check_schedule
+from .timers import ActionClock
 from .weights import VersionedWeights
 
 UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
@@ -59,9 +59,8 @@ class PipelineEngine:
         self._handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
                           A.REDUCE: self._reduce, A.NORM: self._norm, A.STEP: self._step}
         self._clear_stash()
-        self.timers: dict[str, float] = {}
+        self._clock = ActionClock(self.device)  # no host syncs: CUDA events on a GPU
         self._timed = cfg.train.wall_clock_breakdown
-        self.trace: list | None = None  # [(label, start, end)] when recording (enable_trace)
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
@@ -184,9 +183,9 @@ class PipelineEngine:
     def _run(self, actions: list[A.Action], handlers: dict | None = None) -> None:
         handlers = handlers or self._handlers
         i = 0
-        timed = self._timed or self.trace is not None
+        clock = self._clock if self._timed or self._clock.tracing else None
         while i < len(actions):
-            start = self._clock() if timed else 0.0
+            token = clock.start() if clock is not None else None
             first = i
             if actions[i].is_comm:
                 j = i
@@ -197,23 +196,23 @@ class PipelineEngine:
             else:
                 handlers[actions[i].kind](actions[i])
                 kind, i = _TIMER_NAMES[actions[i].kind], i + 1
-            if timed:
-                end = self._clock()
-                self.timers[kind] = self.timers.get(kind, 0.0) + end - start
-                if self.trace is not None:
-                    label = " ".join(str(a) for a in actions[first:i])
-                    self.trace.append((label, start, end))
+            if clock is not None:
+                clock.stop(token, kind, actions[first:i] if clock.tracing else None)
 
-    def _clock(self) -> float:
-        """Wall clock (seconds since the epoch, comparable across local processes) for
-        --wall-clock-breakdown and --trace; synchronizes the GPU, so it slows runs."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.time()
+    @property
+    def timers(self) -> ActionClock:
+        """Seconds per kind of action (forward, backward, p2p, all-reduce, optimizer) since the
+        last `timers.clear()`, with --wall-clock-breakdown; reading waits for the device once."""
+        return self._clock
+
+    @property
+    def trace(self) -> list | None:
+        """[(actions, start, end)] (seconds since the epoch) since enable_trace(), else None."""
+        return self._clock.events()
 
     def enable_trace(self) -> None:
         """Record (actions, start, end) of every action or communication group from now on."""
-        self.trace = []
+        self._clock.trace()
 
     def save_trace(self, path: str) -> None:
         """Write this rank's trace as JSON: {"stage", "rank", "schedule", "events": [...]}."""

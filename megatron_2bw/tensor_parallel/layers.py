@@ -1,9 +1,10 @@
 """Column/row-parallel linear layers and the vocab-parallel embedding.
 
-Weights are initialized as the full (t=1) matrix from the current RNG and then sliced, so a layer
-built with any tensor size holds exactly the shard of the single-process layer built under the same
-seed. Sharded parameters carry `tensor_model_parallel = True` and `partition_dim` (the flat weight
-layout, the grad-norm and the equivalence checker read them).
+Weights are initialized as this rank's shard of the full (t=1) matrix drawn from the current RNG,
+without materializing the full matrix (initialize.py), so a layer built with any tensor size holds
+exactly the shard of the single-process layer built under the same seed. Sharded parameters carry
+`tensor_model_parallel = True` and `partition_dim` (the flat weight layout, the grad-norm and the
+equivalence checker read them).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .initialize import normal_shard
 from .mappings import (TPGroup, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                        scatter_to_tp_region)
 
@@ -22,13 +24,9 @@ def set_partition_attrs(param: nn.Parameter, partition_dim: int | None) -> nn.Pa
 
 
 def sharded_normal(shape: tuple, std: float, dim: int, tp: TPGroup) -> nn.Parameter:
-    """The tp.rank-th chunk along `dim` of a full normal(0, std) tensor."""
-    if shape[dim] % tp.size:
-        raise ValueError(f"dimension {shape[dim]} is not divisible by the tensor-parallel size "
-                         f"{tp.size}")
-    full = torch.empty(shape)
-    nn.init.normal_(full, mean=0.0, std=std)
-    shard = full.chunk(tp.size, dim=dim)[tp.rank].clone()
+    """The tp.rank-th chunk along `dim` of a full normal(0, std) tensor (only the chunk is
+    allocated)."""
+    shard = normal_shard(shape, std, dim, tp.rank, tp.size)
     return set_partition_attrs(nn.Parameter(shard), dim)
 
 

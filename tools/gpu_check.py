@@ -1,0 +1,401 @@
+#!/usr/bin/env python
+"""The prepared GPU check: run it once on a GPU node before the first cluster job.
+
+    python tools/gpu_check.py                     # a GPU node; under 8 minutes on one H200
+    python tools/gpu_check.py --out check.json    # the numbers as JSON too
+    python tools/gpu_check.py --dry-run           # anywhere: print and validate the plan only
+
+Steps, each a subprocess whose output is streamed and kept in WORK/<step>.log:
+
+1. train    torchrun, one process, NCCL: pretrain_gpt.py with GPT-125M (`--model gpt-125m`,
+            seq 1024, vocab 50304), bf16, mock data, 2BW, evaluation every 50 iterations; it stops
+            at --exit-interval 100 and saves a checkpoint (--save);
+2. resume   the same job resumed with --load to iteration 150 (its log must continue at 110),
+            with --wall-clock-breakdown and --trace on: the timers use CUDA events, so its step
+            time should match train's;
+3. verify   with 2+ GPUs: tools/verify_equivalence.py --distributed-backend nccl for 2bw and for
+            flush at d=2 (every parameter against the single-process reference).
+
+The whole check stops after 470 s (a step gets at most the time left). It prints step time,
+tokens/s, TFLOP/s per GPU (Megatron's model FLOPs), model-FLOPs utilization against the device's
+peak (megatron_2bw/devices.py, or --peak-tflops), peak memory (torch.cuda.max_memory_allocated)
+next to the planner's memory model of the same layout (planner/cost_model.py), the validation
+losses and the verify verdicts; exit 0 when every step passed.
+
+--dry-run builds the same plan, validates every command's flags through the real parsers
+(pretrain.parse and verify.parse: the checks a job makes before its process group), checks the
+scripts, launcher and directories it would use, computes the planner's prediction and checks
+the log parser against the training logger's own format. It starts no process. `--gpus N`
+pretends N GPUs (with 2+ the plan includes the verify steps).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_2bw.pipeline.registry import schedule_names  # noqa: E402
+
+GPT_125M = ("--model", "gpt-125m", "--seq-length", "1024", "--vocab-size", "50304")
+VERIFY_MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+                "--train-iters", "6", "--pipeline-model-parallel-size", "2")
+
+
+@dataclass
+class Settings:
+    gpus: int
+    work_dir: str
+    exit_iters: int = 100          # train stops (and saves) here
+    train_iters: int = 150         # resume continues to here
+    micro_batch: int = 8
+    global_batch: int = 64
+    log_interval: int = 10
+    eval_interval: int = 50
+    eval_iters: int = 4
+    model: tuple = GPT_125M
+    precision: tuple = ("--bf16",)
+    backend: str = "nccl"
+    timeouts: dict = field(default_factory=lambda: {"train": 270, "resume": 200, "verify": 120})
+    time_limit_s: float = 470.0    # the whole check: a step gets at most what is left
+
+
+@dataclass
+class Step:
+    name: str
+    script: str          # repository-relative script
+    args: list           # its flags
+    nproc: int | None    # torchrun processes; None: plain python
+    timeout_s: int
+
+    @property
+    def argv(self) -> list:
+        launcher = [sys.executable]
+        if self.nproc is not None:
+            launcher += ["-m", "torch.distributed.run", "--standalone",
+                         f"--nproc_per_node={self.nproc}"]
+        return launcher + [self.script] + [str(a) for a in self.args]
+
+
+def plan(s: Settings) -> list[Step]:
+    ckpt, trace = os.path.join(s.work_dir, "checkpoints"), os.path.join(s.work_dir, "trace")
+    job = [*s.model, "--mock-data", *s.precision, "--distributed-backend", s.backend,
+           "--micro-batch-size", s.micro_batch, "--global-batch-size", s.global_batch,
+           "--pipeline-schedule", "2bw", "--train-iters", s.train_iters,
+           "--lr", "6e-4", "--min-lr", "6e-5", "--lr-decay-style", "cosine",
+           "--lr-warmup-iters", "10", "--weight-decay", "0.1", "--clip-grad", "1.0",
+           "--adam-beta2", "0.95", "--log-interval", s.log_interval,
+           "--eval-interval", s.eval_interval, "--eval-iters", s.eval_iters, "--save", ckpt]
+    steps = [Step("train", "pretrain_gpt.py", job + ["--exit-interval", s.exit_iters], 1,
+                  s.timeouts["train"]),
+             Step("resume", "pretrain_gpt.py",
+                  job + ["--load", ckpt, "--wall-clock-breakdown", "--trace", trace], 1,
+                  s.timeouts["resume"])]
+    if s.gpus >= 2:
+        for schedule in schedule_names():  # every training schedule (a tiny model: seconds)
+            steps.append(Step(f"verify-{schedule}", "tools/verify_equivalence.py",
+                              ["--distributed-backend", s.backend, "--schedule", schedule,
+                               *VERIFY_MODEL], None, s.timeouts["verify"]))
+    return steps
+
+
+# ---- checking the plan without running it ---------------------------------------------------
+
+
+def parse_step(step: Step):
+    """The step's config through the real front door (pretrain.parse / verify.parse), as the
+    launched process would build it; raises ValueError with the parser's one-line error."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            if step.script == "pretrain_gpt.py":
+                from megatron_2bw.pretrain import parse
+                return parse("gpt", [str(a) for a in step.args])[0]
+            from megatron_2bw.verify import parse
+            return parse([str(a) for a in step.args])[0]
+    except SystemExit as e:
+        lines = [x for x in err.getvalue().splitlines() if x.strip()]
+        raise ValueError(lines[-1] if lines else f"exit {e.code}") from None
+
+
+def planner_memory_gib(cfg) -> dict:
+    """The planner's memory model of the (one-stage) job, GiB per buffer and "total"."""
+    from megatron_2bw.planner import GB, AnalyticProfile, Layout, Setup, Topology, stage_plan
+    from megatron_2bw.planner.cost_model import LayerTimes
+    setup = Setup(cfg.model, cfg.precision.dtype, cfg.optimizer.name, cfg.model.family)
+    layout = Layout(cfg.schedule, 1, 1, 1, cfg.batch.micro_batch_size, cfg.num_microbatches(1),
+                    cfg.model.recompute_method is not None)
+    topo = Topology(num_nodes=1, gpus_per_node=1)
+    memory = stage_plan(setup, layout, LayerTimes(setup, AnalyticProfile(), topo), topo).memory[0]
+    return {k: v / GB for k, v in memory.items()}
+
+
+def check_log_parser() -> None:
+    """The parser reads what the training logger writes (catches a format change)."""
+    from megatron_2bw.config import Config
+    from megatron_2bw.logger import TrainLogger
+    lines, fields = [], {"loss": 7.5, "samples/s": 100.0, "tokens/s": 102400.0,
+                         "TFLOP/s/device": 55.5, "memory GB per stage": [9.5], "ms forward": 3.0}
+    logger = TrainLogger(Config(), None, True, lines.append)
+    logger.log(10, fields)
+    logger.log(10, {"validation loss": 7.25})
+    got = parse_log("\n".join(lines))
+    if got["iterations"] != [{"iteration": 10, **fields}] or got["validation"] != [(10, 7.25)]:
+        raise ValueError(f"the log parser does not read the logger's lines: {lines}")
+
+
+def validate(steps: list[Step], s: Settings) -> list[str]:
+    """Every problem the plan would run into, one line each (empty: the plan is sound)."""
+    problems = []
+    for script in sorted({st.script for st in steps}):
+        if not os.path.isfile(os.path.join(ROOT, script)):
+            problems.append(f"{script}: missing from {ROOT}")
+    if importlib.util.find_spec("torch.distributed.run") is None:
+        problems.append("torch.distributed.run (torchrun) is not importable: install torch")
+    try:
+        os.makedirs(s.work_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=s.work_dir):
+            pass
+    except OSError as e:
+        problems.append(f"{s.work_dir}: not writable ({e.strerror}): pass --work-dir DIR")
+    for st in steps:
+        try:
+            cfg = parse_step(st)
+        except ValueError as e:
+            problems.append(f"step {st.name}: {e}")
+            continue
+        if st.name == "train":
+            try:
+                planner_memory_gib(cfg)
+            except Exception as e:  # noqa: BLE001 - reported as a problem of the plan
+                problems.append(f"planner memory model: {type(e).__name__}: {e}")
+    try:
+        check_log_parser()
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+# ---- running and reading the logs -----------------------------------------------------------
+
+
+def parse_log(text: str) -> dict:
+    """{"iterations": [{"iteration", key: value}], "validation": [(iteration, loss)],
+    "parameters_m": float | None} from a pretrain log (lines as logger.parse_line reads them)."""
+    import re
+    from megatron_2bw.logger import parse_line
+    out = {"iterations": [], "validation": [], "parameters_m": None}
+    for line in text.splitlines():
+        m = re.search(r"megatron-2bw: ([\d.]+)M parameters", line)
+        if m:
+            out["parameters_m"] = float(m.group(1))
+        parsed = parse_line(line)
+        if parsed is None:
+            continue
+        it, fields = parsed
+        if "validation loss" in fields:
+            out["validation"].append((it, fields["validation loss"]))
+        else:
+            out["iterations"].append({"iteration": it, **fields})
+    return out
+
+
+def run_step(step: Step, log_path: str, echo=print) -> tuple[int, str, float]:
+    """Run the step in its own process group (killed whole on timeout); (rc, output, seconds)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
+    start, lines = time.time(), []
+    proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timer = threading.Timer(step.timeout_s, _kill_group, (proc,))
+    timer.start()
+    with open(log_path, "w") as log:
+        for line in proc.stdout:
+            log.write(line)
+            lines.append(line)
+            echo(f"  [{step.name}] {line.rstrip()}")
+    rc = proc.wait()
+    timer.cancel()
+    if time.time() - start >= step.timeout_s:
+        lines.append(f"gpu_check: {step.name} killed after its {step.timeout_s} s timeout\n")
+        rc = rc or 124
+    return rc, "".join(lines), time.time() - start
+
+
+def _kill_group(proc) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+            return
+
+
+def _steady(rows: list, key: str) -> float | None:
+    """Median of `key` over the log intervals after the first (which holds the warm-up)."""
+    values = [r[key] for r in rows[1:] or rows if isinstance(r.get(key), float)]
+    return statistics.median(values) if values else None
+
+
+def trace_events(prefix: str) -> int:
+    """Events in the resume step's trace as tools/plot_schedule.py --trace reads it (0: none)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from plot_schedule import traced
+    try:
+        rows = traced(prefix)[0]
+    except SystemExit:
+        return 0
+    return sum(len(events) for _, events in rows)
+
+
+def summarize(s: Settings, logs: dict, rcs: dict, peak: float | None, model_gib: dict) -> dict:
+    """The numbers of the check and its verdicts (see the module doc)."""
+    train, resume = (parse_log(logs.get(k, "")) for k in ("train", "resume"))
+    out = {"steps": {k: "ok" if rc == 0 else f"failed (exit {rc})" for k, rc in rcs.items()}}
+    resumed = [r["iteration"] for r in resume["iterations"]]
+    trained = [r["iteration"] for r in train["iterations"]]
+    out["resumed_correctly"] = bool(trained and resumed and trained[-1] == s.exit_iters and
+                                    resumed[0] == s.exit_iters + s.log_interval and
+                                    resumed[-1] == s.train_iters)
+    for name, log in (("train", train), ("resume", resume)):
+        rate = _steady(log["iterations"], "samples/s")
+        tflops = _steady(log["iterations"], "TFLOP/s/device")
+        out[name] = {"step_time_s": s.global_batch / rate if rate else None,
+                     "tokens_per_s": _steady(log["iterations"], "tokens/s"),
+                     "tflops_per_gpu": tflops,
+                     "mfu": tflops / peak if tflops and peak else None,
+                     "peak_memory_gib": max((max(r["memory GB per stage"])
+                                             for r in log["iterations"]
+                                             if r.get("memory GB per stage")), default=None)}
+    rows = resume["iterations"]  # --wall-clock-breakdown: ms per iteration, by interval
+    keys = sorted({k for r in rows for k in r if k.startswith("ms ")})
+    out["breakdown_ms"] = {k[3:]: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
+    out["trace_events"] = trace_events(os.path.join(s.work_dir, "trace")) if "resume" in logs \
+        else 0
+    out["validation_losses"] = train["validation"] + resume["validation"]
+    out["parameters_m"] = train["parameters_m"]
+    out["planner_memory_gib"] = model_gib
+    out["peak_tflops"] = peak
+    for k in logs:
+        if k.startswith("verify-"):
+            out["steps"][k] += "" if "PASS" in logs[k] else " (no PASS)"
+    out["passed"] = (all(v == "ok" for v in out["steps"].values()) and out["resumed_correctly"]
+                     and out["trace_events"] > 0 and bool(out["breakdown_ms"]))
+    return out
+
+
+def report(out: dict, device: str) -> str:
+    def f(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+    t, r, mem = out["train"], out["resume"], out["planner_memory_gib"]
+    rows = [f"gpu_check on {device}: peak {f(out['peak_tflops'], 'g')} TFLOP/s bf16 dense"]
+    rows += [f"  {name:<14} {verdict}" for name, verdict in out["steps"].items()]
+    rows += [f"  resumed at the right iteration: {'yes' if out['resumed_correctly'] else 'NO'}",
+             f"  parameters      {f(out['parameters_m'], '.1f')} M",
+             f"  step time       {f(t['step_time_s'], '.3f')} s (train)   "
+             f"{f(r['step_time_s'], '.3f')} s (resume, timers + trace on)",
+             f"  tokens/s        {f(t['tokens_per_s'], '.4g')}",
+             "  resume ms/iter  " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                              out["breakdown_ms"].items())
+             + f" (--wall-clock-breakdown); --trace: {out['trace_events']} events",
+             f"  TFLOP/s per GPU {f(t['tflops_per_gpu'], '.1f')}   MFU {f(t['mfu'], '.1%')}",
+             f"  peak memory     {f(t['peak_memory_gib'], '.2f')} GiB measured   "
+             f"{mem['total']:.2f} GiB planner model ("
+             + ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k != "total") + ")",
+             "  validation loss " + ", ".join(f"{it}: {v:.3f}"
+                                               for it, v in out["validation_losses"]),
+             "PASS" if out["passed"] else "FAIL"]
+    return "\n".join(rows)
+
+
+def execute(s: Settings, peak: float | None, device: str, out_path: str | None = None,
+            echo=print) -> dict:
+    """Run the plan (stops at the first failed step), print the report, return the numbers."""
+    steps = plan(s)
+    model_gib = planner_memory_gib(parse_step(steps[0]))
+    logs, rcs, deadline = {}, {}, time.time() + s.time_limit_s
+    for st in steps:
+        st.timeout_s = int(min(st.timeout_s, deadline - time.time()))
+        if st.timeout_s < 30:
+            logs[st.name], rcs[st.name] = "", 124
+            echo(f"gpu_check: {st.name}: skipped, the {s.time_limit_s:g} s limit is spent")
+            break
+        echo(f"gpu_check: {st.name}: {' '.join(st.argv)}")
+        rcs[st.name], logs[st.name], seconds = run_step(
+            st, os.path.join(s.work_dir, f"{st.name}.log"), echo)
+        echo(f"gpu_check: {st.name}: exit {rcs[st.name]} after {seconds:.0f} s")
+        if rcs[st.name]:
+            break
+    out = summarize(s, logs, rcs, peak, model_gib)
+    echo(report(out, device))
+    if out_path:
+        with open(out_path, "w") as fh:
+            json.dump({"device": device, "settings": asdict(s), **out}, fh, indent=1)
+    return out
+
+
+def dry_run(s: Settings, echo=print) -> int:
+    """Print the plan and every problem it would run into; 0 when there is none."""
+    steps = plan(s)
+    for st in steps:
+        echo(f"gpu_check: {st.name} ({st.timeout_s} s max): {' '.join(st.argv)}")
+    problems = validate(steps, s)
+    for line in problems:
+        echo(f"problem: {line}")
+    if not problems:
+        mem = planner_memory_gib(parse_step(steps[0]))
+        echo(f"planner memory model of the train step: {mem['total']:.2f} GiB per GPU")
+    echo(f"dry run: {len(steps)} steps for {s.gpus} GPU(s), "
+         + ("all valid" if not problems else f"{len(problems)} problem(s)"))
+    return 1 if problems else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="print and validate the plan only")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; "
+                                                          "with --dry-run: pretend this many)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak dense bf16 TFLOP/s (default: megatron_2bw/devices.py)")
+    p.add_argument("--micro-batch-size", type=int, default=8, help="lower it on small GPUs")
+    p.add_argument("--work-dir", default=None, help="checkpoints, traces and logs (default: a "
+                                                     "temporary directory)")
+    p.add_argument("--out", default=None, help="also write the numbers to this JSON file")
+    a = p.parse_args(argv)
+    import torch
+    from megatron_2bw.devices import peak_tflops
+    if a.dry_run:
+        with contextlib.ExitStack() as stack:
+            work = a.work_dir or stack.enter_context(tempfile.TemporaryDirectory())
+            gpus = a.gpus if a.gpus is not None else max(torch.cuda.device_count(), 1)
+            return dry_run(Settings(gpus=gpus, work_dir=work, micro_batch=a.micro_batch_size))
+    if not torch.cuda.is_available():
+        print("error: no CUDA device here: run on a GPU node (or --dry-run to check the plan)",
+              file=sys.stderr)
+        return 2
+    work = a.work_dir or tempfile.mkdtemp(prefix="gpu_check-")
+    device = torch.cuda.get_device_name(0)
+    gpus = min(a.gpus or torch.cuda.device_count(), torch.cuda.device_count())
+    s = Settings(gpus=gpus, work_dir=work, micro_batch=a.micro_batch_size)
+    os.makedirs(work, exist_ok=True)
+    out = execute(s, a.peak_tflops or peak_tflops(device), device, a.out)
+    print(f"gpu_check: logs, checkpoints and traces in {work}")
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
