@@ -23,7 +23,6 @@ import signal
 import tempfile
 
 import torch
-import torch.distributed as dist
 
 from .config import Config, ConfigError
 
@@ -125,14 +124,12 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
         atomic_write(path, lambda f: torch.save(payload, f))
         digest = sha256_of(path)
         atomic_write(path + ".sha256", lambda f: f.write(f"{digest}  {FILENAME}\n".encode()))
-    if dist.is_initialized():
-        dist.barrier()
+    grid.comm.barrier()
     if grid.rank == 0:
         atomic_write(os.path.join(save_dir, LATEST), lambda f: f.write(f"{t}\n".encode()))
         if keep_last:
             prune(save_dir, keep_last)
-    if dist.is_initialized():
-        dist.barrier()
+    grid.comm.barrier()
     return path
 
 
@@ -178,10 +175,7 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
         payload = _read(path, t, cfg, grid)
     except CheckpointError as e:
         problem = str(e)
-    problems = [problem]
-    if dist.is_initialized() and grid.world_size > 1:  # every rank reports the same first error
-        problems = [None] * grid.world_size
-        dist.all_gather_object(problems, problem)
+    problems = grid.comm.gather_objects(problem)  # every rank reports the same first error
     first = next((p for p in problems if p), None)
     if first:
         raise CheckpointError(first)

@@ -1,7 +1,9 @@
 """The shared entry point of pretrain_gpt.py and pretrain_bert.py.
 
 Order matters: parse flags, fill and validate the typed config (every bad input is a one-line
-error, exit 2), and only then start the process group and train.
+error, exit 2), and only then start the process group and train. The process group starts in the
+order clusters need (distributed.start_process_group): the rank's device from LOCAL_RANK or
+SLURM_LOCALID made current, `init_process_group(device_id=...)`, then the grid's groups.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from .arguments import (FlagParser, add_model_args, add_parallel_args, add_train
                         config_from_args, exit_on_config_error, resolve_batch)
 from .data.arguments import add_data_args
 from .data.build import build_pretrain_data
-from .parallel.distributed import default_device, env_rank_world, init_process_group
+from .parallel.distributed import destroy_process_group, env_rank_world, start_process_group
 
 
 def build_parser(family: str) -> FlagParser:
@@ -78,11 +80,11 @@ def parse(family: str, argv=None):
 
 def main(family: str, argv=None) -> int:
     cfg, data, rank, world_size, local_rank = parse(family, argv)
-    backend = init_process_group(rank, world_size, backend=cfg.parallel.backend,
-                                 timeout_minutes=cfg.parallel.timeout_minutes)
+    comm = start_process_group(rank, world_size, local_rank, backend=cfg.parallel.backend,
+                               timeout_minutes=cfg.parallel.timeout_minutes)
     from .training import build_grid
-    grid = build_grid(cfg, rank, world_size)
-    device = default_device(local_rank, backend)
+    grid = build_grid(cfg, rank, world_size, comm)
+    device, backend = comm.device, comm.backend
     if rank == 0:
         print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
@@ -105,9 +107,8 @@ def main(family: str, argv=None) -> int:
         print(f"error: {describe(grid)} failed: {type(e).__name__}: {first}", file=sys.stderr,
               flush=True)
         os._exit(1)
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    grid.comm.barrier()
+    destroy_process_group()
     return 0
 
 

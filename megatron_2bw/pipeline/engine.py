@@ -51,7 +51,7 @@ class PipelineEngine:
                                         tied=module.tied)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device)
         self.stepper.bypass_version_counter = fault == "single-version"
-        self.p2p = P2P(grid.prev_rank, grid.next_rank, self.device)
+        self.p2p = P2P(grid, self.device)
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
         self.iteration = 0            # optimizer steps done == index of the next batch
@@ -268,7 +268,8 @@ class PipelineEngine:
             self.outputs[a.mb] = loss
             batch = a.mb // self.m
             slot = self._slot(self.schedule.slot_of_batch(batch))
-            self.weights.grads[slot][-1:].add_(loss.detach().float(), alpha=1.0 / self.m)
+            n = self.weights.numel  # the loss slot: first of the buffer's tail (weights.py)
+            self.weights.grads[slot][n:n + 1].add_(loss.detach().float(), alpha=1.0 / self.m)
         else:
             out = out if isinstance(out, tuple) else (out,)
             self.outputs[a.mb] = out
