@@ -37,6 +37,16 @@ def test_flags_are_read_one_batch_behind():
         flags.raise_flag("stop")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flags_on_a_gpu_go_through_pinned_memory_without_a_host_sync():
+    flags = ControlFlags("cuda")
+    for batch, sums in enumerate([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]]):
+        flags.carried(batch, torch.tensor(sums, device="cuda"))
+        expected = [[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]][batch]
+        assert flags.agreed() == dict(zip(FLAGS, [v > 0 for v in expected]))
+    assert all(host.is_pinned() for host in flags._host)
+
+
 class _P2PRecorder(Comm):
     """Records the members of every group a point-to-point call uses (a test hook object)."""
 
