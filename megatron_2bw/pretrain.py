@@ -14,7 +14,8 @@ from .arguments import (FlagParser, add_model_args, add_parallel_args, add_train
                         config_from_args, exit_on_config_error, resolve_batch)
 from .data.arguments import add_data_args
 from .data.build import build_pretrain_data
-from .parallel.distributed import destroy_process_group, env_rank_world, start_process_group
+from .parallel.distributed import (backend_device, default_backend, destroy_process_group,
+                                   env_rank_world, start_process_group)
 
 
 def build_parser(family: str) -> FlagParser:
@@ -66,6 +67,7 @@ def parse(family: str, argv=None):
         if family == "bert":
             cfg.model.bert_binary_head = not args.bert_no_binary_head
         cfg.validate(world_size)  # bad settings fail before any data is touched
+        backend_device(cfg.parallel.backend or default_backend(), local_rank)  # nccl needs GPUs
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_2bw.config import ConfigError
 from megatron_2bw.launch import spawn
 from megatron_2bw.parallel import comm as comm_mod
 from megatron_2bw.parallel import distributed as D
@@ -52,11 +53,20 @@ def test_nccl_communicates_on_the_local_ranks_gpu(four_gpus):
     assert four_gpus == [], "resolving a device sets nothing"
 
 
-def test_nccl_without_gpus_is_a_clear_error(monkeypatch):
+def test_nccl_without_gpus_is_a_clear_error_before_any_process_group(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="the nccl backend needs CUDA GPUs and this process "
-                                         "sees none: use --distributed-backend gloo"):
+    msg = ("the nccl backend needs CUDA GPUs and this process sees none: use "
+           "--distributed-backend gloo")
+    with pytest.raises(ConfigError, match=msg):
         D.backend_device("nccl", 0)
+    from megatron_2bw.pretrain import main
+    with pytest.raises(SystemExit) as e:
+        main("gpt", ["--mock-data", "--num-layers", "2", "--hidden-size", "32",
+                     "--num-attention-heads", "4", "--seq-length", "16", "--train-iters", "1",
+                     "--distributed-backend", "nccl"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"error: {msg}" + \
+        " or check CUDA_VISIBLE_DEVICES"
+    assert not dist.is_initialized()
 
 
 def test_comm_of_a_process_group_uses_the_launchers_local_rank(four_gpus, monkeypatch):

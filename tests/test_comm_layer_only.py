@@ -8,6 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 COMM_LAYER = ROOT / "megatron_2bw" / "parallel"
+MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
 SCANNED = [ROOT / "megatron_2bw", ROOT / "tools", ROOT / "bench", ROOT / "examples",
            *ROOT.glob("pretrain_*.py")]
 FORBIDDEN = {
@@ -30,20 +31,19 @@ def direct_calls(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name in ("torch.distributed", "torch.distributed.distributed_c10d") and a.asname:
+                if a.name in MODULES and a.asname:
                     aliases.add(a.asname)
         elif isinstance(node, ast.ImportFrom):
             if node.module == "torch":
                 aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
-            elif node.module in ("torch.distributed", "torch.distributed.distributed_c10d"):
+            elif node.module in MODULES:
                 hits += [f"{node.lineno}: from {node.module} import {a.name}"
                          for a in node.names if a.name in FORBIDDEN]
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and node.attr in FORBIDDEN):
             continue
         owner = ast.unparse(node.value)
-        if owner in aliases or owner in ("torch.distributed",
-                                         "torch.distributed.distributed_c10d"):
+        if owner in aliases or owner in MODULES:
             hits.append(f"{node.lineno}: {owner}.{node.attr}")
     return hits
 

@@ -12,6 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
+
 _HAS_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters  # torch>=2.3
 
 
@@ -70,7 +72,7 @@ def backend_device(backend: str | None, local_rank: int = 0) -> torch.device:
     nothing."""
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise ValueError("the nccl backend needs CUDA GPUs and this process sees none: use "
+            raise ConfigError("the nccl backend needs CUDA GPUs and this process sees none: use "
                              "--distributed-backend gloo or check CUDA_VISIBLE_DEVICES")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
