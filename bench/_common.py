@@ -113,11 +113,9 @@ def _worker(rank, world, port, outdir, fn, args, threads):
     torch.set_num_threads(threads)
     result = {}
     try:
-        import torch.distributed as dist
         if world > 1:
-            from datetime import timedelta
-            dist.init_process_group("gloo", rank=rank, world_size=world,
-                                    timeout=timedelta(minutes=5))
+            from megatron_2bw.parallel.distributed import init_process_group
+            init_process_group(rank, world, "gloo", timeout_minutes=5)
         result = {"ok": fn(rank, world, *args)}
     except BaseException as e:  # noqa: BLE001 - reported to the parent as text
         traceback.print_exc()
@@ -128,9 +126,9 @@ def _worker(rank, world, port, outdir, fn, args, threads):
             json.dump(result, f)
         sys.stdout.flush()
         try:
-            import torch.distributed as dist
-            if dist.is_initialized() and "error" not in result:
-                dist.destroy_process_group()
+            if "error" not in result:
+                from megatron_2bw.parallel.distributed import destroy_process_group
+                destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
     os._exit(0)
@@ -262,14 +260,13 @@ def framework_warmup() -> None:
     """Run every kind of op the benches use once on a tiny model (autograd, attention, Adam,
     a collective), so lazy imports and one-time framework buffers land in the baseline RSS and
     not in a run's peak."""
-    import torch.distributed as dist
+    from megatron_2bw.parallel.comm import Comm
     net = nn.Sequential(Block(0, 8, 2), ResMLP(1, 8))
     opt = torch.optim.Adam(net.parameters())
     loss_fn(net(torch.randn(2, 4, 8)), torch.randn(2, 4, 8)).backward()
     opt.step()
     opt.zero_grad()
-    if dist.is_initialized():
-        dist.barrier()
+    Comm().barrier()
 
 
 class MemoryProbe:

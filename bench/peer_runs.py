@@ -48,9 +48,8 @@ def _data(spec, rank, d):
 
 
 def _barrier():
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
+    from megatron_2bw.parallel.comm import Comm
+    Comm().barrier()
 
 
 def _floats(xs):

@@ -40,10 +40,10 @@ from megatron_2bw.pipeline.registry import schedule_names  # noqa: E402
 BIG = 16  # the second message size, in activations (the tied embedding gradient is ~this big)
 
 
-def _link(rank, shape) -> tuple:
+def _link(rank, shape, comm) -> tuple:
     """(one-way seconds for one activation, for BIG activations) between ranks 0 and 1."""
-    small = _p2p(rank, shape)
-    big = _p2p(rank, (BIG,) + tuple(shape))
+    small = _p2p(rank, shape, comm)
+    big = _p2p(rank, (BIG,) + tuple(shape), comm)
     return small, big
 
 
@@ -55,25 +55,23 @@ def _fit(small: float, big: float, nbytes: float) -> tuple:
     return max(small - per_byte * nbytes, 0.0), 1.0 / per_byte
 
 
-def _p2p(rank, shape, trips=23):
+def _p2p(rank, shape, comm, trips=23):
     import torch
-    import torch.distributed as dist
-    x = torch.randn(*shape)
+    x = torch.randn(*shape, device=comm.device)
     times = []
     for _ in range(trips):
         t0 = time.perf_counter()
         if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
+            comm.send(x, 1)
+            comm.recv(x, 1)
         else:
-            dist.recv(x, 0)
-            dist.send(x, 0)
+            comm.recv(x, 0)
+            comm.send(x, 0)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[3:]) / 2
 
 
 def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
-    import torch.distributed as dist
     from megatron_2bw.training import build_engine, build_grid, mock_batches
     results = []
     for rnd in range(repeats):
@@ -83,23 +81,23 @@ def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
             m, b = cfg.model, cfg.batch.micro_batch_size
             shape = (b, m.seq_length, m.hidden_size)
             grid = build_grid(cfg, rank, world_size)
-            p2p = _link(rank, shape)
+            p2p = _link(rank, shape, grid.comm)
             before = measure_profile(m, (b,), repeats=5).to_dict()
             engine = build_engine(cfg, grid, "cpu")
             data = mock_batches(cfg, grid.data, grid.dp_rank)
             engine.start(warmup + iters)
             for _ in range(warmup):
                 engine.train_batch(data)
-            dist.barrier()
+            grid.comm.barrier()
             ends = [time.perf_counter()]
             for _ in range(iters):
                 engine.train_batch(data)
                 ends.append(time.perf_counter())
-            dist.barrier()
+            grid.comm.barrier()
             # median batch: robust to another process stealing the core for a moment
             per_batch = statistics.median(b - a for a, b in zip(ends, ends[1:]))
             after = measure_profile(m, (b,), repeats=5).to_dict()
-            p2p = [(x + y) / 2 for x, y in zip(p2p, _link(rank, shape))]
+            p2p = [(x + y) / 2 for x, y in zip(p2p, _link(rank, shape, grid.comm))]
             results.append({"schedule": i, "round": rnd, "per_batch": per_batch, "p2p": p2p,
                             "profiles": [before, after]})
     with open(os.path.join(out, f"{rank}.json"), "w") as f:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 from .checkpoint_files import (FILENAME, LATEST, CheckpointError, latest_iteration, not_newer,
                                prune, rank_dir, remove_temporary_files, verify_checksum,
@@ -39,11 +38,7 @@ def layout(cfg: Config, grid) -> dict:
 
 def _agree(problem: str | None, grid) -> str | None:
     """Collective: the first rank's problem (in rank order), the same on every rank."""
-    problems = [problem]
-    if dist.is_initialized() and grid.world_size > 1:
-        problems = [None] * grid.world_size
-        dist.all_gather_object(problems, problem)
-    return next((p for p in problems if p), None)
+    return next((p for p in grid.comm.gather_objects(problem) if p), None)
 
 
 def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: str

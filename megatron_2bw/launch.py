@@ -10,7 +10,7 @@ import socket
 
 import torch.multiprocessing as mp
 
-from .parallel.distributed import init_process_group
+from .parallel.distributed import destroy_process_group, start_process_group
 from .reliability import watch_launcher
 
 
@@ -26,13 +26,12 @@ def _worker(rank, world_size, port, backend, timeout_minutes, fn, args):
     import torch
     torch.set_num_threads(1)
     watch_launcher()  # the spawning process dies: this worker exits too
-    init_process_group(rank, world_size, backend=backend, timeout_minutes=timeout_minutes)
+    start_process_group(rank, world_size, local_rank=rank, backend=backend,
+                        timeout_minutes=timeout_minutes)
     try:
         fn(rank, world_size, *args)
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()
 
 
 def spawn(fn, world_size: int, args: tuple = (), backend: str = "gloo",

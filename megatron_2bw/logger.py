@@ -7,7 +7,6 @@ import re
 import resource
 
 import torch
-import torch.distributed as dist
 
 
 def memory_gb(device) -> float:
@@ -19,12 +18,9 @@ def memory_gb(device) -> float:
 
 def memory_per_stage(grid, device) -> list[float]:
     """Collective: the peak memory of each pipeline stage (max over its tensor/data ranks)."""
-    values = torch.zeros(grid.world_size, dtype=torch.float64)
+    values = [0.0] * grid.world_size
     values[grid.rank] = memory_gb(device)
-    if dist.is_initialized() and grid.world_size > 1:
-        values = values.to(device)
-        dist.all_reduce(values)
-        values = values.cpu()
+    values = grid.comm.reduce_floats(values) if grid.world_size > 1 else values
     per_stage = [0.0] * grid.pipeline
     for r in range(grid.world_size):
         s = grid.coords(r)[1]

@@ -2,7 +2,10 @@
 
 Order matters: watch the launcher (a worker never outlives it), parse flags, fill and validate
 the typed config and check the checkpoint directories (every bad input is a one-line error,
-exit 2), and only then start the process group and train. How a run ends:
+exit 2), and only then start the process group and train. The process group starts in the order
+clusters need (distributed.start_process_group): the rank's device from LOCAL_RANK or
+SLURM_LOCALID made current, `init_process_group(device_id=...)`, then the grid's groups. How a
+run ends:
 
     0    trained to --train-iters, or stopped by --exit-* / SIGTERM / SIGUSR1 / SIGINT after
          saving a checkpoint (when --save is set)
@@ -20,7 +23,8 @@ from .arguments import (FlagParser, add_model_args, add_parallel_args, add_train
 from .data.arguments import add_data_args
 from .data.build import build_pretrain_data
 from .config import ConfigError
-from .parallel.distributed import default_device, env_rank_world, init_process_group, launched
+from .parallel.distributed import (backend_device, default_backend, destroy_process_group,
+                                   env_rank_world, launched, start_process_group)
 from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe, watch_launcher
 
 
@@ -106,11 +110,15 @@ def main(family: str, argv=None, hooks: FaultHooks = NO_FAULTS) -> int:
 
 def _main(family: str, argv, hooks: FaultHooks) -> int:
     cfg, data, rank, world_size, local_rank = parse(family, argv)
-    backend = init_process_group(rank, world_size, backend=cfg.parallel.backend,
-                                 timeout_minutes=cfg.parallel.timeout_minutes)
+    # nccl needs GPUs: one line, exit 2, before any process group (not in parse: a dry run that
+    # only validates a GPU job's flags, tools/gpu_check.py --dry-run, runs without GPUs)
+    exit_on_config_error(lambda: backend_device(cfg.parallel.backend or default_backend(),
+                                                local_rank))
+    comm = start_process_group(rank, world_size, local_rank, backend=cfg.parallel.backend,
+                               timeout_minutes=cfg.parallel.timeout_minutes)
     from .training import build_grid
-    grid = build_grid(cfg, rank, world_size)
-    device = default_device(local_rank, backend)
+    grid = build_grid(cfg, rank, world_size, comm)
+    device, backend = comm.device, comm.backend
     if rank == 0:
         print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
@@ -134,9 +142,8 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         _exit(f"error: {describe(grid)} failed: {type(e).__name__}: {first}", 1)
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    grid.comm.barrier()
+    destroy_process_group()
     return 0
 
 

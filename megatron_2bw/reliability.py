@@ -5,9 +5,10 @@ rank and stage, non-finite losses, and the fault-injection hooks tests pass in.
   multiprocessing) exits within about a second of that launcher's death (`kill -9` of torchrun,
   an unhandled SIGUSR1, a dead slurmstepd): no orphan keeps training or writing checkpoints.
 - Preemption: SIGTERM, SIGUSR1 (SLURM's pre-timeout signal, `#SBATCH --signal=USR1@300`) and
-  SIGINT (Ctrl-C) set a flag; at the next iteration boundary every rank agrees (a one-element
-  all-reduce) and the run saves a checkpoint and exits 0. The next job resumes from it. A second
-  Ctrl-C, a second or more after the first, aborts at once.
+  SIGINT (Ctrl-C) set a flag; the flag rides in the next batch's gradient reductions
+  (pipeline/flags.py), so two iterations later every rank agrees on the same boundary, where the
+  run saves a checkpoint and exits 0. The next job resumes from it. A second Ctrl-C, a second or
+  more after the first, aborts at once.
 - Failures: an exception on any rank is printed as one line naming the rank, stage, data and
   tensor coordinates, and the process exits non-zero, so the launcher (torchrun, srun
   --kill-on-bad-exit, torch.multiprocessing) stops the others; ranks blocked on a dead peer fail
@@ -18,14 +19,12 @@ rank and stage, non-finite losses, and the fault-injection hooks tests pass in.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
 import time
 from typing import Callable
-
-import torch
-import torch.distributed as dist
 
 
 class NumericsError(RuntimeError):
@@ -115,12 +114,13 @@ class Preemption:
         self.requested = True
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
-    def agreed(self, grid) -> bool:
-        """Collective: True on every rank when any rank got the signal."""
-        flag = torch.tensor([float(self.requested)])
-        if dist.is_initialized() and grid.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agreed(self, engine) -> bool:
+        """Call at every iteration boundary: raises this rank's request into the engine's next
+        batch and returns True, on every rank at the same boundary, once any rank's request has
+        ridden through a batch's reductions (pipeline/flags.py). No collective of its own."""
+        flags = engine.stepper.flags
+        flags.raise_flag("preempt", self.requested)
+        return flags.agreed()["preempt"]
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -130,7 +130,7 @@ class Preemption:
 def check_finite(values: list[float], first_iteration: int, grid, dtype: str) -> None:
     """Collective: raise NumericsError naming the first bad iteration and the stages whose
     gradients were not finite (fp16 skips such steps instead, so it never gets here)."""
-    bad = [i for i, v in enumerate(values) if not torch.isfinite(torch.tensor(v))]
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
     if not bad:
         return
     it = first_iteration + bad[0]

@@ -5,7 +5,6 @@ import time
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from .checkpointing import check_iterations, load_checkpoint, save_checkpoint
 from .config import Config
@@ -26,11 +25,12 @@ FAMILIES = {
 }
 
 
-def build_grid(cfg: Config, rank: int, world_size: int) -> ProcessGrid:
+def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGrid:
+    """The grid and its groups, created through `comm` (default: a Comm of the process group)."""
     grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
                        cfg.data_parallel_size(world_size), rank=rank,
                        rank_order=cfg.parallel.rank_order)
-    return grid.init_groups()
+    return grid.init_groups(comm)
 
 
 def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
@@ -74,15 +74,17 @@ def _flops_per_sample(cfg: Config) -> float:
         return 0.0
 
 
-def _stop_requested(cfg: Config, started: float, iteration: int, grid) -> bool:
-    """--exit-interval / --exit-duration-in-mins; the duration verdict is agreed by all ranks."""
+def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool:
+    """--exit-interval (the same iteration everywhere) / --exit-duration-in-mins: each rank
+    raises its own clock's verdict into the next batch's reductions and every rank reads the
+    same agreed one (pipeline/flags.py), so all stop at the same boundary with no collective."""
     if cfg.train.exit_interval and iteration % cfg.train.exit_interval == 0:
         return True
     if cfg.train.exit_duration_in_mins:
-        flag = torch.tensor([float(time.time() - started > 60 * cfg.train.exit_duration_in_mins)])
-        if dist.is_initialized() and grid.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        flags = engine.stepper.flags
+        flags.raise_flag("exit_duration",
+                         time.time() - started > 60 * cfg.train.exit_duration_in_mins)
+        return flags.agreed()["exit_duration"]
     return False
 
 
@@ -146,8 +148,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         if eval_data is not None and it % t.eval_interval == 0:
             total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
             logger.log(it, {"validation loss": total / t.eval_iters})
-        stop = _stop_requested(cfg, started, it, grid)
-        preempted = preemption is not None and preemption.agreed(grid)
+        stop = _stop_requested(cfg, started, it, engine)
+        preempted = preemption is not None and preemption.agreed(engine)
         if t.save and ((t.save_interval and it % t.save_interval == 0) or stop or preempted
                        or it == t.train_iters):
             if pending and cfg.precision.dtype != "fp16":  # never checkpoint garbage
@@ -157,7 +159,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
             saved_at = it
         if preempted:
             if reporter:
-                log(f"{preemption.signal_name}: saved a checkpoint at iteration {it} in {t.save}"
+                log(f"{preemption.signal_name or 'a preemption signal to another rank'}: saved "
+                    f"a checkpoint at iteration {it} in {t.save}"
                     "; exiting (resume with --load)")
             stop = True
         if stop:

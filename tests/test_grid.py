@@ -88,7 +88,7 @@ def test_tp_pp_dp_order(t, d, w):
 def test_groups_partition_the_world(t, d, w, order):
     g = ProcessGrid(t, d, w, rank_order=order)
     kinds = g.all_group_ranks()
-    expected = {"tp", "dp", "pp", "mp"} | ({"tied"} if d > 1 else set())
+    expected = {"tp", "dp", "pp", "mp"} | ({"tied", "pair"} if d > 1 else set())
     assert set(kinds) == expected
     sizes = {"tp": t, "dp": w, "pp": d, "mp": t * d}
     world = set(range(g.world_size))
@@ -115,6 +115,21 @@ def test_groups_partition_the_world(t, d, w, order):
             mine = gr.group_ranks(kind)
             assert gr.rank in mine
             assert sum(gr.rank in grp for grp in kinds[kind]) == 1
+
+
+@pytest.mark.parametrize("t,d,w,order", CASES)
+def test_pair_groups_are_the_neighbouring_stages_of_each_pipeline(t, d, w, order):
+    g = ProcessGrid(t, d, w, rank_order=order)
+    pairs = g.all_group_ranks().get("pair", [])
+    assert len(pairs) == t * w * (d - 1)
+    for a, b in pairs:
+        (ta, pa, da), (tb, pb, db) = g.coords(a), g.coords(b)
+        assert (ta, da) == (tb, db) and pb == pa + 1
+    for gr in grids(t, d, w, order):   # each rank: one pair per neighbour, none else
+        mine = sorted(tuple(p) for p in pairs if gr.rank in p)
+        expected = sorted([(gr.prev_rank, gr.rank)] * (gr.prev_rank is not None) +
+                          [(gr.rank, gr.next_rank)] * (gr.next_rank is not None))
+        assert mine == expected
 
 
 @pytest.mark.parametrize("t,d,w,order", CASES)

@@ -20,14 +20,14 @@ import datetime
 import os
 
 import torch
-import torch.distributed as dist
 
 from ..config import ConfigError
 from ..ds_config import config_from_deepspeed, load_ds_json
-from ..parallel.distributed import (default_backend, env_rank_world, expand_nodelist, launched,
-                                    slurm_rendezvous)
+from ..parallel.distributed import (current_rank_world, default_backend, default_device,
+                                    env_rank_world, expand_nodelist, init_process_group,
+                                    is_initialized, launched, slurm_rendezvous)
+from ..pipe.module import PipelineModule, _is_ds_pipeline_module
 from ..reliability import watch_launcher
-from ..pipe.module import PipelineModule, _is_ds_pipeline_module, rank_world
 from ..pipe.topology import grid_layout
 from .engine import DeepSpeedPipelineEngine
 
@@ -69,8 +69,9 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
                      verbose=True, timeout=datetime.timedelta(minutes=30), init_method=None,
                      dist_init_required=None, config=None, rank=-1, world_size=-1) -> None:
     """Start torch.distributed like deepspeed.init_distributed: nccl on GPUs, gloo otherwise;
-    rank and world from torchrun, SLURM or MPI variables. A no-op when already initialized."""
-    if dist.is_initialized():
+    rank and world from torchrun, SLURM or MPI variables. A no-op when already initialized.
+    Order: the rank's GPU (from LOCAL_RANK) made current, then the group bound to it."""
+    if is_initialized():
         return
     if dist_init_required is False:
         raise ConfigError("torch.distributed is not initialized and dist_init_required=False: "
@@ -79,15 +80,15 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
         watch_launcher()  # a worker never outlives its launcher
     if auto_mpi_discovery:
         _discover_env(distributed_port)
-    env_rank, env_world, _ = env_rank_world()
+    env_rank, env_world, local_rank = env_rank_world()
     rank = env_rank if rank < 0 else rank
     world_size = env_world if world_size < 0 else world_size
     minutes = float(os.environ.get("DEEPSPEED_TIMEOUT", timeout.total_seconds() / 60))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    dist.init_process_group(backend=dist_backend or default_backend(), rank=rank,
-                            world_size=world_size, init_method=init_method or "env://",
-                            timeout=datetime.timedelta(minutes=minutes))
+    backend = dist_backend or default_backend()
+    init_process_group(rank, world_size, backend, minutes, init_method or "env://",
+                       device=default_device(local_rank, backend))
 
 
 def add_config_arguments(parser):
@@ -150,7 +151,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if frozen:
         raise ConfigError(f"frozen parameter {frozen[0]!r} (requires_grad=False): the 2BW engine "
                           "trains every parameter of the PipelineModule")
-    _, world = rank_world()
+    _, world = current_rank_world()
     layout = grid_layout(model.topology())
     cfg, extras = config_from_deepspeed(ds, world, model.num_stages, model._num_layers,
                                         seed=model.base_seed, rank_order=layout["rank_order"])
@@ -160,7 +161,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         cfg.model.recompute_method = "uniform"
         cfg.model.recompute_num_layers = model.activation_checkpoint_interval
     # -- configuration is valid: from here on, process groups ------------------------------------
-    if not dist.is_initialized():
+    if not is_initialized():
         init_distributed(dist_init_required=dist_init_required)
     engine = DeepSpeedPipelineEngine(model, cfg, ds, extras, training_data=training_data,
                                      collate_fn=collate_fn)

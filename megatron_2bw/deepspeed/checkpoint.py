@@ -16,7 +16,6 @@ import re
 from operator import attrgetter
 
 import torch
-import torch.distributed as dist
 
 STATE_KEYS = ("module", "buffer_names", "optimizer", "lr_scheduler", "global_steps",
               "global_samples", "skipped_steps", "dp_world_size", "mp_world_size", "ds_config",
@@ -59,7 +58,7 @@ class CheckpointMixin:
         path = os.path.join(save_dir, tag)
         if self.global_rank == 0:
             os.makedirs(path, exist_ok=True)
-        dist.barrier()
+        self._engine.grid.comm.barrier()
         if self.grid.get_data_parallel_rank() == 0:
             for idx, sd in self._layer_state_dicts().items():
                 torch.save(sd, os.path.join(path, self.module.ckpt_layer_name(idx)))
@@ -76,11 +75,11 @@ class CheckpointMixin:
                                       "num_stages": self.num_stages, "stage": self.stage_id}}
             state.update(client_state)
             torch.save(state, self._state_file(path))
-        dist.barrier()
+        self._engine.grid.comm.barrier()
         if save_latest and self.global_rank == 0:
             with open(os.path.join(save_dir, "latest"), "w") as f:
                 f.write(tag)
-        dist.barrier()
+        self._engine.grid.comm.barrier()
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
@@ -140,7 +139,7 @@ class CheckpointMixin:
             self.global_samples = int(meta.get("global_samples",
                                                self.global_steps * self.train_batch_size()))
         self.module.adopt(eng.module)
-        dist.barrier()
+        self._engine.grid.comm.barrier()
         return state_file, client
 
     def _layer_file(self, path: str, idx: int) -> str | None:

@@ -13,9 +13,9 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
-from ..parallel.distributed import default_device, env_rank_world
+from ..parallel.comm import Comm
+from ..parallel.distributed import current_rank_world, default_device, env_rank_world
 from ..parallel.grid import ProcessGrid
 from ..pipe.module import PipelineError, PipelineModule
 from ..utils import RepeatingLoader
@@ -70,11 +70,13 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
         from ..pipeline.engine import PipelineEngine
         self._cfg, self._config, self._extras = cfg, ds_json, extras
         self.module = module
-        self.global_rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.global_rank, self.world_size = current_rank_world()
         self.local_rank = int(os.environ.get("LOCAL_RANK", env_rank_world()[2]))
-        self.device = default_device(self.local_rank, dist.get_backend())
+        comm = Comm()
+        self.device = default_device(self.local_rank, comm.backend)
+        comm = Comm(self.device, comm.backend)
         grid = ProcessGrid(1, cfg.parallel.pipeline, cfg.parallel.data, rank=self.global_rank,
-                           rank_order=cfg.parallel.rank_order).init_groups()
+                           rank_order=cfg.parallel.rank_order).init_groups(comm)
         if grid.stage != module.stage_id:
             raise RuntimeError(f"rank {self.global_rank}: grid stage {grid.stage} != module stage "
                                f"{module.stage_id}")
@@ -116,14 +118,14 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
             src = min(grid.group_ranks("tied"))
             for _, p in self.module.tied_sync_params():
                 with torch.no_grad():
-                    dist.broadcast(p.data, src=src, group=tied_group)
+                    grid.comm.broadcast(p.data, src, tied_group)
         dp_group = grid.group("dp")
         if dp_group is not None:
             tp, pp, _ = grid.coords()
             src = grid.rank_of(tp, pp, 0)
             with torch.no_grad():
                 for t in list(self.module.parameters()) + list(self.module.buffers()):
-                    dist.broadcast(t.data, src=src, group=dp_group)
+                    grid.comm.broadcast(t.data, src, dp_group)
 
     def _build_data_iter(self, dataset, collate_fn) -> None:
         from torch.utils.data import DataLoader, DistributedSampler
@@ -223,7 +225,7 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
         group = self.grid.get_data_parallel_group()
         for t in reduced:
             if group is not None:
-                dist.all_reduce(t, group=group)
+                self.grid.grid.comm.all_reduce(t, group)
                 t.div_(self.dp_world_size)
         return reduced[0] if tensors else reduced
 

@@ -1,11 +1,20 @@
-"""Starting torch.distributed from torchrun or SLURM environments, device and backend choice."""
+"""Starting torch.distributed from torchrun or SLURM environments, device and backend choice.
+
+Set-up order (`start_process_group`): device from the local rank (LOCAL_RANK, SLURM_LOCALID, ...)
+made current -> `init_process_group(..., device_id=device)` -> a `Comm` on that device -> the
+grid's groups (`ProcessGrid.init_groups`). Nothing touches a GPU before the first step."""
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 
 import torch
 import torch.distributed as dist
+
+from ..config import ConfigError
+
+_HAS_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters  # torch>=2.3
 
 
 LAUNCHER_VARS = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),   # torchrun, torch multiprocessing
@@ -65,17 +74,33 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def default_device(local_rank: int = 0, backend: str | None = None) -> torch.device:
-    backend = backend or default_backend()
-    if backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
+def backend_device(backend: str | None, local_rank: int = 0) -> torch.device:
+    """The device a backend communicates on: NCCL the rank's own GPU (cuda:<local rank>, modulo
+    the GPUs this process sees, so `--gpus-per-task=1` works too), gloo the CPU. Pure: sets
+    nothing."""
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError("the nccl backend needs CUDA GPUs and this process sees none: use "
+                             "--distributed-backend gloo or check CUDA_VISIBLE_DEVICES")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
+def default_device(local_rank: int = 0, backend: str | None = None) -> torch.device:
+    """`backend_device`, made the current CUDA device when it is a GPU (NCCL, all_gather_object
+    and the CUDA caching allocator use the current device)."""
+    device = backend_device(backend or default_backend(), local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def init_process_group(rank: int, world_size: int, backend: str | None = None,
-                       timeout_minutes: float = 10.0, init_method: str | None = None) -> str:
-    """Initialize the default group (idempotent). Returns the backend used."""
+                       timeout_minutes: float = 10.0, init_method: str | None = None,
+                       device: torch.device | None = None) -> str:
+    """Initialize the default group (idempotent). Returns the backend used. With NCCL, `device`
+    (the rank's GPU, already current) binds the group to it (`device_id`): communicators are
+    created eagerly on the right GPU instead of lazily on whatever device is current."""
     backend = backend or default_backend()
     if dist.is_initialized():
         return dist.get_backend()
@@ -85,7 +110,41 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None,
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         init_method = "env://"
+    extra = {}
+    if backend == "nccl" and device is not None and device.type == "cuda" and _HAS_DEVICE_ID:
+        extra["device_id"] = device
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             init_method=init_method,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
+                            timeout=datetime.timedelta(minutes=timeout_minutes), **extra)
     return backend
+
+
+def start_process_group(rank: int, world_size: int, local_rank: int = 0,
+                        backend: str | None = None, timeout_minutes: float = 10.0,
+                        init_method: str | None = None):
+    """The set-up order clusters need, in one place: the rank's device from its local rank (made
+    current), then the default group bound to it, then a `Comm` on that device (the grid creates
+    its groups through it afterwards). Returns the Comm."""
+    from .comm import Comm
+    backend = backend or default_backend()
+    device = default_device(local_rank, backend)
+    backend = init_process_group(rank, world_size, backend, timeout_minutes, init_method, device)
+    return Comm(device, backend)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def current_rank_world() -> tuple[int, int]:
+    """This process's rank and the world size: from the process group if it is up, else from the
+    launcher's environment (torchrun / SLURM / MPI), else (0, 1)."""
+    if is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank, world, _ = env_rank_world()
+    return rank, world
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()

@@ -1,20 +1,25 @@
 """The process grid: which rank holds which (tensor, pipeline, data) coordinate, and its groups.
 
 No module-level state: one `ProcessGrid` object per process. Coordinates are pure arithmetic (unit
-tested without processes); `init_groups()` creates the torch.distributed groups.
+tested without processes); `init_groups(comm)` creates the torch.distributed groups through the
+grid's `Comm` (comm.py), which every collective of the package then goes through.
 
 Rank order names the axes from innermost (fastest varying) to outermost:
   "tp-dp-pp" (Megatron's default): rank = tp + t * (dp + w * pp)
   "tp-pp-dp":                      rank = tp + t * (pp + d * dp)
 Tensor parallel is always innermost so a stage's tensor group stays inside a node.
+
+Group kinds: tp, dp, pp, mp (one replica: every stage and tensor rank of a data-parallel index),
+tied (first and last stage, every replica, per tensor rank) and pair: one group per neighbouring
+pair of stages of each pipeline, [rank of stage s, rank of stage s+1], which the point-to-point
+of that pair uses (`pair_group(peer)`), so a batched send never involves another rank.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
 from ..config import RANK_ORDERS
+from .comm import Comm
 
 
 @dataclass
@@ -25,6 +30,8 @@ class ProcessGrid:
     rank: int = 0
     rank_order: str = "tp-dp-pp"
     groups: dict = field(default_factory=dict, repr=False)
+    pairs: dict = field(default_factory=dict, repr=False)   # neighbour's global rank -> group
+    comm: Comm = field(default_factory=Comm, repr=False, compare=False)
 
     def __post_init__(self):
         if self.rank_order not in RANK_ORDERS:
@@ -100,24 +107,43 @@ class ProcessGrid:
         if d > 1:  # tied embedding: first and last stage of every replica, per tensor rank
             kinds["tied"] = [sorted({r(i, p, q) for q in range(w) for p in (0, d - 1)})
                              for i in range(t)]
+            kinds["pair"] = [[r(i, p, q), r(i, p + 1, q)]
+                             for i in range(t) for q in range(w) for p in range(d - 1)]
         return kinds
 
     def group_ranks(self, kind: str) -> list[int]:
+        """Members of this rank's group of `kind` (not "pair": a rank has two, see pairs)."""
         for ranks in self.all_group_ranks().get(kind, []):
             if self.rank in ranks:
                 return ranks
         return []
 
-    def init_groups(self) -> "ProcessGrid":
-        """Create the torch.distributed groups (collective: every rank must call it)."""
+    def init_groups(self, comm: Comm | None = None) -> "ProcessGrid":
+        """Create the torch.distributed groups through `comm` (default: the grid's, which takes
+        its device from the process group). Collective: every rank must call it, after the
+        process group started on the rank's device (distributed.start_process_group)."""
+        if comm is not None:
+            self.comm = comm
         for kind, all_ranks in self.all_group_ranks().items():
             for ranks in all_ranks:
                 if len(ranks) == 1:
                     continue  # a group of one needs no communication
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
+                group = self.comm.new_group(ranks)
+                if self.rank not in ranks:
+                    continue
+                if kind == "pair":
+                    self.pairs[ranks[1] if ranks[0] == self.rank else ranks[0]] = group
+                else:
                     self.groups[kind] = group
         return self
+
+    def pair_group(self, peer: int):
+        """The two-rank group of this rank and its neighbouring stage `peer` (a global rank)."""
+        try:
+            return self.pairs[peer]
+        except KeyError:
+            raise ValueError(f"rank {peer} is not a neighbouring stage of rank {self.rank}, or "
+                             "init_groups() has not run") from None
 
     def group(self, kind: str):
         """The torch group of `kind` containing this rank, or None if it is a group of one."""

@@ -1,9 +1,12 @@
-"""Point-to-point between neighbouring stages: one batched isend/irecv per communication group,
-and a one-time shape/dtype handshake per run so receivers can allocate buffers."""
+"""Point-to-point between neighbouring stages, on the pipeline's own groups: each neighbour is
+reached through the two-rank group of that pair of stages (ProcessGrid.pair_group), never the
+world group, so no batched send needs (or, under NCCL, lazily initializes a communicator over)
+ranks outside the pair. One communication action group of the schedule becomes one batched
+isend/irecv per neighbour; all of them are posted before any is waited on. A one-time
+shape/dtype handshake per run lets receivers allocate buffers."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 META_LEN = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
@@ -18,9 +21,9 @@ def encode_meta(tensors: tuple[torch.Tensor, ...], device) -> torch.Tensor:
     if len(values) > META_LEN:
         raise ValueError(f"stage output too complex to describe in {META_LEN} integers: "
                          f"{[tuple(t.shape) for t in tensors]}")
-    meta = torch.zeros(META_LEN, dtype=torch.int64)
-    meta[:len(values)] = torch.tensor(values, dtype=torch.int64)
-    return meta.to(device)
+    meta = torch.zeros(META_LEN, dtype=torch.int64, device=device)
+    meta[:len(values)] = torch.tensor(values, dtype=torch.int64, device=device)
+    return meta
 
 
 def decode_meta(meta: torch.Tensor) -> list[tuple[torch.Size, torch.dtype, bool]]:
@@ -34,8 +37,9 @@ def decode_meta(meta: torch.Tensor) -> list[tuple[torch.Size, torch.dtype, bool]
 
 
 class P2P:
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device):
-        self.prev, self.next, self.device = prev_rank, next_rank, torch.device(device)
+    def __init__(self, grid, device):
+        self.prev, self.next, self.device = grid.prev_rank, grid.next_rank, torch.device(device)
+        self.comm, self.grid = grid.comm, grid
         self.reset()
 
     def reset(self) -> None:
@@ -45,13 +49,14 @@ class P2P:
 
     def ensure_meta_sent(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if not self.meta_sent:
-            dist.send(encode_meta(tensors, self.device), self.next)
+            self.comm.send(encode_meta(tensors, self.device), self.next,
+                           self.grid.pair_group(self.next))
             self.meta_sent = True
 
     def ensure_meta_received(self) -> list:
         if self.recv_meta is None:
             meta = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
-            dist.recv(meta, self.prev)
+            self.comm.recv(meta, self.prev, self.grid.pair_group(self.prev))
             self.recv_meta = decode_meta(meta)
         return self.recv_meta
 
@@ -60,16 +65,20 @@ class P2P:
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
                  recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """Post all sends and receives as one batch and wait for all of them."""
-        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-        if not ops:
+        """Post all sends and receives (one batch per neighbour, on that pair's group, in rank
+        order) and wait for all of them."""
+        peers = sorted({peer for _, peer in sends + recvs})
+        if not peers:
             return
         try:
-            for work in dist.batch_isend_irecv(ops):
+            works = []
+            for peer in peers:
+                works += self.comm.batch_isend_irecv([(t, p) for t, p in sends if p == peer],
+                                                     [(t, p) for t, p in recvs if p == peer],
+                                                     self.grid.pair_group(peer))
+            for work in works:
                 work.wait()
         except RuntimeError as e:
-            peers = sorted({peer for _, peer in sends + recvs})
             names = ", ".join(f"rank {r} ({'previous' if r == self.prev else 'next'} stage)"
                               for r in peers)
             raise RuntimeError(f"point-to-point exchange with {names} failed: that rank died or "

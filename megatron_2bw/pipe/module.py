@@ -23,11 +23,11 @@ import random
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
-from ..parallel.distributed import env_rank_world
+from ..parallel.comm import Comm
+from ..parallel.distributed import current_rank_world, is_initialized
 from ..pipeline.module import LayerSpec as EngineLayerSpec
 from .partition import is_spec, is_tied_spec, layer_name, partition_layers
 from .topology import PipeDataParallelTopology, ProcessTopology, grid_layout
@@ -46,7 +46,7 @@ class LayerSpec:
         self.typename = typename
         self.module_args = module_args
         self.module_kwargs = module_kwargs
-        self.global_rank = dist.get_rank() if dist.is_initialized() else -1
+        self.global_rank = current_rank_world()[0] if is_initialized() else -1
 
     def __repr__(self):
         args = [repr(a) for a in self.module_args]
@@ -94,15 +94,6 @@ def set_random_seed(seed: int) -> None:
     torch.manual_seed(seed % (2 ** 63))
 
 
-def rank_world() -> tuple[int, int]:
-    """This process's rank and the world size: from the process group if it is up, else from the
-    launcher's environment (torchrun / SLURM / MPI), else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    rank, world, _ = env_rank_world()
-    return rank, world
-
-
 def resolve_process_topology(num_stages, topology, world_size: int):
     """Our ProcessTopology (DeepSpeed's rank grid) for a PipelineModule's (num_stages, topology)
     in a world; one-line ConfigErrors. (The planner's `resolve_topology` is the hardware.)"""
@@ -142,7 +133,7 @@ class PipelineModule(nn.Module):
         super().__init__()
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
             raise ConfigError("checkpointable_layers must be a list of layer class names")
-        rank, world = rank_world()
+        rank, world = current_rank_world()
         topo = resolve_process_topology(num_stages, topology, world)
         specs = list(layers)
         parts = partition_layers(specs, topo.get_dim("pipe"), partition_method,
@@ -384,9 +375,7 @@ def _is_ds_pipeline_module(obj) -> bool:
 
 
 def _max_over_ranks(costs: list[float]) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return costs
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(costs, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.cpu().tolist()
+    """Measured costs agreed by every rank (profile partitioning). Through a Comm of the process
+    group, whose device comes from the launcher's local rank (NCCL: this rank's GPU, not
+    whatever device is current before the engine sets it); no process group: the costs."""
+    return Comm().reduce_floats(costs, op="max")

@@ -1,28 +1,32 @@
 """The batch-level actions of a stage: R (reduce), N (norm), S (step).
 
-R(t)  scale the batch's fp32 gradient buffer by 1/w and start, asynchronously, the data-parallel
-      all-reduce in buckets (the whole buffer but the tied slice) and the tied-weight all-reduce
-      (first and last stage of every replica; the tied gradient is summed across the two stages
-      and averaged across replicas in one collective).
+R(t)  mark this rank's raised control flags in the buffer's tail (flags.py), scale the batch's fp32
+      gradient buffer by 1/w and start, asynchronously, the data-parallel all-reduce in buckets
+      (the whole buffer but the tied slice, tail included) and the tied-weight all-reduce (first
+      and last stage of every replica; the tied gradient is summed across the two stages and
+      averaged across replicas in one collective).
 N(t)  wait for the data-parallel reduction (and, on the first stage, the tied one), compute this
       stage's share of the squared global gradient norm, and start the model-parallel all-reduce of
-      [norm^2, loss] (the last stage contributes the loss, so every rank learns it).
-S(t)  wait for everything, clip by the global norm, unscale (fp16), step the optimizer from the
-      version the schedule names into the slot it names, zero the buffer.
+      [norm^2, loss, *flags] (the last stage contributes the loss, so every rank learns it; the
+      flag slots end as world-wide sums).
+S(t)  wait for everything, hand the flag sums to the host without blocking, clip by the global
+      norm, unscale (fp16), step the optimizer from the version the schedule names into the slot it
+      names, zero the buffer.
 
-Nothing here synchronizes with the host except fp16's overflow check (one read per batch). A
-skipped fp16 step is counted; more than the config's skip limit in a row (a diverged run, not a
-loss scale still settling) ends the run with a NumericsError on every rank alike.
+Every collective goes through the grid's Comm (parallel/comm.py). Nothing here synchronizes with
+the host except fp16's overflow check (one read per batch). A skipped fp16 step is counted; more
+than the config's skip limit in a row (a diverged run, not a loss scale still settling) ends the
+run with a NumericsError on every rank alike.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..config import Config
 from ..optim import LRSchedule, make_loss_scaler, make_optimizer
 from ..parallel.grid import ProcessGrid
 from ..reliability import NumericsError, describe
+from .flags import ControlFlags
 from .weights import VersionedWeights
 
 BUCKET_ELEMENTS = 2 ** 24  # 64 MB of fp32 per all-reduce call
@@ -32,6 +36,9 @@ class BatchStepper:
     def __init__(self, cfg: Config, grid: ProcessGrid, weights: VersionedWeights, device):
         self.cfg, self.grid, self.w = cfg, grid, weights
         self.device = device
+        self.comm = grid.comm
+        self.comm.expect_device(device, "the pipeline engine")
+        self.flags = ControlFlags(device)
         self.dp_size = grid.data
         self.optimizer = make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
         self.scaler = make_loss_scaler(cfg.precision)
@@ -49,6 +56,7 @@ class BatchStepper:
     def reduce(self, batch: int, slot: int) -> None:
         buf = self.w.grads[slot]
         works = {"dp": [], "tied": []}
+        self.flags.write(buf[self.w.numel + 1:])
         if self.dp_size > 1:
             buf.mul_(1.0 / self.dp_size)
         start = self.w.tied_end if self.cross_stage_tied else 0
@@ -56,10 +64,10 @@ class BatchStepper:
         if dp_group is not None:
             for lo in range(start, buf.numel(), BUCKET_ELEMENTS):
                 chunk = buf[lo:lo + BUCKET_ELEMENTS]
-                works["dp"].append(dist.all_reduce(chunk, group=dp_group, async_op=True))
+                works["dp"].append(self.comm.all_reduce(chunk, dp_group, async_op=True))
         if self.cross_stage_tied:
-            works["tied"].append(dist.all_reduce(buf[:self.w.tied_end],
-                                                 group=self.grid.group("tied"), async_op=True))
+            works["tied"].append(self.comm.all_reduce(buf[:self.w.tied_end],
+                                                      self.grid.group("tied"), async_op=True))
         self.pending[batch] = works
 
     # -- N --------------------------------------------------------------------------------------
@@ -69,12 +77,12 @@ class BatchStepper:
         if self.grid.is_first_stage:
             _wait(works.pop("tied"), "tied-embedding all-reduce (first and last stage)")
         buf, n = self.w.grads[slot], self.w.numel
-        stats = torch.stack([self._norm_sq(buf), buf[n]])
+        stats = torch.cat([self._norm_sq(buf).reshape(1), buf[n:]])  # norm^2, loss, *flags
         if self.grid.tp_rank != 0:  # tensor ranks repeat the loss; count it once
             stats[1] = 0
         group = self.grid.group("mp")
         works["stats"] = stats
-        works["norm"] = [dist.all_reduce(stats, group=group, async_op=True)] if group else []
+        works["norm"] = [self.comm.all_reduce(stats, group, async_op=True)] if group else []
 
     def _norm_sq(self, buf: torch.Tensor) -> torch.Tensor:
         """This rank's share of the squared global norm: the tied gradient counts once (first
@@ -98,9 +106,9 @@ class BatchStepper:
             value.zero_()
         if self.grid.group("dp") is not None:
             value.mul_(1.0 / self.dp_size)
-            dist.all_reduce(value, group=self.grid.group("dp"))
+            self.comm.all_reduce(value, self.grid.group("dp"))
         if self.grid.group("mp") is not None:
-            dist.all_reduce(value, group=self.grid.group("mp"))
+            self.comm.all_reduce(value, self.grid.group("mp"))
         return value[0]
 
     # -- S --------------------------------------------------------------------------------------
@@ -109,6 +117,7 @@ class BatchStepper:
         _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)")
         _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)")
         stats = works["stats"]
+        self.flags.carried(batch, stats[2:])
         scale = self.scaler.scale
         buf, n = self.w.grads[grad_slot], self.w.numel
         norm_sq, loss = stats[0], stats[1]

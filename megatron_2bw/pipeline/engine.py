@@ -51,7 +51,7 @@ class PipelineEngine:
         self.weights = VersionedWeights(module, self.kind.num_slots, cfg.precision.dtype,
                                         self.device, tied=module.tied)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device)
-        self.p2p = P2P(grid.prev_rank, grid.next_rank, self.device)
+        self.p2p = P2P(grid, self.device)
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
         self.iteration = 0            # optimizer steps done == index of the next batch
@@ -265,7 +265,8 @@ class PipelineEngine:
             self.outputs[a.mb] = loss
             batch = a.mb // self.m
             slot = self.kind.slot_of_batch(batch)
-            self.weights.grads[slot][-1:].add_(loss.detach().float(), alpha=1.0 / self.m)
+            n = self.weights.numel  # the loss slot: first of the buffer's tail (weights.py)
+            self.weights.grads[slot][n:n + 1].add_(loss.detach().float(), alpha=1.0 / self.m)
         else:
             out = out if isinstance(out, tuple) else (out,)
             self.outputs[a.mb] = out

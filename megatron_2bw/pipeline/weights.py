@@ -3,10 +3,10 @@
 Layout of every flat buffer (same offsets everywhere), so that both the weight-decay range and
 the range of parameters replicated across tensor ranks are contiguous:
     [tied | decay, tensor-split | decay, replicated | no decay, replicated | no decay, split]
-    + 1 trailing element
-The trailing element of a gradient buffer carries the batch's loss through the same reductions
-(data-parallel average, then model-parallel sum), so no extra collective is needed to give every
-rank the loss.
+    + TAIL trailing elements of gradient buffers: [loss, *flags.FLAGS]
+The tail of a gradient buffer carries the batch's loss and the control flags (flags.py) through
+the same reductions (data-parallel average, then model-parallel sum), so no extra collective is
+needed to give every rank the loss or to agree on stopping.
 
 Version slots: 2BW keeps exactly two (`slots[0]`, `slots[1]`); gpipe/flush keep one. Each slot has
 its own replica of the stage module whose parameters are views into that slot (`modules[k]`), so
@@ -23,6 +23,10 @@ import copy
 
 import torch
 from torch import nn
+
+from .flags import FLAGS
+
+TAIL = 1 + len(FLAGS)  # loss, then one slot per control flag
 
 def _group(p: nn.Parameter, tied: dict) -> int:
     """Position class in the flat layout (see the module docstring)."""
@@ -62,7 +66,7 @@ class VersionedWeights:
         mixed = self.dtype != torch.float32
         self.master = init.clone() if mixed else None
         self.slots = [init.to(self.dtype).clone() for _ in range(num_slots)]
-        self.grads = [torch.zeros(n + 1, dtype=torch.float32, device=self.device)
+        self.grads = [torch.zeros(n + TAIL, dtype=torch.float32, device=self.device)
                       for _ in range(num_slots)]
         self.model_grad = torch.zeros(n, dtype=self.dtype, device=self.device) if mixed else None
 

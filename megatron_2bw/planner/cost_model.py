@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
+from ..pipeline.weights import TAIL
 from ..models.flops import DTYPE_BYTES, layer_costs
 from ..parallel.grid import ProcessGrid
 from ..pipeline.registry import ScheduleKind, schedule_kind
@@ -85,7 +86,7 @@ def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam"
     mixed = dtype != "fp32"
     return {"weights": num_slots * params * p,
             "master": params * 4 if mixed else 0,
-            "grads": num_slots * (params + 1) * 4,
+            "grads": num_slots * (params + TAIL) * 4,   # + loss and control flags
             "model_grad": params * p if mixed else 0,
             "optimizer": OPTIMIZER_COPIES[optimizer] * params * 4}
 
@@ -296,7 +297,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         tied = (costs[lo].tied_params if lo == 0 else 0) + \
             (costs[-1].tied_params if hi == len(costs) else 0)
         tied = tied if d > 1 else 0
-        t_ar = topology.ring_time(4.0 * (params + 1 - tied), w, dp_inter[s])
+        t_ar = topology.ring_time(4.0 * (params + TAIL - tied), w, dp_inter[s])
         if tied:
             t_ar += topology.ring_time(4.0 * tied, 2 * w, tied_inter)
         ar.append(t_ar)

@@ -3,7 +3,6 @@ global max and sum-of-exp by all-reduce, the target logit from the rank that own
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from .mappings import TPGroup
@@ -15,17 +14,17 @@ class _VocabParallelCE(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.float()
         logits_max = logits.max(dim=-1)[0]
-        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+        tp.comm.all_reduce(logits_max, tp.group, op="max")
         logits = logits - logits_max.unsqueeze(-1)
         per = logits.shape[-1]
         start = tp.rank * per
         outside = (target < start) | (target >= start + per)
         local = (target - start).masked_fill(outside, 0)
         predicted = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(predicted, group=tp.group)
+        tp.comm.all_reduce(predicted, tp.group)
         exp = logits.exp()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=tp.group)
+        tp.comm.all_reduce(sum_exp, tp.group)
         loss = sum_exp.log() - predicted
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local, outside)

@@ -5,8 +5,9 @@
     scatter_to_tp_region   forward: keep my last-dim chunk   backward: all-gather
     gather_from_tp_region  forward: all-gather last dim      backward: keep my chunk
 
-The group travels as a `TPGroup` value (no module-level state). With size 1 every mapping is the
-identity, so the same layer code is the single-process reference.
+The group travels as a `TPGroup` value (no module-level state), with the Comm its collectives go
+through (parallel/comm.py). With size 1 every mapping is the identity, so the same layer code is
+the single-process reference.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from ..parallel.comm import Comm
 
 
 @dataclass(frozen=True)
@@ -22,20 +24,25 @@ class TPGroup:
     group: Any = None   # torch.distributed group, None when size == 1
     rank: int = 0
     size: int = 1
+    comm: Any = None    # Comm; the process group's when not given
+
+    def __post_init__(self):
+        if self.comm is None and self.size > 1:
+            object.__setattr__(self, "comm", Comm())
 
     def __deepcopy__(self, memo) -> "TPGroup":
         return self  # a handle to a process group: weight-version replicas share it
 
     @classmethod
     def from_grid(cls, grid) -> "TPGroup":
-        return cls(grid.group("tp"), grid.tp_rank, grid.tensor)
+        return cls(grid.group("tp"), grid.tp_rank, grid.tensor, grid.comm)
 
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if tp.size == 1:
         return x
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=tp.group)
+    tp.comm.all_reduce(x, tp.group)
     return x
 
 
@@ -50,7 +57,7 @@ def _gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x, group=tp.group)
+    tp.comm.all_gather(parts, x, tp.group)
     return torch.cat(parts, dim=-1)
 
 
