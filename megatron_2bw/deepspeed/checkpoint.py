@@ -139,7 +139,6 @@ class CheckpointMixin:
         if not load_module_only:
             self.global_samples = int(meta.get("global_samples",
                                                self.global_steps * self.train_batch_size()))
-        self.module.adopt(eng.module)
         dist.barrier()
         return state_file, client
 
