@@ -15,7 +15,8 @@ touch): `train_batch`, `eval_batch`, `start`, `state_dict`/`load_state_dict`, `m
 module holding the newest weights, asked on every access), `fp32_state`, `optimizer` (state_dict /
 load_state_dict), `lr_schedule` (iteration -> lr, a constructor argument) and `lr` (the next
 step's), `iteration`, `skipped_iterations`, `last_grad_norm`, `timers` (seconds per action kind
-with --wall-clock-breakdown; the reader clears it).
+with --wall-clock-breakdown; the reader clears it), `kind` (the schedule kind) and, read-only,
+`weights` (the flat-buffer layout: names, shapes, offsets; read by DeepSpeed-layout checkpoints).
 """
 from __future__ import annotations
 
