@@ -44,9 +44,9 @@ def make_config(spec: dict, schedule: str, m: int):
     b = spec["micro"]
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
-                        vocab_size=spec["vocab"], init_method_std=0.02)
-    if spec["recompute"]:
-        model.recompute_method, model.recompute_num_layers = "uniform", 1
+                        vocab_size=spec["vocab"], init_method_std=0.02,
+                        recompute_method="uniform" if spec["recompute"] else None,
+                        recompute_num_layers=1 if spec["recompute"] else 0)
     return Config(model=model, schedule=schedule, parallel=ParallelConfig(pipeline=spec["d"]),
                   batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m),
                   optimizer=OptimizerConfig(lr=1e-4),

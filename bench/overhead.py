@@ -57,7 +57,7 @@ class Plain:
         self.model = build_sequential(cfg, specs)
         self.params = [p for _, p in self.model.named_parameters()]
         self.opt = torch_reference_optimizer(cfg.optimizer, list(self.model.named_parameters()))
-        self.m, self.clip, self.torch = cfg.num_microbatches(1), cfg.optimizer.clip_grad, torch
+        self.m, self.clip, self.torch = cfg.num_microbatches, cfg.optimizer.clip_grad, torch
 
     def train_batch(self, it):
         total = self.torch.zeros(())

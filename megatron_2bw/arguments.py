@@ -125,7 +125,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
-    """Fill the typed config from parsed flags (no validation here: call cfg.validate)."""
+    """The typed config of parsed flags, as typed (not validated, not resolved for a world: the
+    config pipeline, `config_pipeline.build_config`, does both)."""
     shape = dict(SHAPE_DEFAULTS)
     if getattr(args, "model", None):
         try:
@@ -148,7 +149,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         raise ConfigError("--recompute-method/--recompute-num-layers need "
                           "--recompute-granularity full")
     model = ModelConfig(
-        family=family, num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+        family=family, bert_binary_head=not getattr(args, "bert_no_binary_head", False), num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
         num_attention_heads=shape["num_attention_heads"], ffn_hidden_size=args.ffn_hidden_size,
         seq_length=shape["seq_length"], max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
@@ -184,17 +185,6 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         trace=args.trace)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=args.pipeline_schedule)
-
-
-def resolve_batch(cfg: Config, world_size: int, train_samples: int | None = None) -> Config:
-    """Megatron's default global batch (one microbatch per replica); --train-samples to iters."""
-    if cfg.batch.global_batch_size is None:
-        cfg.batch.global_batch_size = cfg.batch.micro_batch_size * cfg.data_parallel_size(world_size)
-    if train_samples is not None:
-        if train_samples < 1:
-            raise ConfigError(f"--train-samples must be >= 1, got {train_samples}")
-        cfg.train.train_iters = max(1, -(-train_samples // cfg.batch.global_batch_size))
-    return cfg
 
 
 def exit_on_config_error(fn):

@@ -1,12 +1,25 @@
-"""One typed config: the single source of truth. Front doors (Megatron flags, DeepSpeed JSON) fill it.
+"""One typed config: the single source of truth. Front doors (Megatron flags, DeepSpeed JSON) fill it
+through one pipeline (`config_pipeline.build_config`); the planner returns a new one.
 
-`Config.validate(world_size)` checks everything that can be checked without a process group and
-raises `ConfigError` with a one-line message naming the setting and the fix.
+Every dataclass here is frozen: a change is a new config (`cfg.replace(batch={...})`,
+`cfg.replace(**{"optimizer.lr": 0.1})`), so nobody changes a setting behind another's back.
+
+`Config.validate(world_size)` checks everything that can be checked without a process group,
+raises `ConfigError` with a one-line message naming the setting and the fix, and returns the
+config resolved for that world (the data-parallel size and Megatron's default global batch filled
+in). It never mutates. `Config.num_microbatches` (m) and `Config.data_parallel_size` (w) are
+properties of a resolved config: the one place m is computed (`num_microbatches` below).
+
+`Config.fixed` records which settings the user fixed and where (a flag or a DeepSpeed key), so
+the planner keeps them and a contradiction names both sources; it is not part of the settings
+(`to_dict` and `==` ignore it).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from .pipeline.registry import DEFAULT_SCHEDULE, schedule_kind, schedule_names
 
@@ -25,7 +38,21 @@ class ConfigError(ValueError):
 MODEL_FAMILIES = ("gpt", "bert")
 
 
-@dataclass
+def num_microbatches(global_batch: int, micro_batch: int, data_parallel: int) -> int:
+    """m = B / (b x w): microbatches per batch per pipeline (the one place it is computed)."""
+    return global_batch // (micro_batch * data_parallel)
+
+
+class Fixed(NamedTuple):
+    """A setting the user fixed: the config path (or "batch.num_microbatches" for DeepSpeed's
+    gradient_accumulation_steps), where it came from ("--micro-batch-size", "train_batch_size in
+    the DeepSpeed config") and its value."""
+    path: str
+    source: str
+    value: object
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str = "gpt"                           # "gpt" or "bert"
     num_layers: int = 2
@@ -54,7 +81,7 @@ class ModelConfig:
         return self.max_position_embeddings or self.seq_length
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor: int = 1                 # t
     pipeline: int = 1               # d
@@ -62,16 +89,20 @@ class ParallelConfig:
     rank_order: str = "tp-dp-pp"    # innermost axis first; Megatron's default
     backend: str | None = None      # None -> nccl when CUDA is available, else gloo
     timeout_minutes: float = 10.0
-    partition: list[int] | None = None  # stage boundaries over [embedding, blocks..., head]
+    partition: tuple[int, ...] | None = None  # stage boundaries over [embedding, blocks..., head]
+
+    def __post_init__(self):
+        if self.partition is not None and not isinstance(self.partition, tuple):
+            object.__setattr__(self, "partition", tuple(self.partition))
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchConfig:
     micro_batch_size: int = 1       # b
     global_batch_size: int | None = 1  # B = b * m * w; None: one microbatch per replica
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     name: str = "adam"
     lr: float = 1e-3
@@ -85,12 +116,9 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None
     lr_decay_style: str = "constant"
-    # DeepSpeed "scheduler" section {"type", "params"} (set by ds_config): when set, the step's lr
-    # follows DeepSpeed's arithmetic (ds_config.deepspeed_lr) instead of the Megatron fields
-    ds_scheduler: dict | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionConfig:
     dtype: str = "fp32"
     loss_scale: float | None = None  # fp16 only: a fixed scale; None -> dynamic
@@ -112,7 +140,7 @@ class PrecisionConfig:
         return self.hysteresis - 1 + halvings + 10
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     train_iters: int = 10
     seed: int = 1234
@@ -135,7 +163,7 @@ class TrainConfig:
     trace: str | None = None          # write per-rank action traces to {trace}.rank{r}.json
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -145,27 +173,80 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     schedule: str = DEFAULT_SCHEDULE
 
-    # -- derived sizes -------------------------------------------------------------------------
-    def data_parallel_size(self, world_size: int | None = None) -> int:
-        if self.parallel.data is not None:
-            return self.parallel.data
-        if world_size is None:
-            return 1
-        return max(world_size // (self.parallel.tensor * self.parallel.pipeline), 1)
+    fixed: tuple[Fixed, ...] = field(default=(), compare=False, repr=False)
 
-    def num_microbatches(self, world_size: int | None = None) -> int:
-        w = self.data_parallel_size(world_size)
-        return self.batch.global_batch_size // (self.batch.micro_batch_size * w)
+    # -- derived sizes (of a resolved config: see `resolved`) -----------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        """w. A config not resolved for a world (parallel.data None) is one replica."""
+        return self.parallel.data if self.parallel.data is not None else 1
+
+    @property
+    def global_batch_size(self) -> int:
+        """B; Megatron's default (None) is one microbatch per replica."""
+        b = self.batch
+        return b.global_batch_size or b.micro_batch_size * self.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """m = B / (b x w)."""
+        return num_microbatches(self.global_batch_size, self.batch.micro_batch_size,
+                                self.data_parallel_size)
+
+    def resolved(self, world_size: int | None) -> "Config":
+        """This config on `world_size` processes: the data-parallel size (world / (t x d)) and the
+        default global batch filled in. Pure; `validate` checks the result."""
+        p = self.parallel
+        data = p.data
+        if data is None and world_size is not None and p.tensor >= 1 and p.pipeline >= 1:
+            data = max(world_size // (p.tensor * p.pipeline), 1)
+        out = self.replace(parallel={"data": data}) if data != p.data else self
+        if out.batch.global_batch_size is None:
+            out = out.replace(batch={"global_batch_size": out.global_batch_size})
+        return out
+
+    # -- changes ---------------------------------------------------------------------------------
+    def replace(self, **changes) -> "Config":
+        """A copy with `changes`: a top-level field by name (schedule="flush"), a section's fields
+        as a dict (batch={"micro_batch_size": 2}) or by dotted path ("optimizer.lr")."""
+        top: dict = {}
+        for key, value in changes.items():
+            section, _, name = key.partition(".")
+            if name:
+                value = {name: value}
+            current = top.get(section, getattr(self, section))
+            if isinstance(value, dict) and dataclasses.is_dataclass(current):
+                top[section] = dataclasses.replace(current, **value)
+            else:
+                top[section] = value
+        return dataclasses.replace(self, **top)
+
+    def get(self, path: str):
+        """The setting at a dotted path ("optimizer.lr", "schedule")."""
+        section, _, name = path.rpartition(".")
+        return getattr(getattr(self, section) if section else self, name)
+
+    def source_of(self, path: str) -> str | None:
+        """Where the user fixed `path` ("--global-batch-size", "train_batch_size in the DeepSpeed
+        config"), or None when the setting is a default the planner may choose."""
+        return next((f.source for f in self.fixed if f.path == path), None)
+
+    def fixed_value(self, path: str):
+        return next((f.value for f in self.fixed if f.path == path), None)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("fixed")
+        return d
 
     # -- validation ----------------------------------------------------------------------------
     def validate(self, world_size: int | None = None) -> "Config":
-        """Raise ConfigError (one line) for the first bad setting; return self when all is well."""
+        """Raise ConfigError (one line) for the first bad setting; return the config resolved for
+        `world_size` when all is well (self itself is never changed)."""
+        return self.resolved(world_size)._check(world_size)
+
+    def _check(self, world_size: int | None) -> "Config":
         m, p, b, o, pr = self.model, self.parallel, self.batch, self.optimizer, self.precision
-        if b.global_batch_size is None:
-            b.global_batch_size = b.micro_batch_size * self.data_parallel_size(world_size)
         if self.schedule not in SCHEDULES:
             _fail(f"unknown pipeline schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)} "
                   "(--pipeline-schedule)")
@@ -181,7 +262,7 @@ class Config:
                 _fail(f"world size {world_size} is not divisible by tensor x pipeline = "
                       f"{p.tensor} x {p.pipeline} = {model_parallel}: launch a multiple of "
                       f"{model_parallel} processes or change the parallel sizes")
-            w = self.data_parallel_size(world_size)
+            w = self.data_parallel_size
             if p.tensor * p.pipeline * w != world_size:
                 _fail(f"world size {world_size} != tensor x pipeline x data = {p.tensor} x "
                       f"{p.pipeline} x {w}: launch {p.tensor * p.pipeline * w} processes or "
@@ -247,7 +328,7 @@ class Config:
                             ("--attention-dropout", m.attention_dropout)):
             if not 0.0 <= value < 1.0:
                 _fail(f"{name} must be in [0, 1), got {value}")
-        w = self.data_parallel_size(world_size)
+        w = self.data_parallel_size
         if b.global_batch_size % (b.micro_batch_size * w) != 0:
             _fail(f"--global-batch-size {b.global_batch_size} is not divisible by "
                   f"--micro-batch-size x data-parallel size = {b.micro_batch_size} x {w}: "
@@ -255,7 +336,7 @@ class Config:
         kind = schedule_kind(self.schedule)
         low = kind.min_microbatches(p.pipeline)
         error = kind.microbatch_error(
-            p.pipeline, self.num_microbatches(world_size),
+            p.pipeline, self.num_microbatches,
             f"raise --global-batch-size to at least {low * b.micro_batch_size * w} or lower "
             "--micro-batch-size")
         if error:

@@ -1,11 +1,12 @@
 """The shared entry point of pretrain_gpt.py and pretrain_bert.py.
 
-Order matters: watch the launcher (a worker never outlives it), parse flags, fill and validate
-the typed config and check the checkpoint directories (every bad input is a one-line error,
-exit 2), and only then start the process group and train. The process group starts in the order
-clusters need (distributed.start_process_group): the rank's device from LOCAL_RANK or
-SLURM_LOCALID made current, `init_process_group(device_id=...)`, then the grid's groups. How a
-run ends:
+Order matters: watch the launcher (a worker never outlives it), parse flags, build the tokenizer
+(the config needs its vocabulary), build and validate the typed config once
+(`config_pipeline.build_config`: flags, DeepSpeed JSON, planner), check the checkpoint
+directories, then the data (every bad input is a one-line error, exit 2), and only then start the
+process group and train. The process group starts in the order clusters need
+(distributed.start_process_group): the rank's device from LOCAL_RANK or SLURM_LOCALID made
+current, `init_process_group(device_id=...)`, then the grid's groups. How a run ends:
 
     0    trained to --train-iters, or stopped by --exit-* / SIGTERM / SIGUSR1 / SIGINT after
          saving a checkpoint (when --save is set)
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any, Callable, NamedTuple
 
 from .arguments import (FlagParser, add_model_args, add_parallel_args, add_training_args,
-                        config_from_args, exit_on_config_error, resolve_batch)
+                        exit_on_config_error)
+from .config import Config, ConfigError
+from .config_pipeline import build_config
 from .data.arguments import add_data_args
-from .data.build import build_pretrain_data
-from .config import ConfigError
+from .data.build import build_pretrain_data, pretrain_tokenizer
 from .parallel.distributed import (backend_device, default_backend, destroy_process_group,
                                    env_rank_world, launched, start_process_group)
 from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe, watch_launcher
@@ -43,9 +46,9 @@ def build_parser(family: str) -> FlagParser:
     g.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed launchers")
     g = p.add_argument_group("auto-plan")
     g.add_argument("--auto-plan", action="store_true",
-                   help="choose t, d, w, micro batch, rank order, recomputation and the stage "
-                        "partition with the planner (keeps --global-batch-size and "
-                        "--pipeline-schedule)")
+                   help="choose t, d, w, micro batch, rank order, recomputation, the schedule "
+                        "and the stage partition with the planner; whatever you fix by flag or "
+                        "DeepSpeed JSON stays fixed (the global batch must be given)")
     g.add_argument("--plan-topology", default=None,
                    help="topology JSON (default: SLURM / visible devices)")
     g.add_argument("--plan-profile", default=None,
@@ -58,44 +61,44 @@ def build_parser(family: str) -> FlagParser:
     return p
 
 
-def parse(family: str, argv=None):
+class Parsed(NamedTuple):
+    cfg: Config
+    data: Any                    # data.build.PretrainData
+    rank: int
+    world_size: int
+    local_rank: int
+    lr_schedule: Callable | None = None  # a DeepSpeed JSON's scheduler (None: the Config's)
+
+
+def parse(family: str, argv=None) -> Parsed:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(family).parse_args(argv)
     rank, world_size, local_rank = env_rank_world()
 
     def build():
-        cfg = config_from_args(args, family)
-        if args.deepspeed_config:
-            from .ds_config import explicit_flags, merge_flags_and_ds_config
-            cfg = merge_flags_and_ds_config(cfg, explicit_flags(argv), args.deepspeed_config,
-                                            world_size)
-        cfg = resolve_batch(cfg, world_size, args.train_samples)
+        from .ds_config import explicit_flags
+        tokenizer, vocab_size = pretrain_tokenizer(args, family)
+        planner = None
         if args.auto_plan:
-            from .planner import plan_for_args
-            plan = plan_for_args(args, world_size, family)
-            plan.apply(cfg)
-            cfg.parallel.partition = plan.partition
-            if rank == 0:
-                print(plan.summary(), flush=True)
-        if family == "bert":
-            cfg.model.bert_binary_head = not args.bert_no_binary_head
-        cfg.validate(world_size)  # bad settings fail before any data is touched
+            from .planner import plan, planner_inputs
+            topology, profile = planner_inputs(args, world_size)
+            log = (lambda line: print(line, flush=True)) if rank == 0 else None
+            planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
+        built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner)
+        cfg = built.config
         from .checkpointing import preflight
         preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)
         data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
-                                   t.train_iters * gbs, valid)
-        cfg.model.vocab_size = data.vocab_size
-        cfg.validate(world_size)
+                                   t.train_iters * gbs, valid, tokenizer=tokenizer)
         if not args.no_memory_check:  # every rank, before any process group
             from .planner.memory_check import check_memory
             check_memory(cfg, world_size, rank, local_rank)
-        return cfg, data
+        return Parsed(cfg, data, rank, world_size, local_rank, built.lr_schedule)
 
-    cfg, data = exit_on_config_error(build)
-    return cfg, data, rank, world_size, local_rank
+    return exit_on_config_error(build)
 
 
 def main(family: str, argv=None, hooks: FaultHooks = NO_FAULTS) -> int:
@@ -109,7 +112,7 @@ def main(family: str, argv=None, hooks: FaultHooks = NO_FAULTS) -> int:
 
 
 def _main(family: str, argv, hooks: FaultHooks) -> int:
-    cfg, data, rank, world_size, local_rank = parse(family, argv)
+    cfg, data, rank, world_size, local_rank, lr_schedule = parse(family, argv)
     # nccl needs GPUs: one line, exit 2, before any process group (not in parse: a dry run that
     # only validates a GPU job's flags, tools/gpu_check.py --dry-run, runs without GPUs)
     exit_on_config_error(lambda: backend_device(cfg.parallel.backend or default_backend(),
@@ -122,7 +125,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
     if rank == 0:
         print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
-              f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches(world_size)} "
+              f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches} "
               f"precision={cfg.precision.dtype} backend={backend}", flush=True)
         from .models.flops import num_parameters
         print(f"megatron-2bw: {num_parameters(cfg.model) / 1e6:.2f}M parameters "
@@ -130,7 +133,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
               f"{cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}, "
               f"seq {cfg.model.seq_length})", flush=True)
     try:
-        _train(cfg, grid, device, data, hooks)
+        _train(cfg, grid, device, data, hooks, lr_schedule)
     except KeyboardInterrupt:
         _exit(f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
               "(one Ctrl-C saves one when --save is set)", 130)
@@ -153,9 +156,9 @@ def _exit(line: str, code: int) -> None:
     os._exit(code)
 
 
-def _train(cfg, grid, device, data, hooks: FaultHooks) -> None:
+def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None) -> None:
     from .training import batches, train
-    train(cfg, grid, device,
+    train(cfg, grid, device, lr_schedule=lr_schedule,
           make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
           make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))
           if data.valid is not None else None,

@@ -33,8 +33,8 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
     make_batches(dp_rank) -> iterator of (inputs, labels) microbatches of that replica. Every
     `eval_interval` iterations the newest weights are evaluated on m microbatches per replica of
     make_eval_batches(dp_rank)."""
-    w = cfg.data_parallel_size()
-    m = cfg.num_microbatches()
+    w = cfg.data_parallel_size
+    m = cfg.num_microbatches
     model = build_sequential(cfg, specs)
     params = list(model.named_parameters())
     optimizer = torch_reference_optimizer(cfg.optimizer, params)

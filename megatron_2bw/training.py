@@ -26,9 +26,10 @@ FAMILIES = {
 
 
 def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGrid:
-    """The grid and its groups, created through `comm` (default: a Comm of the process group)."""
+    """The process groups of `cfg`'s layout on `world_size` ranks (the training loop's and the
+    DeepSpeed adapter's), created through `comm` (default: a Comm of the process group)."""
     grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
-                       cfg.data_parallel_size(world_size), rank=rank,
+                       cfg.resolved(world_size).data_parallel_size, rank=rank,
                        rank_order=cfg.parallel.rank_order)
     return grid.init_groups(comm)
 
@@ -41,16 +42,18 @@ def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
     return specs_fn(cfg.model, tp, seed=cfg.train.seed), loss_fn(tp), partition
 
 
-def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEngine):
-    """The configured model's stage on this rank, run by `engine_class` (a PipelineEngine)."""
+def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEngine,
+                 lr_schedule=None):
+    """The configured model's stage on this rank, run by `engine_class` (a PipelineEngine);
+    `lr_schedule` (iteration -> lr) replaces the Config's Megatron schedule when given."""
     specs, loss_fn, partition = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
-    return engine_class(cfg, grid, specs, loss_fn, partition, device)
+    return engine_class(cfg, grid, specs, loss_fn, partition, device, lr_schedule=lr_schedule)
 
 
 def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
     """Microbatches of `dataset` for one data-parallel replica, from batch `start_batch` on."""
     batches_cls = FAMILIES[cfg.model.family][4]
-    m = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * data_parallel_size)
+    m = cfg.replace(parallel={"data": data_parallel_size}).num_microbatches
     return batches_cls(dataset, cfg.batch.micro_batch_size, m, data_parallel_size, dp_rank,
                        start_batch=start_batch)
 
@@ -90,14 +93,15 @@ def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool
 
 def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
           make_eval_data: Callable[[], Iterator] | None = None, log=print,
-          hooks: FaultHooks = NO_FAULTS) -> list[float]:
+          hooks: FaultHooks = NO_FAULTS, lr_schedule=None) -> list[float]:
     """Train to cfg.train.train_iters (resuming from --load), evaluating, saving and logging as
-    configured. make_data(start_batch) gives this replica's training microbatches. Returns the
-    losses of the iterations run (read on the host only at log intervals). `hooks` injects
-    faults (tests only: reliability.FaultHooks)."""
+    configured. make_data(start_batch) gives this replica's training microbatches; lr_schedule
+    (iteration -> lr, e.g. a DeepSpeed JSON's) replaces the Config's. Returns the losses of the
+    iterations run (read on the host only at log intervals). `hooks` injects faults (tests only:
+    reliability.FaultHooks)."""
     t = cfg.train
     reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
-    engine = build_engine(cfg, grid, device)
+    engine = build_engine(cfg, grid, device, lr_schedule=lr_schedule)
     engine.loss_fn = hooks.wrap_loss(engine.loss_fn, engine)
     start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune,
                             log=log if reporter else None) if t.load else 0

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .arguments import (FlagParser, add_model_args, add_parallel_args, add_training_args,
-                        config_from_args, exit_on_config_error, resolve_batch)
+                        exit_on_config_error)
 from .config import Config
+from .config_pipeline import build_config
 from .launch import spawn
 from .pipeline.engine import PipelineEngine
 from .reference import build_sequential, reference_train
@@ -156,13 +157,13 @@ def run(cfg: Config, timeout_minutes: float = 2.0, eval_interval: int = 0,
     `eval_interval` iterations, evaluation losses taken between training batches).
     `engine_class` (picklable) runs each stage: tests pass a deliberately broken engine to show
     that the comparison catches it."""
-    world = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.data_parallel_size()
+    world = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.data_parallel_size
     with tempfile.TemporaryDirectory() as outdir:
         spawn(_worker, world, args=(cfg, outdir, engine_class, eval_interval),
               timeout_minutes=timeout_minutes)
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
     specs, loss_fn, _ = model_parts(cfg)
-    w = cfg.data_parallel_size()
+    w = cfg.data_parallel_size
     ref_params, ref_losses, ref_eval = reference_train(
         cfg, specs, loss_fn, lambda r: mock_batches(cfg, w, r), cfg.train.train_iters,
         eval_interval, lambda r: mock_batches(cfg, w, r, start_batch=EVAL_DATA_OFFSET))
@@ -187,14 +188,9 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
     args = p.parse_args(argv)
     if args.schedule_alias:
         args.pipeline_schedule = args.schedule_alias
-    cfg = config_from_args(args)
-    cfg.model.family = args.model_type
-    cfg.model.bert_binary_head = not args.bert_no_binary_head
-    if cfg.parallel.data is None:
-        cfg.parallel.data = 1
-    resolve_batch(cfg, cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data)
-    cfg.validate(cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.data)
-    return cfg, args
+    world = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+             * (args.data_parallel_size or 1))  # one replica unless --data-parallel-size says
+    return build_config(args, args.model_type, world).config, args
 
 
 def report(cfg: Config, rep: Report, rtol: float) -> int:
@@ -202,7 +198,7 @@ def report(cfg: Config, rep: Report, rtol: float) -> int:
     p = cfg.parallel
     ok = rep.passed(rtol)
     print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "
-          f"m={cfg.num_microbatches()} iters={cfg.train.train_iters} "
+          f"m={cfg.num_microbatches} iters={cfg.train.train_iters} "
           f"optimizer={cfg.optimizer.name} precision={cfg.precision.dtype}")
     if cfg.optimizer.clip_grad > 0:
         print(f"  gradient clipping at {cfg.optimizer.clip_grad}: active in "

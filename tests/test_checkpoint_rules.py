@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megatron_2bw import checkpoint_files
-from megatron_2bw.arguments import config_from_args, resolve_batch
+from megatron_2bw.arguments import config_from_args
+from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.checkpoint_files import (LATEST, CheckpointError, atomic_write,
                                            latest_iteration, write_latest)
 from megatron_2bw.checkpointing import preflight, save_checkpoint
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _engine():
     argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
             "--micro-batch-size 2 --global-batch-size 4").split()
-    cfg = resolve_batch(config_from_args(build_parser("gpt").parse_args(argv)), 1).validate(1)
+    cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 1).config
     grid = build_grid(cfg, 0, 1)
     return build_engine(cfg, grid, "cpu"), cfg, grid
 

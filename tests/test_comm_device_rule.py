@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
-from megatron_2bw.arguments import config_from_args, resolve_batch
+from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.checkpointing import LATEST
 from megatron_2bw.launch import spawn
 from megatron_2bw.pretrain import build_parser
@@ -38,8 +38,7 @@ SIGNAL_AT_MICROBATCH = 5     # rank (stage 0, replica 1) gets SIGTERM while read
 
 
 def make_cfg(argv):
-    cfg = config_from_args(build_parser("gpt").parse_args(BASE + argv), "gpt")
-    return resolve_batch(cfg, WORLD).validate(WORLD)
+    return build_config(build_parser("gpt").parse_args(BASE + argv), "gpt", WORLD).config
 
 
 @contextmanager

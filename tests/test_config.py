@@ -1,4 +1,7 @@
-"""Config.validate: every bad setting raises ConfigError with one line naming the setting."""
+"""Config.validate: every bad setting raises ConfigError with one line naming the setting; the
+config is frozen, validate never mutates, and m / w are properties of the resolved config."""
+import dataclasses
+
 import pytest
 
 from megatron_2bw.config import (BatchConfig, Config, ConfigError, ModelConfig, OptimizerConfig,
@@ -159,12 +162,60 @@ GOOD = [
 
 @pytest.mark.parametrize("cfg,world,w,m", [c[1:] for c in GOOD], ids=[c[0] for c in GOOD])
 def test_valid_config(cfg, world, w, m):
-    assert cfg.validate(world) is cfg
-    assert cfg.data_parallel_size(world) == w
-    assert cfg.num_microbatches(world) == m
-    assert cfg.batch.global_batch_size == cfg.batch.micro_batch_size * m * w
+    before = cfg.to_dict()
+    out = cfg.validate(world)
+    assert cfg.to_dict() == before  # validate returns the resolved config, never mutates
+    assert out.data_parallel_size == w and out.parallel.data == (w if world else cfg.parallel.data)
+    assert out.num_microbatches == m
+    assert out.batch.global_batch_size == out.batch.micro_batch_size * m * w
+    assert out.validate(world) == out  # resolving is idempotent
     if world is not None:
         assert cfg.parallel.tensor * cfg.parallel.pipeline * w == world
+
+
+def test_config_is_frozen_and_replace_makes_a_new_one():
+    cfg = make(parallel=dict(pipeline=2), model=dict(num_layers=4))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.batch.micro_batch_size = 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.schedule = "flush"
+    new = cfg.replace(schedule="flush", batch={"micro_batch_size": 4},
+                      **{"optimizer.lr": 0.5, "batch.global_batch_size": 8})
+    assert (new.schedule, new.batch.micro_batch_size, new.batch.global_batch_size,
+            new.optimizer.lr) == ("flush", 4, 8, 0.5)
+    assert (cfg.schedule, cfg.batch.micro_batch_size, cfg.optimizer.lr) == ("2bw", 1, 1e-3)
+    assert new.parallel is cfg.parallel and new.get("optimizer.lr") == 0.5
+    assert make(parallel=dict(partition=[0, 2, 4])).parallel.partition == (0, 2, 4)
+
+
+def test_fixed_sources_are_metadata_not_settings():
+    from megatron_2bw.config import Fixed
+    cfg = make()
+    tagged = cfg.replace(fixed=(Fixed("schedule", "--pipeline-schedule 2bw", "2bw"),))
+    assert tagged == cfg and tagged.to_dict() == cfg.to_dict()
+    assert tagged.source_of("schedule") == "--pipeline-schedule 2bw"
+    assert tagged.source_of("parallel.pipeline") is None and cfg.source_of("schedule") is None
+
+
+def test_m_is_asked_of_the_config_alone():
+    """m = B / (b x w) is computed in config.py only: the engine, the data and the DeepSpeed
+    front door ask `Config.num_microbatches` (the planner's enumeration calls the same
+    function)."""
+    import ast
+    import os
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_2bw")
+    found = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path.endswith(os.path.join("megatron_2bw", "config.py")):
+                continue
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+                    text = ast.unparse(node)
+                    if "global_batch" in text and "micro" in text:
+                        found.append(f"{path}:{node.lineno}: {text}")
+    assert not found, found
 
 
 def test_2bw_same_layout_as_flush_rejected_only_for_2bw():

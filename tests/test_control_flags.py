@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.arguments import config_from_args, resolve_batch
+from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.launch import spawn
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.pipeline.flags import FLAGS, ControlFlags
@@ -74,8 +74,7 @@ def _worker(rank, world_size, t, d, raiser, out):
     from megatron_2bw.training import build_engine, build_grid, mock_batches
     argv = BASE + ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size",
                    str(d)]
-    cfg = resolve_batch(config_from_args(build_parser("gpt").parse_args(argv), "gpt"),
-                        world_size).validate(world_size)
+    cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", world_size).config
     comm = _P2PRecorder()
     grid = build_grid(cfg, rank, world_size, comm)
     result = {}

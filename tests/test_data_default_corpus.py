@@ -150,8 +150,9 @@ def readme_run() -> list[str]:
 
 
 def _train_on_default_corpus(rank, world_size, argv, out):
-    from megatron_2bw.arguments import (add_model_args, add_parallel_args, add_training_args,
-                                        config_from_args, resolve_batch)
+    from megatron_2bw.arguments import add_model_args, add_parallel_args, add_training_args
+    from megatron_2bw.config_pipeline import build_config
+    from megatron_2bw.data.build import pretrain_tokenizer
     from megatron_2bw.data.arguments import add_data_args
     from megatron_2bw.data.mock import GPTBatches
     from megatron_2bw import training
@@ -159,16 +160,16 @@ def _train_on_default_corpus(rank, world_size, argv, out):
     for add in (add_model_args, add_parallel_args, add_training_args, add_data_args):
         add(p)
     args = p.parse_args(argv)
-    cfg = resolve_batch(config_from_args(args), world_size)
+    _, vocab_size = pretrain_tokenizer(args, "gpt")  # the config needs the vocabulary first
+    cfg = build_config(args, "gpt", world_size, vocab_size=vocab_size).config
     n = cfg.train.train_iters * cfg.batch.global_batch_size
     data = build_gpt_train_data(args, cfg.model.seq_length, cfg.train.seed, n)
-    cfg.model.vocab_size = data.vocab_size
-    cfg.validate(world_size)
+    assert data.vocab_size == cfg.model.vocab_size
     grid = training.build_grid(cfg, rank, world_size)
     build = getattr(training, "build_engine", None) or training.build_gpt_engine
     engine = build(cfg, grid, torch.device("cpu"))
     batches = GPTBatches(data.dataset, cfg.batch.micro_batch_size,
-                         cfg.num_microbatches(world_size), grid.data, grid.dp_rank)
+                         cfg.num_microbatches, grid.data, grid.dp_rank)
     engine.start(cfg.train.train_iters)
     losses = [engine.train_batch(batches) for _ in range(cfg.train.train_iters)]
     if grid.is_last_stage:

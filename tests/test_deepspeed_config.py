@@ -164,20 +164,21 @@ def test_mapping_of_a_full_deepspeed_config():
           "wandb": {"enabled": True, "project": "p", "group": "g"},
           "zero_optimization": {"stage": 1},
           "pipeline": {"schedule": "gpipe", "activation_checkpoint_interval": 2}}
-    cfg, extras = config_from_deepspeed(ds, world_size=4, num_stages=2, num_layers=8)
+    cfg, settings = config_from_deepspeed(ds, world_size=4, num_stages=2, num_layers=8)
     o, p, t = cfg.optimizer, cfg.precision, cfg.train
     assert (cfg.batch.micro_batch_size, cfg.batch.global_batch_size) == (4, 64)
-    assert cfg.num_microbatches(4) == 8 and cfg.schedule == "gpipe"
+    assert cfg.num_microbatches == 8 and cfg.schedule == "gpipe"
     assert (o.name, o.lr, o.adam_beta1, o.adam_beta2, o.adam_eps, o.weight_decay) == \
         ("adam", 2e-4, 0.8, 0.9, 1e-6, 0.1)
     assert (o.clip_grad, o.lr_warmup_iters, o.lr_decay_iters, o.lr_decay_style) == \
         (0.5, 10, 100, "linear")
-    assert o.ds_scheduler["type"] == "WarmupDecayLR"
+    assert settings.lr_schedule.type == "WarmupDecayLR" and settings.lr_schedule.base_lr == 2e-4
+    assert not hasattr(o, "ds_scheduler")  # DeepSpeed-only settings stay out of the Config
     assert (p.dtype, p.loss_scale, p.initial_loss_scale, p.loss_scale_window, p.hysteresis,
             p.min_loss_scale) == ("fp16", None, 4096.0, 500, 3, 2)
     assert (t.log_interval, t.wall_clock_breakdown, t.wandb_project, t.wandb_exp_name) == \
         (7, True, "p", "g")
-    assert extras["activation_checkpoint_interval"] == 2
+    assert settings.activation_checkpoint_interval == 2
     assert cfg.model.recompute_method == "uniform" and cfg.model.recompute_num_layers == 2
 
 
@@ -196,14 +197,10 @@ def test_deepspeed_defaults_differ_from_megatron_defaults():
 
 
 # -- merging with Megatron flags ------------------------------------------------------------------
-def flags_cfg(**kw):
-    cfg = Config()
-    cfg.parallel.pipeline = kw.pop("pipeline", 2)
-    cfg.model.num_layers = 4
-    cfg.batch.micro_batch_size = kw.pop("micro", 1)
-    cfg.batch.global_batch_size = kw.pop("global_batch", None)
-    cfg.optimizer.lr = kw.pop("lr", 1e-3)
-    return cfg
+def flags_cfg(pipeline=2, micro=1, global_batch=None, lr=1e-3, **more):
+    return Config().replace(parallel={"pipeline": pipeline}, model={"num_layers": 4},
+                            batch={"micro_batch_size": micro, "global_batch_size": global_batch},
+                            optimizer={"lr": lr}, **more)
 
 
 def test_merge_conflict_names_the_flag_and_the_json_key():
@@ -224,9 +221,8 @@ def test_merge_conflict_names_the_flag_and_the_json_key():
 
 
 def test_merge_fills_unset_flags_and_keeps_typed_ones():
-    cfg = flags_cfg(micro=2, lr=0.5)
-    cfg.optimizer.weight_decay = 0.2
-    out = merge_flags_and_ds_config(
+    cfg = flags_cfg(micro=2, lr=0.5, **{"optimizer.weight_decay": 0.2})
+    out, _ = merge_flags_and_ds_config(
         cfg, {"--micro-batch-size", "--lr", "--weight-decay"},
         {"gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 2,
          "optimizer": {"type": "Adam", "params": {"betas": [0.8, 0.95]}},
@@ -239,9 +235,10 @@ def test_merge_fills_unset_flags_and_keeps_typed_ones():
     assert out.optimizer.clip_grad == 1.0 and out.train.log_interval == 1  # absent: flags stand
     out.validate(4)
     # flags the user did not type take the JSON values (and agreeing typed flags are fine)
-    out = merge_flags_and_ds_config(flags_cfg(micro=4), ["--micro-batch-size"],
-                                    {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
-                                     "gradient_clipping": 0.0}, world_size=2)
+    out, _ = merge_flags_and_ds_config(flags_cfg(micro=4), ["--micro-batch-size"],
+                                       {"train_batch_size": 16,
+                                        "train_micro_batch_size_per_gpu": 4,
+                                        "gradient_clipping": 0.0}, world_size=2)
     assert out.batch.global_batch_size == 16 and out.optimizer.clip_grad == 0.0
 
 
@@ -264,10 +261,9 @@ SCHEDULES = [
 
 
 def _our_lrs(sched, n=30, lr=2e-3):
-    cfg, _ = config_from_deepspeed({**BASE, "scheduler": sched, "optimizer": {
+    _, settings = config_from_deepspeed({**BASE, "scheduler": sched, "optimizer": {
         "type": "Adam", "params": {"lr": lr}}}, world_size=1, num_stages=1, num_layers=2)
-    lrs = LRSchedule(cfg.optimizer, cfg.train.train_iters)
-    return [lrs(t) for t in range(n)]
+    return [settings.lr_schedule(t) for t in range(n)]
 
 
 @pytest.mark.parametrize("sched", SCHEDULES)
@@ -304,11 +300,14 @@ def test_merge_with_a_config_built_from_real_megatron_flags():
     ds = {"gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
           "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95], "weight_decay": 0.1}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
-    cfg = merge_flags_and_ds_config(cfg, explicit_flags(argv), ds, world_size=4).validate(4)
+    cfg, settings = merge_flags_and_ds_config(cfg, explicit_flags(argv), ds, world_size=4)
+    cfg = cfg.validate(4)
     assert (cfg.batch.micro_batch_size, cfg.batch.global_batch_size) == (2, 16)
     assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.optimizer.clip_grad) == \
         (0.01, 0.1, 0.5)
-    assert LRSchedule(cfg.optimizer, cfg.train.train_iters)(0) == 0.0  # DeepSpeed's warm-up
+    assert settings.lr_schedule(0) == 0.0  # DeepSpeed's warm-up (log warm-up starts at 0)
+    assert settings.lr_schedule(3) == pytest.approx(0.01)  # on --lr, the flag the user typed
+    assert LRSchedule(cfg.optimizer, cfg.train.train_iters)(0) != 0.0  # the Config's is Megatron's
     argv += ["--clip-grad", "1"]
     cfg = config_from_args(build_parser("gpt").parse_args(argv), "gpt")
     one_line_error(merge_flags_and_ds_config, cfg, explicit_flags(argv), ds, world_size=4,

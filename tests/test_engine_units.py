@@ -171,3 +171,31 @@ def test_engine_runs_validated_windows_and_asks_the_kind_for_slots(schedule):
         engine.train_batch(data)
         assert engine.schedule.verdict is True and engine.iteration == t + 1
     assert engine.module is engine.weights.modules[engine.kind.newest_slot(3)]
+
+
+def test_the_engine_takes_an_lr_schedule_and_shows_its_public_surface():
+    from megatron_2bw.config import BatchConfig, Config, TrainConfig
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training import build_engine, mock_batches
+    cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                   vocab_size=64, seq_length=8),
+                 batch=BatchConfig(micro_batch_size=2, global_batch_size=4),
+                 train=TrainConfig(train_iters=3), schedule="flush").validate(1)
+    engine = build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu",
+                          lr_schedule=lambda t: 0.25 * (t + 1))
+    data = mock_batches(cfg, 1, 0)
+    assert engine.lr == 0.25 and engine.lr_schedule(3) == 1.0
+    for t in range(2):
+        engine.train_batch(data)
+        assert engine.lr == 0.25 * (t + 2)
+    engine.optimizer.load_state_dict(engine.optimizer.state_dict())
+    default = build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu")
+    assert default.lr == LRSchedule(cfg.optimizer, cfg.train.train_iters)(0)
+    frozen = build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu", lr_schedule=lambda t: 0.0)
+    before = frozen.fp32_state()
+    frozen.train_batch(mock_batches(cfg, 1, 0))  # the step uses the schedule's lr: nothing moves
+    assert all(torch.equal(before[k], v) for k, v in frozen.fp32_state().items())
+    default.train_batch(mock_batches(cfg, 1, 0))
+    assert not all(torch.equal(before[k], v) for k, v in default.fp32_state().items())
+    with pytest.raises(ValueError, match="data-parallel size 2 differs from the grid's 1"):
+        build_engine(cfg.replace(**{"parallel.data": 2}), ProcessGrid(1, 1, 1, rank=0), "cpu")

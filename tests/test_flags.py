@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from megatron_2bw.arguments import config_from_args, resolve_batch
+from megatron_2bw.arguments import config_from_args
+from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.pretrain import build_parser
@@ -36,7 +37,6 @@ TABLE = [
     (["--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "2"], "model.recompute_num_layers", 2),
     (["--train-iters", "17"], "train.train_iters", 17),
-    (["--train-samples", "100", "--global-batch-size", "8"], "train.train_iters", 13),
     (["--seed", "7"], "train.seed", 7),
     (["--log-interval", "5"], "train.log_interval", 5),
     (["--eval-interval", "50"], "train.eval_interval", 50),
@@ -79,11 +79,16 @@ TABLE = [
 @pytest.mark.parametrize("flags,field,expected", TABLE, ids=[" ".join(t[0]) for t in TABLE])
 def test_flag_reaches_the_config(flags, field, expected):
     args = build_parser("gpt").parse_args(["--mock-data"] + flags)
-    cfg = resolve_batch(config_from_args(args, "gpt"), 8, args.train_samples)
-    value = cfg
-    for part in field.split("."):
-        value = getattr(value, part)
-    assert value == expected
+    assert config_from_args(args, "gpt").get(field) == expected
+
+
+@pytest.mark.parametrize("flags,world,iters", [
+    (["--train-samples", "100", "--global-batch-size", "8"], 8, 13),
+    (["--train-samples", "100", "--micro-batch-size", "2"], 4, 13),  # default B = b x w = 8
+])
+def test_train_samples_become_iterations_of_the_global_batch(flags, world, iters):
+    args = build_parser("gpt").parse_args(["--mock-data"] + flags)
+    assert build_config(args, "gpt", world).config.train.train_iters == iters
 
 
 def test_bert_only_flag():

@@ -74,7 +74,7 @@ def test_sbatch_examples_flags_parse_and_validate(name):
     import shlex
     from pathlib import Path
 
-    from megatron_2bw.arguments import config_from_args, resolve_batch
+    from megatron_2bw.config_pipeline import build_config
     from megatron_2bw.pretrain import build_parser
     text = (Path(__file__).resolve().parent.parent / "examples" / "slurm" / name).read_text()
     nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text).group(1))
@@ -83,6 +83,5 @@ def test_sbatch_examples_flags_parse_and_validate(name):
     command = command.splitlines()[0].replace("$SCHEDULE", "2bw")
     command = re.sub(r"\$\{?\w+\}?", "x", command)  # other shell variables: any word
     args = build_parser("gpt").parse_args(shlex.split(command))
-    cfg = resolve_batch(config_from_args(args, "gpt"), nodes * gpus)
-    cfg.validate(nodes * gpus)
+    cfg = build_config(args, "gpt", nodes * gpus).config
     assert cfg.optimizer.adam_beta2 == 0.95 or "srun" in name

@@ -27,7 +27,7 @@ def tiny(hidden=32, schedule="2bw", d=2, t=1, w=1, vocab=512, **model):
 def test_estimate_is_the_planners_stage_memory_for_the_engines_partition(schedule):
     cfg = tiny(schedule=schedule, d=2)
     setup = Setup(cfg.model, cfg.precision.dtype, cfg.optimizer.name)
-    layout = Layout(schedule, 1, 2, 1, 2, cfg.num_microbatches(2))
+    layout = Layout(schedule, 1, 2, 1, 2, cfg.num_microbatches)
     topo = Topology()
     plan = stage_plan(setup, layout, LayerTimes(setup, AnalyticProfile(), topo), topo,
                       bounds=model_parts(cfg, num_stages=2)[2])
@@ -61,9 +61,9 @@ def test_refusal_is_one_line_with_the_estimate_the_free_memory_and_the_fixes():
 
 
 def test_activation_heavy_layouts_are_pointed_at_recomputation():
-    cfg = tiny(hidden=64, schedule="gpipe")
-    cfg.batch.micro_batch_size, cfg.batch.global_batch_size = 256, 4096
-    cfg.model.seq_length = cfg.model.max_position_embeddings = 1024
+    cfg = tiny(hidden=64, schedule="gpipe").replace(
+        batch={"micro_batch_size": 256, "global_batch_size": 4096},
+        model={"seq_length": 1024, "max_position_embeddings": 1024})
     mem = stage_estimates(cfg, 2)[0]
     assert mem["activations"] > mem["total"] / 2
     with pytest.raises(MemoryCheckError, match="use --recompute-activations"):
@@ -91,11 +91,9 @@ def test_launcher_and_host_values():
 
 
 def test_the_readme_main_job_fits_here():
-    cfg = tiny(hidden=64)
-    cfg.model.num_attention_heads = 4
-    cfg.model.seq_length = 32
-    cfg.batch.micro_batch_size, cfg.batch.global_batch_size = 4, 32
-    cfg.model.vocab_size = 2048
+    cfg = tiny(hidden=64).replace(
+        model={"num_attention_heads": 4, "seq_length": 32, "vocab_size": 2048},
+        batch={"micro_batch_size": 4, "global_batch_size": 32})
     assert 0 < check_memory(cfg.validate(2), 2, local_ranks=2) < 100 * 2 ** 20
 
 
@@ -108,9 +106,8 @@ def test_nccl_runs_measure_the_local_ranks_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "mem_get_info",
                         lambda i: asked.append(i) or (3 * GB + i, 80 * GB))
-    cfg = tiny()
-    cfg.parallel.backend = "nccl"
+    cfg = tiny().replace(**{"parallel.backend": "nccl"})
     assert device_memory(cfg, local_rank=3) == DeviceMemory("GPU 1", 3 * GB + 1, 1, 2)
     assert asked == [1]
-    cfg.parallel.backend = "gloo"
+    cfg = cfg.replace(**{"parallel.backend": "gloo"})
     assert device_memory(cfg, local_rank=3).name == "host memory"

@@ -85,7 +85,7 @@ def _run(cfgs, world):
 
 def _check(cfg, ranks):
     L = Layout(cfg.schedule, cfg.parallel.tensor, cfg.parallel.pipeline, 1,
-               cfg.batch.micro_batch_size, cfg.num_microbatches(),
+               cfg.batch.micro_batch_size, cfg.num_microbatches,
                cfg.model.recompute_method is not None)
     setup = Setup(cfg.model, cfg.precision.dtype, cfg.optimizer.name)
     topo = Topology()

@@ -161,12 +161,12 @@ def _train_on_broken_data(rank, world_size, cfg):
 
 
 def test_a_failed_read_stops_training_with_one_line():
-    from megatron_2bw.arguments import config_from_args, resolve_batch
+    from megatron_2bw.config_pipeline import build_config
     from megatron_2bw.launch import spawn
     from megatron_2bw.pretrain import build_parser
     argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--micro-batch-size 2 --global-batch-size 4 --train-iters 4").split()
-    cfg = resolve_batch(config_from_args(build_parser("gpt").parse_args(argv)), 1).validate(1)
+    cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 1).config
     # sample 9 is in batch 2 (samples 8-11), microbatch 0 (samples 8-9)
     with pytest.raises(Exception, match=r"DataError: train data \(BrokenAt\): reading batch 2 "
                                         r"microbatch 0 failed: OSError: short read at byte 4096"):

@@ -1,5 +1,6 @@
 """The two other front doors of pretrain_*.py: a DeepSpeed JSON (same config as the equivalent
-flags; a conflict names both) and --auto-plan (the planner picks a valid layout)."""
+flags; a conflict names both) and --auto-plan (the planner picks a valid layout, keeping what the
+flags or the JSON fix), all through the one config pipeline (config_pipeline.build_config)."""
 import json
 import os
 import subprocess
@@ -63,3 +64,83 @@ def test_auto_plan_picks_a_valid_layout_and_partition(world2, capsys):
     if p.pipeline > 1:
         assert p.partition[0] == 0 and p.partition[-1] == 8 and len(p.partition) == p.pipeline + 1
     assert "auto-plan:" in capsys.readouterr().out
+
+
+# -- --auto-plan with a DeepSpeed JSON: one config pipeline (issue: the JSON was ignored) ----------
+@pytest.fixture
+def world4(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+
+def _ds(tmp_path, **ds):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    return ["--deepspeed_config", str(path)]
+
+
+def _one_line_exit(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        parse("gpt", argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_auto_plan_keeps_the_jsons_global_batch_and_schedule(tmp_path, world4, capsys):
+    ds = _ds(tmp_path, train_batch_size=16, pipeline={"schedule": "flush"})
+    cfg = parse("gpt", MODEL + ds + ["--auto-plan"]).cfg  # no "needs --global-batch-size"
+    assert cfg.batch.global_batch_size == 16 and cfg.schedule == "flush"
+    assert cfg.source_of("schedule") == "pipeline.schedule=flush in the DeepSpeed config"
+    assert cfg.source_of("batch.global_batch_size") == \
+        "train_batch_size=16 in the DeepSpeed config"
+    assert "--pipeline-schedule flush" in capsys.readouterr().out
+    # the same global batch by flag as well: still the JSON's schedule, not the default 2bw
+    both = parse("gpt", MODEL + ds + ["--auto-plan", "--global-batch-size", "16"]).cfg
+    assert both == cfg
+
+
+def test_auto_plan_prefers_the_synchronous_schedule_on_one_stage(world4, capsys):
+    """Nobody fixes the schedule: a one-stage layout is not trained with 2bw (only staleness)."""
+    cfg = parse("gpt", MODEL + ["--auto-plan", "--global-batch-size", "16"]).cfg
+    p = cfg.parallel
+    assert p.tensor * p.pipeline * p.data == 4
+    assert p.pipeline == 1 and cfg.schedule == "flush"  # the fastest layout here is d=1
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_a_fixed_2bw_on_one_stage_is_kept_and_flagged(world4, capsys):
+    cfg = parse("gpt", MODEL + ["--auto-plan", "--global-batch-size", "16",
+                                "--pipeline-schedule", "2bw"]).cfg
+    assert cfg.schedule == "2bw" and cfg.parallel.pipeline == 1
+    out = capsys.readouterr().out
+    assert "auto-plan: warning: the fastest layout has one pipeline stage, where 2bw (fixed by " \
+           "--pipeline-schedule 2bw) only adds weight staleness" in out
+
+
+def test_auto_plan_contradictions_name_both_sources(tmp_path, world4, capsys):
+    ds = _ds(tmp_path, train_batch_size=16, gradient_accumulation_steps=1,
+             pipeline={"schedule": "2bw"})
+    err = _one_line_exit(capsys, MODEL + ds + ["--auto-plan", "--pipeline-model-parallel-size",
+                                               "2"])
+    for source in ("--pipeline-model-parallel-size 2",
+                   "gradient_accumulation_steps=1 in the DeepSpeed config",
+                   "pipeline.schedule=2bw in the DeepSpeed config"):
+        assert source in err, err
+    err = _one_line_exit(capsys, MODEL + _ds(tmp_path, train_batch_size=16,
+                                             pipeline={"schedule": "flush"})
+                         + ["--auto-plan", "--pipeline-schedule", "2bw"])
+    assert "--pipeline-schedule 2bw conflicts with pipeline.schedule=flush" in err
+    err = _one_line_exit(capsys, MODEL + ["--auto-plan"])
+    assert "--auto-plan needs the global batch" in err and "train_batch_size" in err
+
+
+def test_the_jsons_lr_scheduler_reaches_the_engine_not_the_config(tmp_path, world2):
+    from megatron_2bw.ds_config import DeepSpeedLR
+    ds = _ds(tmp_path, train_batch_size=8, scheduler={"type": "WarmupLR", "params": {
+        "warmup_num_steps": 4, "warmup_max_lr": 0.01}})
+    parsed = parse("gpt", MODEL + ds)
+    assert isinstance(parsed.lr_schedule, DeepSpeedLR) and parsed.lr_schedule(0) == 0.0
+    assert "ds_scheduler" not in parsed.cfg.to_dict()["optimizer"]
+    assert parse("gpt", MODEL + ["--global-batch-size", "8"]).lr_schedule is None

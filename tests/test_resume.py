@@ -6,7 +6,7 @@ import tempfile
 import pytest
 import torch
 
-from megatron_2bw.arguments import config_from_args, resolve_batch
+from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.checkpointing import LATEST, CheckpointError, rank_dir
 from megatron_2bw.launch import spawn
 from megatron_2bw.pretrain import build_parser
@@ -19,8 +19,7 @@ BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --s
 
 
 def make_cfg(argv, family="gpt"):
-    cfg = config_from_args(build_parser(family).parse_args(BASE + argv), family)
-    return resolve_batch(cfg, 2).validate(2)
+    return build_config(build_parser(family).parse_args(BASE + argv), family, 2).config
 
 
 def _worker(rank, world_size, cfg, out, hooks=NO_FAULTS, log=None):

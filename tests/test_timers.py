@@ -8,7 +8,7 @@ import tempfile
 import pytest
 import torch
 
-from megatron_2bw.arguments import config_from_args, resolve_batch
+from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.launch import spawn
 from megatron_2bw.pipeline import actions as A
 from megatron_2bw.pipeline.timers import ActionClock
@@ -135,7 +135,7 @@ def test_engine_breakdown_and_trace_end_to_end():
     from plot_schedule import traced
     with tempfile.TemporaryDirectory() as d:
         argv = BASE + ["--trace", f"{d}/tr"]
-        cfg = resolve_batch(config_from_args(build_parser("gpt").parse_args(argv)), 2).validate(2)
+        cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 2).config
         spawn(_worker, 2, args=(cfg, d), timeout_minutes=1)
         lines = torch.load(f"{d}/log1")
         assert len(lines) == 2

@@ -55,9 +55,10 @@ TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads
 def _worker(rank, world, family, argv, out_path, prefix):
     from megatron_2bw.pretrain import parse
     from megatron_2bw.training import batches, build_grid, train
-    cfg, data, _, _, _ = parse(family, argv)
+    parsed = parse(family, argv)
+    cfg, data = parsed.cfg, parsed.data
     grid = build_grid(cfg, rank, world)
-    losses = train(cfg, grid, "cpu",
+    losses = train(cfg, grid, "cpu", lr_schedule=parsed.lr_schedule,
                    make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank,
                                                    start),
                    log=lambda line: print(f"{prefix}{line}", flush=True))

@@ -137,7 +137,7 @@ def planner_memory_gib(cfg) -> dict:
     from megatron_2bw.planner import GB, AnalyticProfile, Layout, Setup, Topology, stage_plan
     from megatron_2bw.planner.cost_model import LayerTimes
     setup = Setup(cfg.model, cfg.precision.dtype, cfg.optimizer.name, cfg.model.family)
-    layout = Layout(cfg.schedule, 1, 1, 1, cfg.batch.micro_batch_size, cfg.num_microbatches(1),
+    layout = Layout(cfg.schedule, 1, 1, 1, cfg.batch.micro_batch_size, cfg.num_microbatches,
                     cfg.model.recompute_method is not None)
     topo = Topology(num_nodes=1, gpus_per_node=1)
     memory = stage_plan(setup, layout, LayerTimes(setup, AnalyticProfile(), topo), topo).memory[0]

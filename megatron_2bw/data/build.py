@@ -1,7 +1,8 @@
 """The data entry points of the pretrain scripts: flags -> (dataset, padded vocab size, tokenizer).
 
-    data = build_pretrain_data(args, "gpt", seq_length, seed, train_samples, valid_samples)
-    cfg.model.vocab_size = data.vocab_size
+    tokenizer, vocab_size = pretrain_tokenizer(args, "gpt")   # first: the config needs the vocab
+    data = build_pretrain_data(args, "gpt", seq_length, seed, train_samples, valid_samples,
+                               tokenizer=tokenizer)                # data.vocab_size == vocab_size
     batches = GPTBatches(data.train, micro_batch_size, m, w, dp_rank)   # BertBatches for bert
 
 `--mock-data` -> MockGPTDataset; `--data-path` -> indexed datasets (blended by weight), split by
@@ -113,9 +114,14 @@ def _num_samples(args, num_samples):
     return iters * gbs if iters and gbs else None
 
 
-def _tokenizer_and_data(args, default_type: str, default_prefix_attr: str):
+_DEFAULTS = {"gpt": ("GPTSentencePieceTokenizer", "document_prefix"),
+             "bert": ("SentencePieceTokenizer", "sentence_prefix")}  # tokenizer, corpus prefix
+
+
+def _tokenizer_and_data(args, family: str, tokenizer: Tokenizer | None = None):
     """(tokenizer, --data-path items) from the flags, or the default corpus's when no
-    --data-path is given."""
+    --data-path is given. `tokenizer`: the one `pretrain_tokenizer` already built."""
+    default_type, default_prefix_attr = _DEFAULTS[family]
     data_path, ttype = _get(args, "data_path"), _get(args, "tokenizer_type")
     model = _get(args, "tokenizer_model")
     if not data_path:
@@ -123,14 +129,26 @@ def _tokenizer_and_data(args, default_type: str, default_prefix_attr: str):
             raise DataError("--tokenizer-type/--tokenizer-model need --data-path: without it the "
                             "embedded default corpus is used with its own tokenizer")
         corpus = default_corpus()
-        return (build_tokenizer(default_type, corpus.tokenizer_model),
+        return (tokenizer or build_tokenizer(default_type, corpus.tokenizer_model),
                 [getattr(corpus, default_prefix_attr)])
     ttype = ttype or default_type
     if ttype != "NullTokenizer" and not model:
         raise DataError("--data-path needs --tokenizer-model FILE.model (the sentencepiece "
                         "model the data was preprocessed with) or --tokenizer-type "
                         "NullTokenizer --vocab-size N")
-    return build_tokenizer(ttype, model, _get(args, "vocab_size")), list(data_path)
+    return tokenizer or build_tokenizer(ttype, model, _get(args, "vocab_size")), list(data_path)
+
+
+def pretrain_tokenizer(args, family: str = "gpt") -> tuple[Tokenizer | None, int]:
+    """(tokenizer, padded vocabulary size) of pretrain_{family}.py's flags, without reading any
+    data: the config needs the vocabulary before it is validated. --mock-data: (None,
+    --vocab-size). Pass the tokenizer on to `build_pretrain_data`."""
+    if family not in _DEFAULTS:
+        raise DataError(f"unknown model family {family!r}: gpt or bert")
+    if _get(args, "mock_data", False):
+        return None, _get(args, "vocab_size", 512)
+    tokenizer, _ = _tokenizer_and_data(args, family)
+    return tokenizer, _padded_vocab(args, tokenizer)
 
 
 def _padded_vocab(args, tokenizer) -> int:
@@ -167,13 +185,15 @@ def _mock(args, family: str, vocab: int, seq_length: int, seed: int):
 
 def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None,
                         seed: int | None = None, train_samples: int | None = None,
-                        valid_samples: int = 0) -> PretrainData:
+                        valid_samples: int = 0, tokenizer: Tokenizer | None = None
+                        ) -> PretrainData:
     """Train (and, when valid_samples > 0, validation) datasets for pretrain_{family}.py.
 
     train_samples defaults to --train-iters x --global-batch-size (one epoch when unknown);
     Megatron's valid_samples is (train_iters // eval_interval + 1) x eval_iters x global batch.
-    valid is None when not asked for or when --split gives it no documents."""
-    if family not in ("gpt", "bert"):
+    valid is None when not asked for or when --split gives it no documents. `tokenizer`: the one
+    `pretrain_tokenizer` built (else it is built here)."""
+    if family not in _DEFAULTS:
         raise DataError(f"unknown model family {family!r}: gpt or bert")
     seq_length = seq_length or _get(args, "seq_length")
     seed = _get(args, "seed", 1234) if seed is None else seed
@@ -186,9 +206,7 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
         return PretrainData(_mock(args, family, vocab, seq_length, seed),
                             _mock(args, family, vocab, seq_length, seed + 1)
                             if valid_samples else None, vocab, None)
-    default_type, prefix_attr = {"gpt": ("GPTSentencePieceTokenizer", "document_prefix"),
-                                 "bert": ("SentencePieceTokenizer", "sentence_prefix")}[family]
-    tokenizer, data_path = _tokenizer_and_data(args, default_type, prefix_attr)
+    tokenizer, data_path = _tokenizer_and_data(args, family, tokenizer)
     if family == "bert" and len(parse_data_path(data_path)[0]) != 1:
         raise DataError("--data-path: BERT takes one prefix (blending is GPT-only for now)")
     cache, split = _get(args, "data_cache_path"), _get(args, "split", DEFAULT_SPLIT)

@@ -153,16 +153,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                           "trains every parameter of the PipelineModule")
     _, world = current_rank_world()
     layout = grid_layout(model.topology())
-    cfg, extras = config_from_deepspeed(ds, world, model.num_stages, model._num_layers,
-                                        seed=model.base_seed, rank_order=layout["rank_order"])
-    if extras["activation_checkpoint_interval"]:
-        model.activation_checkpoint_interval = extras["activation_checkpoint_interval"]
-    if model.activation_checkpoint_interval:
-        cfg.model.recompute_method = "uniform"
-        cfg.model.recompute_num_layers = model.activation_checkpoint_interval
+    cfg, settings = config_from_deepspeed(
+        ds, world, model.num_stages, model._num_layers, seed=model.base_seed,
+        rank_order=layout["rank_order"],
+        activation_checkpoint_interval=model.activation_checkpoint_interval)
+    if settings.activation_checkpoint_interval:
+        model.set_checkpoint_interval(settings.activation_checkpoint_interval)
     # -- configuration is valid: from here on, process groups ------------------------------------
     if not is_initialized():
         init_distributed(dist_init_required=dist_init_required)
-    engine = DeepSpeedPipelineEngine(model, cfg, ds, extras, training_data=training_data,
+    engine = DeepSpeedPipelineEngine(model, cfg, ds, settings, training_data=training_data,
                                      collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -138,7 +138,6 @@ class CheckpointMixin:
         if not load_module_only:
             self.global_samples = int(meta.get("global_samples",
                                                self.global_steps * self.train_batch_size()))
-        self.module.adopt(eng.module)
         self._engine.grid.comm.barrier()
         return state_file, client
 

@@ -5,7 +5,13 @@ checkpoint.py, the optimizer / scheduler / grid views from views.py.
 Contract differences that come from 2BW itself: the engine pulls the first microbatches of batch
 t+1 while it finishes batch t, so `train_batch` wants one long iterator (e.g. RepeatingLoader),
 not an exactly-sized one per call (flush and gpipe read exactly m per call, like DeepSpeed); and
-`engine.module` holds the newest of the two weight versions (it is re-pointed after each batch).
+`engine.module` shows the newest of the two weight versions (a view that asks the engine on every
+access: pipe/engine_view.py).
+
+This is a view over the core engine's public surface (`pipeline/engine.py`): it assigns nothing
+inside it; DeepSpeed's lr arithmetic (skipped steps do not advance the scheduler) is the
+`lr_schedule` it passes to the engine's constructor, and the grid comes from the builder the
+training loop uses (`training.build_grid`). `tests/test_deepspeed_surface.py` checks this.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from ..parallel.comm import Comm
 from ..parallel.distributed import current_rank_world, default_device, env_rank_world
 from ..parallel.grid import ProcessGrid
 from ..pipe.module import PipelineError, PipelineModule
+from ..pipeline.registry import ScheduleKind
 from ..utils import RepeatingLoader
 from .checkpoint import CheckpointMixin
 from .views import MPU, LRSchedulerView, OptimizerView
@@ -34,8 +41,8 @@ class _Feed:
     """The engine's data iterator: pulls (inputs, labels) from the current source, applies the
     batch function, and turns running dry into a one-line explanation."""
 
-    def __init__(self, source, engine, what: str):
-        self.source, self.engine, self.what = source, engine, what
+    def __init__(self, source, engine, what: str, kind: ScheduleKind):
+        self.source, self.engine, self.what, self.kind = source, engine, what, kind
 
     def __iter__(self):
         return self
@@ -48,7 +55,7 @@ class _Feed:
         try:
             batch = next(it)
         except StopIteration:
-            kind = self.engine._engine.kind
+            kind = self.kind
             extra = (f" {kind.name} reads the first microbatches of the next batch ahead: pass "
                      "one long iterator such as deepspeed.utils.RepeatingLoader to every call, "
                      "or use \"pipeline\": {\"schedule\": \"flush\"}"
@@ -65,48 +72,52 @@ class _Feed:
 class DeepSpeedPipelineEngine(CheckpointMixin):
     """DeepSpeed's PipelineEngine contract over megatron_2bw.pipeline.engine.PipelineEngine."""
 
-    def __init__(self, module: PipelineModule, cfg, ds_json: dict, extras: dict,
+    def __init__(self, module: PipelineModule, cfg, ds_json: dict, settings,
                  training_data=None, collate_fn=None):
+        """`cfg` and `settings` (ds_config.DeepSpeedSettings) from config_from_deepspeed."""
         from ..pipeline.engine import PipelineEngine
-        self._cfg, self._config, self._extras = cfg, ds_json, extras
+        from ..training import build_grid
+        self._cfg, self._config, self._settings = cfg, ds_json, settings
         self.module = module
         self.global_rank, self.world_size = current_rank_world()
         self.local_rank = int(os.environ.get("LOCAL_RANK", env_rank_world()[2]))
         comm = Comm()
         self.device = default_device(self.local_rank, comm.backend)
-        comm = Comm(self.device, comm.backend)
-        grid = ProcessGrid(1, cfg.parallel.pipeline, cfg.parallel.data, rank=self.global_rank,
-                           rank_order=cfg.parallel.rank_order).init_groups(comm)
+        grid = build_grid(cfg, self.global_rank, self.world_size, Comm(self.device, comm.backend))
         if grid.stage != module.stage_id:
             raise RuntimeError(f"rank {self.global_rank}: grid stage {grid.stage} != module stage "
                                f"{module.stage_id}")
         self.grid = MPU(grid)
-        module._grid = self.grid
         self._sync_initial_weights(grid)
         self._compute_loss, self._capture = True, None
         self._engine = PipelineEngine(cfg, grid, module.engine_specs(), self._loss, module.parts,
-                                      self.device)
-        stepper = self._engine.stepper
-        if cfg.optimizer.ds_scheduler is not None:  # DeepSpeed does not step it on skipped steps
-            base = stepper.lr
-            stepper.lr = lambda t: base(t - stepper.skipped)
-        module.adopt(self._engine.module)
+                                      self.device, lr_schedule=self._lr_schedule())
+        module.attach_engine(self.grid, lambda: self._engine.module)
         self.num_stages, self.stage_id = grid.pipeline, grid.stage
         self.micro_batch_size = cfg.batch.micro_batch_size
-        self.micro_batches = cfg.num_microbatches(self.world_size)
+        self.micro_batches = cfg.num_microbatches
         self.dp_world_size, self.mp_world_size = grid.data, grid.tensor
         self.global_samples = 0
         self.agg_train_loss = None
         self.data_iterator = None
         self.batch_fn = None
         self.training_dataloader = None
-        self.optimizer = OptimizerView(self)
-        self.lr_scheduler = LRSchedulerView(self) if cfg.optimizer.ds_scheduler else None
-        self._feed = _Feed(lambda: self.data_iterator, self, "train_batch")
+        self.optimizer = OptimizerView(self._engine.optimizer, cfg.optimizer, self.get_lr,
+                                       lambda: self.module.parameters())
+        self.lr_scheduler = LRSchedulerView(self) if settings.lr_schedule is not None else None
+        self._feed = _Feed(lambda: self.data_iterator, self, "train_batch", self._engine.kind)
         self._timer = time.perf_counter()
         self._wandb = None
         if training_data is not None:
             self._build_data_iter(training_data, collate_fn)
+
+    def _lr_schedule(self):
+        """The JSON's scheduler with DeepSpeed's arithmetic: a skipped (fp16 overflow) step does
+        not advance it, so step t uses the schedule at t - skipped; None: the Config's."""
+        schedule = self._settings.lr_schedule
+        if schedule is None:
+            return None
+        return lambda t: schedule(t - self.skipped_steps)
 
     # -- set-up helpers ---------------------------------------------------------------------------
     def _sync_initial_weights(self, grid: ProcessGrid) -> None:
@@ -133,7 +144,7 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
                                      rank=self.grid.get_data_parallel_rank(), shuffle=False)
         loader = DataLoader(dataset, batch_size=self.micro_batch_size, sampler=sampler,
                             collate_fn=collate_fn,
-                            drop_last=self._extras.get("dataloader_drop_last", False))
+                            drop_last=self._settings.dataloader_drop_last)
         self.set_dataloader(RepeatingLoader(loader))
 
     def _loss(self, outputs, labels):
@@ -159,7 +170,6 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
             raise RuntimeError("train_batch() has no data: pass data_iter, call "
                                "set_dataiterator(), or give training_data to initialize()")
         loss = self._engine.train_batch(self._feed)
-        self.module.adopt(self._engine.module)
         self.global_samples += self.train_batch_size()
         self.agg_train_loss = loss
         if self.global_steps % self.steps_per_print() == 0:
@@ -175,14 +185,13 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
             print(f"steps: {self.global_steps} loss: {value:0.4f} iter time (s): {iter_time:0.3f} "
                   f"samples/sec: {self.train_batch_size() / iter_time:0.3f}", flush=True)
             if self._cfg.train.wall_clock_breakdown:
-                timers = getattr(self._engine, "timers", {})
+                timers = self._engine.timers
                 print("time (ms) | " + " | ".join(f"{k}: {1000 * v:.2f}"
                                                  for k, v in sorted(timers.items())), flush=True)
             if self._cfg.train.wandb_project:
                 self._log_wandb({"Train/Samples/train_loss": value,
                                  "Train/Samples/lr": self.get_lr()[0]})
-        if hasattr(self._engine, "timers"):
-            self._engine.timers.clear()
+        self._engine.timers.clear()
 
     def _log_wandb(self, values: dict) -> None:
         if self._wandb is None:
@@ -206,7 +215,8 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
         self._capture = [] if keep and self.is_last_stage() else None
         self._compute_loss = compute_loss
         try:
-            loss = self._engine.eval_batch(_Feed(lambda: data_iter, self, "eval_batch"), n)
+            loss = self._engine.eval_batch(_Feed(lambda: data_iter, self, "eval_batch",
+                                                 self._engine.kind), n)
         finally:
             outputs, self._capture, self._compute_loss = self._capture, None, True
         result = loss
@@ -282,7 +292,7 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
 
     def get_lr(self):
         """[lr of the next optimizer step]."""
-        return [float(self._engine.stepper.lr(self.global_steps))]
+        return [self._engine.lr]
 
     def get_global_grad_norm(self):
         return float(self._engine.last_grad_norm)

@@ -2,7 +2,7 @@
 queries (`engine.grid`), the optimizer and the lr scheduler initialize returns."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..parallel.grid import ProcessGrid
 from ..pipe.module import PipelineError
@@ -63,16 +63,17 @@ class MPU:
 
 class OptimizerView:
     """What DeepSpeed returns as the optimizer: param_groups with the current lr; the engine
-    steps it (flat buffers, both 2BW versions) inside train_batch."""
+    steps it (flat buffers, both 2BW versions) inside train_batch. Built from the engine's public
+    `optimizer` (state_dict / load_state_dict), the optimizer settings, the lr and the module."""
 
-    def __init__(self, engine: DeepSpeedPipelineEngine):
-        self._engine = engine
+    def __init__(self, optimizer, settings, lr: Callable[[], list], params: Callable):
+        self._optimizer, self._settings, self._lr, self._params = optimizer, settings, lr, params
 
     @property
     def param_groups(self):
-        c = self._engine._cfg.optimizer
-        group = {"lr": self._engine.get_lr()[0], "weight_decay": c.weight_decay,
-                 "params": list(self._engine.module.parameters())}
+        c = self._settings
+        group = {"lr": self._lr()[0], "weight_decay": c.weight_decay,
+                 "params": list(self._params())}
         if c.name == "adam":
             group.update(betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
         else:
@@ -80,10 +81,10 @@ class OptimizerView:
         return [group]
 
     def state_dict(self):
-        return self._engine._engine.stepper.optimizer.state_dict()
+        return self._optimizer.state_dict()
 
     def load_state_dict(self, state):
-        self._engine._engine.stepper.optimizer.load_state_dict(state)
+        self._optimizer.load_state_dict(state)
 
     def zero_grad(self, set_to_none=True):
         pass
@@ -97,19 +98,19 @@ class LRSchedulerView:
     advances it); step() is a no-op so a script that calls it does not advance it twice."""
 
     def __init__(self, engine: DeepSpeedPipelineEngine):
-        self._engine = engine
+        self._adapter = engine
 
     def get_lr(self):
-        return self._engine.get_lr()
+        return self._adapter.get_lr()
 
     def get_last_lr(self):
-        return self._engine.get_lr()  # DeepSpeed: the lr its last step() set, for the next step
+        return self._adapter.get_lr()  # DeepSpeed: the lr its last step() set, for the next step
 
     def step(self, *a, **k):
         pass
 
     def state_dict(self):
-        return {"last_batch_iteration": self._engine.global_steps - 1}
+        return {"last_batch_iteration": self._adapter.global_steps - 1}
 
     def load_state_dict(self, state):
         pass

@@ -1,7 +1,10 @@
 """DeepSpeed JSON -> the typed Config: the second front door (Megatron flags are the first).
 
-    cfg, extras = config_from_deepspeed(ds_json, world_size=4, num_stages=2, num_layers=12)
-    cfg = merge_flags_and_ds_config(cfg_from_flags, {"--lr", ...}, "ds_config.json")
+    cfg, ds = config_from_deepspeed(ds_json, world_size=4, num_stages=2, num_layers=12)
+    cfg, ds = merge_flags_and_ds_config(cfg_from_flags, {"--lr", ...}, "ds_config.json")
+
+Both return a new (frozen) Config and the DeepSpeed-only `DeepSpeedSettings` (engine_settings.py:
+the exact lr schedule, the pipeline section's checkpoint interval and stages, data loading).
 
 What maps where (DeepSpeed key -> Config field, Megatron flag):
 
@@ -11,8 +14,8 @@ What maps where (DeepSpeed key -> Config field, Megatron flag):
     optimizer {type, params}          optimizer.*                  --optimizer --lr --adam-beta1/2
                                                                    --adam-eps --weight-decay
                                                                    --sgd-momentum
-    scheduler {type, params}          optimizer.ds_scheduler (DeepSpeed's exact arithmetic, see
-                                      `deepspeed_lr`) and the nearest Megatron fields
+    scheduler {type, params}          DeepSpeedSettings.lr_schedule (DeepSpeed's exact arithmetic,
+                                      `DeepSpeedLR`) and the nearest Megatron fields
                                                                    --lr --min-lr --lr-warmup-iters
                                                                    --lr-decay-iters --lr-decay-style
     fp16 {enabled, loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}
@@ -38,18 +41,23 @@ Semantics that differ from DeepSpeed (documented, not hidden): weight decay appl
 and embeddings only (DeepSpeed decays every parameter of a group); ZeRO-1 does not shard the
 optimizer state; fp16 dynamic loss scaling uses our scaler (same window/hysteresis meaning).
 
-Modules: read.py (finding the JSON), keys.py (the key vocabulary), batch.py (the batch triple), setting.py (Setting, fail),
-optim.py / schedulers.py / sections.py (JSON sections -> Settings; schedulers.py also holds
-`deepspeed_lr`), merge.py (Settings onto a Config: both front doors).
+What the JSON states explicitly is recorded in `Config.fixed` ("train_batch_size=16 in the
+DeepSpeed config"), so --auto-plan keeps it and a contradiction names it.
+
+Modules: read.py (finding the JSON), keys.py (the key vocabulary), batch.py (the batch triple),
+setting.py (Setting, fail), optim.py / schedulers.py / sections.py (JSON sections -> Settings;
+schedulers.py also holds `DeepSpeedLR`), engine_settings.py (`DeepSpeedSettings`), merge.py
+(Settings onto a Config: both front doors).
 """
 from .batch import batch_triple
+from .engine_settings import DeepSpeedSettings
 from .merge import config_from_deepspeed, explicit_flags, merge_flags_and_ds_config
 from .read import load_ds_json
-from .schedulers import DS_SCHEDULERS, deepspeed_lr
+from .schedulers import DS_SCHEDULERS, DeepSpeedLR, deepspeed_lr
 from .keys import IGNORED_KEYS, REFUSED_KEYS, SUPPORTED_KEYS
 from .sections import ds_settings
 from .setting import Setting
 
-__all__ = ["DS_SCHEDULERS", "IGNORED_KEYS", "REFUSED_KEYS", "SUPPORTED_KEYS", "Setting", "batch_triple", "config_from_deepspeed",
-           "deepspeed_lr", "ds_settings", "explicit_flags", "load_ds_json",
-           "merge_flags_and_ds_config"]
+__all__ = ["DS_SCHEDULERS", "DeepSpeedLR", "DeepSpeedSettings", "IGNORED_KEYS", "REFUSED_KEYS",
+           "SUPPORTED_KEYS", "Setting", "batch_triple", "config_from_deepspeed", "deepspeed_lr",
+           "ds_settings", "explicit_flags", "load_ds_json", "merge_flags_and_ds_config"]

@@ -1,9 +1,11 @@
 """DeepSpeed's learning-rate schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR): the "scheduler"
-section as Settings (the exact schedule plus the nearest Megatron fields), and `deepspeed_lr`,
-DeepSpeed's arithmetic for the lr of a step."""
+section as Settings (the nearest Megatron fields) plus `DeepSpeedLR`, the exact schedule, a
+callable step -> lr that the engine takes in place of the Megatron one (`deepspeed_lr` is
+DeepSpeed's arithmetic for the lr of a step)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .keys import unknown_key
 from .setting import Setting, fail
@@ -45,23 +47,33 @@ def _checked_params(kind: str, given: dict) -> dict:
     return p
 
 
-def scheduler_settings(ds: dict, lr: float) -> list[Setting]:
+def scheduler_section(ds: dict) -> tuple[str, dict, dict] | None:
+    """(type, params with DeepSpeed's defaults, params the JSON gives) of the "scheduler"
+    section, checked; None without one."""
     sch = ds.get("scheduler")
     if sch is None:
-        return []
+        return None
     kind = sch.get("type") if isinstance(sch, dict) else None
     if kind not in DS_SCHEDULERS:
         fail(f"DeepSpeed config: scheduler type {kind!r} is not supported: use one of "
              f"{', '.join(DS_SCHEDULERS)}")
     given = dict(sch.get("params") or {})
-    p = _checked_params(kind, given)
+    return kind, _checked_params(kind, given), given
+
+
+def scheduler_settings(ds: dict, lr: float) -> list[Setting]:
+    """The Megatron fields nearest to the "scheduler" section (--lr-warmup-iters, --lr-decay-*,
+    --min-lr, ...); the exact schedule is `DeepSpeedLR`."""
+    section = scheduler_section(ds)
+    if section is None:
+        return []
+    kind, p, given = section
 
     def param(name, flag, path, value):
         return Setting(f"scheduler.params.{name}", flag, path, value, name in given)
 
     key = f"scheduler ({kind})"
-    out = [Setting(key, None, "optimizer.ds_scheduler", {"type": kind, "params": p}),
-           param("warmup_num_steps", "--lr-warmup-iters", "optimizer.lr_warmup_iters",
+    out = [param("warmup_num_steps", "--lr-warmup-iters", "optimizer.lr_warmup_iters",
                  p["warmup_num_steps"])]
     style = Setting(key, "--lr-decay-style", "optimizer.lr_decay_style", _DECAY_STYLE[kind])
     if kind == "WarmupCosineLR":
@@ -82,12 +94,33 @@ def scheduler_settings(ds: dict, lr: float) -> list[Setting]:
 
 
 # -- DeepSpeed's learning-rate schedules, exactly --------------------------------------------------
-def deepspeed_lr(opt_cfg, step: int) -> float:
+@dataclass(frozen=True)
+class DeepSpeedLR:
+    """The "scheduler" section as the engine's lr schedule: `DeepSpeedLR(...)(k)` is the lr of
+    the optimizer step that follows k applied steps (DeepSpeed's arithmetic, `deepspeed_lr`).
+    `base_lr` is the optimizer's lr (the --lr flag or optimizer.params.lr)."""
+    type: str
+    params: dict
+    base_lr: float
+
+    @classmethod
+    def from_json(cls, ds: dict, base_lr: float) -> "DeepSpeedLR | None":
+        section = scheduler_section(ds)
+        return None if section is None else cls(section[0], section[1], base_lr)
+
+    @property
+    def total_num_steps(self) -> int | None:
+        return self.params.get("total_num_steps")
+
+    def __call__(self, step: int) -> float:
+        return deepspeed_lr(self.type, self.params, self.base_lr, step)
+
+
+def deepspeed_lr(kind: str, p: dict, base_lr: float, step: int) -> float:
     """lr of the optimizer step that follows `step` applied (non-skipped) steps, with DeepSpeed's
     arithmetic: the scheduler starts at last_batch_iteration = -1 and steps after every applied
     optimizer step, so step k uses the schedule at k - 1 (k = 0: the warm-up start)."""
-    sched = opt_cfg.ds_scheduler
-    p, kind, i = sched["params"], sched["type"], step - 1
+    i = step - 1
     warm = max(2, int(p["warmup_num_steps"]))
 
     def gamma_warm(it):
@@ -106,9 +139,9 @@ def deepspeed_lr(opt_cfg, step: int) -> float:
             progress = min(1.0, (i - warm + 1) / total)
             lo = p["cos_min_ratio"]
             ratio = max(0.0, lo + (1.0 - lo) * (1 + math.cos(math.pi * progress)) / 2)
-        return opt_cfg.lr * ratio
+        return base_lr * ratio
     lo = float(p["warmup_min_lr"])
-    hi = float(p["warmup_max_lr"]) if p.get("warmup_max_lr") is not None else opt_cfg.lr
+    hi = float(p["warmup_max_lr"]) if p.get("warmup_max_lr") is not None else base_lr
     if i < 0:
         return lo
     if i < warm:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..config import SCHEDULES
 from ..pipeline.registry import DEFAULT_SCHEDULE
+from .engine_settings import DeepSpeedSettings
 from .keys import check_keys
 from .optim import optimizer_settings
 from .schedulers import scheduler_settings
@@ -83,13 +84,11 @@ def _logging_settings(ds: dict) -> list[Setting]:
     return out
 
 
-def _pipeline_settings(ds: dict) -> tuple[list[Setting], dict]:
-    """The "pipeline" section: schedule, activation checkpointing, stages; and the engine
-    extras (with dataloader_drop_last)."""
+def _pipeline_settings(ds: dict) -> tuple[list[Setting], DeepSpeedSettings]:
+    """The "pipeline" section: schedule, activation checkpointing, stages; and the DeepSpeed-only
+    settings (with dataloader_drop_last)."""
     out = []
     pipe = ds.get("pipeline") or {}
-    extras = {"activation_checkpoint_interval": 0, "stages": None,
-              "dataloader_drop_last": bool(ds.get("dataloader_drop_last", False))}
     if not isinstance(pipe, dict):
         fail('DeepSpeed config: "pipeline" must be an object')
     schedule = pipe.get("schedule", DEFAULT_SCHEDULE)
@@ -101,7 +100,6 @@ def _pipeline_settings(ds: dict) -> tuple[list[Setting], dict]:
     interval = pipe.get("activation_checkpoint_interval", 0)
     if not isinstance(interval, int) or interval < 0:
         fail("DeepSpeed config: pipeline.activation_checkpoint_interval must be an integer >= 0")
-    extras["activation_checkpoint_interval"] = interval
     if interval:
         out.append(Setting("pipeline.activation_checkpoint_interval", "--recompute-method",
                            "model.recompute_method", "uniform"))
@@ -112,15 +110,17 @@ def _pipeline_settings(ds: dict) -> tuple[list[Setting], dict]:
         if not isinstance(stages, int) or stages < 1:
             fail(f"DeepSpeed config: pipeline.stages must be 'auto' or a positive integer, got "
                  f"{stages!r}")
-        extras["stages"] = stages
         out.append(Setting("pipeline.stages", "--pipeline-model-parallel-size",
                            "parallel.pipeline", stages))
-    return out, extras
+    return out, DeepSpeedSettings(
+        activation_checkpoint_interval=interval, stages=None if stages == "auto" else stages,
+        dataloader_drop_last=bool(ds.get("dataloader_drop_last", False)))
 
 
-def ds_settings(ds: dict, lr_hint: float = 1e-3) -> tuple[list[Setting], dict]:
-    """Every Config setting the JSON implies (besides the batch triple), and the extras the
-    DeepSpeed engine needs that are not training semantics (pipeline section, data loading)."""
+def ds_settings(ds: dict, lr_hint: float = 1e-3) -> tuple[list[Setting], DeepSpeedSettings]:
+    """Every Config setting the JSON implies (besides the batch triple), and the DeepSpeed-only
+    settings (pipeline section, data loading; the lr schedule is added by merge.py once the
+    optimizer's lr is known)."""
     if not isinstance(ds, dict):
         fail("DeepSpeed config must be a JSON object")
     _check_keys_and_zero(ds)
@@ -129,5 +129,5 @@ def ds_settings(ds: dict, lr_hint: float = 1e-3) -> tuple[list[Setting], dict]:
     out += scheduler_settings(ds, lr)
     out += _precision_settings(ds)
     out += _logging_settings(ds)
-    pipeline, extras = _pipeline_settings(ds)
-    return out + pipeline, extras
+    pipeline, settings = _pipeline_settings(ds)
+    return out + pipeline, settings

@@ -69,7 +69,7 @@ def named_model(name: str) -> ModelConfig:
         vocab = pad_vocab(30522 if family == "bert" else 50257)
         cfg = _gpt(layers, hidden, heads, seq, vocab)
         if family == "bert" and hasattr(cfg, "family"):
-            cfg.family = "bert"
+            cfg = replace(cfg, family="bert")
         return cfg
     import difflib
     close = difflib.get_close_matches(name, model_names(), n=1)

@@ -1,4 +1,8 @@
-"""Learning-rate schedule as a pure function of the iteration (Megatron's warmup + decay)."""
+"""Learning-rate schedule as a pure function of the iteration (Megatron's warmup + decay).
+
+The engine takes any callable iteration -> lr (`PipelineEngine(lr_schedule=...)`); this is the
+default, built from the config. DeepSpeed's schedulers live with the DeepSpeed front door
+(`ds_config.DeepSpeedLR`)."""
 from __future__ import annotations
 
 import math
@@ -14,9 +18,6 @@ class LRSchedule:
     def __call__(self, iteration: int) -> float:
         """lr used by the optimizer step of batch `iteration` (0-based)."""
         c = self.cfg
-        if getattr(c, "ds_scheduler", None):  # a DeepSpeed JSON schedule, DeepSpeed's arithmetic
-            from ..ds_config import deepspeed_lr
-            return deepspeed_lr(c, iteration)
         step = iteration + 1
         if c.lr_warmup_iters and step <= c.lr_warmup_iters:
             return c.lr * step / c.lr_warmup_iters

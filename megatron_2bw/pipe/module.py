@@ -15,7 +15,8 @@ constructor; we wait so that a bad configuration fails before any process group 
 Engine mapping: each local layer is wrapped in `_DSLayer` (one-argument call convention) and becomes
 an engine `LayerSpec` whose build returns the already-built wrapper; a key tied across stages
 becomes the engine's `tied_key` (the engine all-reduces it between the first and last stage,
-which is therefore where such keys must live).
+which is therefore where such keys must live). Once the engine is built, the module is a view of
+the engine's stage module holding the newest weights (`engine_view.py`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..config import ConfigError
 from ..parallel.comm import Comm
 from ..parallel.distributed import current_rank_world, is_initialized
 from ..pipeline.module import LayerSpec as EngineLayerSpec
+from .engine_view import EngineView
 from .partition import is_spec, is_tied_spec, layer_name, partition_layers
 from .topology import PipeDataParallelTopology, ProcessTopology, grid_layout
 
@@ -120,7 +122,7 @@ def resolve_process_topology(num_stages, topology, world_size: int):
     return topology
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(EngineView, nn.Module):
     """DeepSpeed's PipelineModule (same arguments). Extra keyword-only arguments for
     partition_method='profile': `layer_costs` (one cost per layer) or `profile_input` (a sample
     first-layer input whose per-layer forward+backward time is measured)."""
@@ -338,18 +340,6 @@ class PipelineModule(nn.Module):
         if self.checkpointable_layers is not None:
             return self.layer_type_name(idx) in self.checkpointable_layers
         return wrapper.layer is not None and any(True for _ in wrapper.layer.parameters())
-
-    def adopt(self, stage_module) -> None:
-        """Point this module's layers at an engine replica (the newest weight version), so
-        `engine.module.parameters()` / `state_dict()` show the weights training just produced."""
-        wrappers = [stage_module.layers[str(i)] for i in range(self._local_start, self._local_stop)]
-        for i, w in zip(range(self._local_start, self._local_stop), wrappers):
-            kind = self._entries[i]
-            if kind[0] == "module":
-                self._modules[str(i)] = w.layer
-            elif kind[0] == "tied" and self.tied_modules[kind[1]] is not w.layer:
-                self.tied_modules[kind[1]] = w.layer
-        self.forward_funcs = wrappers
 
     def tied_sync_params(self) -> list[tuple[str, nn.Parameter]]:
         """(key, parameter) of every key tied across stages that this stage holds, in key order."""

@@ -33,7 +33,8 @@ BUCKET_ELEMENTS = 2 ** 24  # 64 MB of fp32 per all-reduce call
 
 
 class BatchStepper:
-    def __init__(self, cfg: Config, grid: ProcessGrid, weights: VersionedWeights, device):
+    def __init__(self, cfg: Config, grid: ProcessGrid, weights: VersionedWeights, device,
+                 lr_schedule=None):
         self.cfg, self.grid, self.w = cfg, grid, weights
         self.device = device
         self.comm = grid.comm
@@ -42,7 +43,7 @@ class BatchStepper:
         self.dp_size = grid.data
         self.optimizer = make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
         self.scaler = make_loss_scaler(cfg.precision)
-        self.lr = LRSchedule(cfg.optimizer, cfg.train.train_iters)
+        self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters)
         self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
         self.pending: dict[int, dict] = {}
         self.skipped = 0

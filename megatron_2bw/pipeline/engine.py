@@ -9,6 +9,14 @@ which one a step writes is the schedule kind's rule (`registry.py`); the engine 
 
 Data: the first stage takes inputs and the last stage takes labels from `next(data_iter)`, one
 (inputs, labels) pair per forward, in microbatch order; other stages never touch the iterator.
+
+Public surface (what the training loop and the DeepSpeed adapter use; nothing else is theirs to
+touch): `train_batch`, `eval_batch`, `start`, `state_dict`/`load_state_dict`, `module` (the stage
+module holding the newest weights, asked on every access), `fp32_state`, `optimizer` (state_dict /
+load_state_dict), `lr_schedule` (iteration -> lr, a constructor argument) and `lr` (the next
+step's), `iteration`, `skipped_iterations`, `last_grad_norm`, `timers` (seconds per action kind
+with --wall-clock-breakdown; the reader clears it), `kind` (the schedule kind) and, read-only,
+`weights` (the flat-buffer layout: names, shapes, offsets; read by DeepSpeed-layout checkpoints).
 """
 from __future__ import annotations
 
@@ -36,13 +44,20 @@ _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-red
 
 class PipelineEngine:
     def __init__(self, cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
-                 loss_fn: Callable, partition: list[int], device):
+                 loss_fn: Callable, partition: list[int], device,
+                 lr_schedule: Callable[[int], float] | None = None):
+        """`lr_schedule(iteration)` is the lr of that batch's step (default: the Config's
+        Megatron schedule, `optim.LRSchedule`)."""
         self.cfg, self.grid, self.loss_fn, self.device = cfg, grid, loss_fn, torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for the stash at every batch (host_memory.py)
         self.stage, self.num_stages = grid.stage, grid.pipeline
         self.first, self.last = grid.is_first_stage, grid.is_last_stage
-        self.m = cfg.batch.global_batch_size // (cfg.batch.micro_batch_size * grid.data)
+        if cfg.parallel.data not in (None, grid.data):
+            raise ValueError(f"the config's data-parallel size {cfg.parallel.data} differs from "
+                             f"the grid's {grid.data}: build the grid from the config")
+        cfg = cfg.replace(parallel={"data": grid.data})  # the config on this grid
+        self.m = cfg.num_microbatches
         start, end = partition[self.stage], partition[self.stage + 1]
         module = StageModule(specs, start, end, seed=cfg.train.seed,
                              recompute_method=cfg.model.recompute_method,
@@ -50,7 +65,7 @@ class PipelineEngine:
         self.kind = schedule_kind(cfg.schedule)
         self.weights = VersionedWeights(module, self.kind.num_slots, cfg.precision.dtype,
                                         self.device, tied=module.tied)
-        self.stepper = BatchStepper(cfg, grid, self.weights, self.device)
+        self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
@@ -174,6 +189,21 @@ class PipelineEngine:
     @property
     def last_grad_norm(self) -> torch.Tensor:
         return self.stepper.last_grad_norm
+
+    @property
+    def optimizer(self):
+        """The optimizer over this stage's flat weights (state_dict / load_state_dict); the
+        engine steps it inside train_batch."""
+        return self.stepper.optimizer
+
+    @property
+    def lr_schedule(self) -> Callable[[int], float]:
+        return self.stepper.lr
+
+    @property
+    def lr(self) -> float:
+        """The lr of the next optimizer step (batch `iteration`)."""
+        return float(self.stepper.lr(self.iteration))
 
     @property
     def skipped_iterations(self) -> int:

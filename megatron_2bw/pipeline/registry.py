@@ -13,6 +13,7 @@ names or restates a rule (`tests/test_rule_owners.py` fails if one does).
     step_writes_slot(t)  S(t) writes W(t+1) into the slot of the first batch that runs on it
     newest_slot(t)       the slot holding W(t) after t steps (eval, checkpoints)
     initial_slot_weights(t0)  W index in each slot when a segment starts at batch t0
+    synchronous          batch t+1 runs on W(t+1): exact gradients, plain training's semantics
     flushes              the pipeline drains at every batch (no forward of batch t+1 before S(t))
     min_microbatches(d)  the fewest microbatches per batch with d stages (2BW: d)
     in_flight(d, m, s)   peak microbatches with F done and B not done on stage s (the stash)
@@ -85,8 +86,12 @@ class ScheduleKind:
         return t0 if t0 < n else n + t0 % n
 
     @property
+    def synchronous(self) -> bool:
+        return self.delay == 0  # batch t+1 runs on W(t+1): gradients are never stale
+
+    @property
     def flushes(self) -> bool:
-        return self.delay == 0  # batch t+1 runs on W(t+1): it must wait for S(t)
+        return self.synchronous  # batch t+1 runs on W(t+1): it must wait for S(t)
 
     # ---- sizes ----
     def min_microbatches(self, d: int) -> int:

@@ -4,9 +4,9 @@
     result = search(model_cfg, Topology(num_nodes=8), AnalyticProfile(), global_batch=512)
     result.best.to_dict()
 
-`tools/plan.py` is the command line; `plan_for_args` serves `pretrain_gpt.py --auto-plan`.
+`tools/plan.py` is the command line; `plan` (Config -> Config) serves `pretrain_gpt.py --auto-plan`.
 """
-from .auto import Plan, plan_for_args
+from .auto import Plan, plan, planner_inputs
 from .cost_model import Layout, Setup, StagePlan, stage_plan, state_bytes
 from .partition import partition
 from .profile import AnalyticProfile, MeasuredProfile, load_profile, measure_profile, save_profile
@@ -16,5 +16,5 @@ from .topology import GB, PlanError, Topology, resolve_topology
 
 __all__ = ["AnalyticProfile", "Estimate", "GB", "Layout", "MeasuredProfile", "Plan", "PlanError",
            "SCHEDULES", "SearchResult", "Setup", "StagePlan", "Topology", "load_profile",
-           "measure_profile", "partition", "plan_for_args", "predict", "resolve_topology",
+           "measure_profile", "partition", "plan", "planner_inputs", "predict", "resolve_topology",
            "save_profile", "search", "stage_plan", "state_bytes"]

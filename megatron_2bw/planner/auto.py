@@ -1,26 +1,35 @@
-"""`pretrain_gpt.py --auto-plan`: choose t, d, w, b and the rank order from the Megatron flags.
+"""`pretrain_gpt.py --auto-plan`: a Config in, a new Config out (`dataclasses.replace`).
 
-    plan = plan_for_args(args, world_size)   # raises PlanError (a ConfigError) with one line
-    plan.apply(cfg)                          # fills cfg.parallel / cfg.batch / cfg.schedule
+    topology, profile = planner_inputs(args, world_size)     # --plan-topology, --plan-profile...
+    cfg = plan(cfg, topology, profile, log=print)            # raises PlanError (a ConfigError)
 
-The schedule stays the one the flags name (2BW and flush/gpipe differ in semantics, not only in
-speed), the global batch is `--global-batch-size`, the machine is `world_size` processes placed
-as SLURM / the visible devices say (or `--plan-topology FILE`), times come from `--plan-profile
-FILE` or an analytic profile (`--device-tflops`, `--device-efficiency` when those flags exist).
-`plan.partition` holds the planner's stage boundaries (spec indices) if the engine is to use them
-instead of the uniform split.
+What the user fixed (`Config.fixed`: a typed flag or a DeepSpeed JSON key) stays as it is; the
+planner searches the rest: t, d, w, the micro batch b (so m), the rank order, recomputation, the
+schedule, and the stage partition. The global batch must be fixed (it changes what is trained);
+the schedule is searched when nobody fixed it, ties going to the synchronous one (`search.py`).
+When no layout keeps every fixed setting, the one-line error names them with their sources.
+Times come from `--plan-profile FILE` or an analytic profile (`--device-tflops`,
+`--device-efficiency`); the machine is `world_size` processes placed as SLURM / the visible
+devices say (or `--plan-topology FILE`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import RANK_ORDERS, Config
+from ..pipeline.registry import schedule_kind
 from .profile import AnalyticProfile, load_profile
-from .search import SearchResult, search
+from .search import SCHEDULES, SearchResult, search
 from .simulate import Estimate
 from .topology import PlanError, resolve_topology
 
 TOPOLOGY_FLAGS = ("gpus_per_node", "gpu_memory_gb", "intra_node_bandwidth_gbps",
                   "inter_node_bandwidth_gbps", "intra_node_latency_us", "inter_node_latency_us")
+
+# the settings the planner chooses, by Config path
+PLANNED = ("parallel.tensor", "parallel.pipeline", "parallel.data", "parallel.rank_order",
+           "batch.micro_batch_size", "batch.num_microbatches", "schedule",
+           "model.recompute_method")
 
 
 @dataclass
@@ -37,18 +46,18 @@ class Plan:
         """Spec-index stage boundaries ([embedding, blocks..., head] indexing)."""
         return list(self.estimate.plan.bounds)
 
-    def apply(self, cfg):
+    def config(self, cfg: Config) -> Config:
+        """`cfg` with this plan's layout; recomputation only when the user did not fix it."""
         L = self.layout
-        cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data = L.tensor, L.pipeline, L.data
-        cfg.parallel.rank_order = L.rank_order
-        cfg.batch.micro_batch_size = L.micro_batch
-        cfg.batch.global_batch_size = L.global_batch
-        cfg.schedule = L.schedule
-        if L.recompute:
-            cfg.model.recompute_method, cfg.model.recompute_num_layers = "uniform", 1
-        else:
-            cfg.model.recompute_method, cfg.model.recompute_num_layers = None, 0
-        return cfg
+        new = cfg.replace(
+            parallel={"tensor": L.tensor, "pipeline": L.pipeline, "data": L.data,
+                      "rank_order": L.rank_order, "partition": tuple(self.partition)},
+            batch={"micro_batch_size": L.micro_batch, "global_batch_size": L.global_batch},
+            schedule=L.schedule)
+        if cfg.source_of("model.recompute_method") is None:
+            new = new.replace(model={"recompute_method": "uniform" if L.recompute else None,
+                                     "recompute_num_layers": 1 if L.recompute else 0})
+        return new
 
     def flags(self) -> str:
         return layout_flags(self.layout)
@@ -68,31 +77,71 @@ def layout_flags(L) -> str:
     return flags + (" --recompute-activations" if L.recompute else "")
 
 
-def plan_for_args(args, world_size: int, family: str = "gpt", allow_tensor_parallel: bool = True,
-                  allow_recompute: bool = True, schedules=None) -> Plan:
-    """Plan for a parsed Megatron namespace (see `arguments.py`) on `world_size` processes."""
-    from ..arguments import config_from_args
-    cfg = config_from_args(args, family)
-    if cfg.batch.global_batch_size is None:
-        raise PlanError("--auto-plan needs --global-batch-size (the planner keeps it fixed and "
-                        "chooses the micro batch and the parallel sizes)")
+def planner_inputs(args, world_size: int):
+    """(Topology, profile) for `world_size` processes from the --plan-* and device flags."""
     flags = {k: getattr(args, k, None) for k in TOPOLOGY_FLAGS}
     topo = resolve_topology(flags, getattr(args, "plan_topology", None), num_gpus=world_size)
     path = getattr(args, "plan_profile", None)
     if path:
-        profile = load_profile(path)
-    else:
-        profile = AnalyticProfile(**{k: getattr(args, a) for k, a in
-                                     (("device_tflops", "device_tflops"),
-                                      ("efficiency", "device_efficiency"))
-                                     if getattr(args, a, None) is not None}).validate()
-    result = search(cfg.model, topo, profile, cfg.batch.global_batch_size,
-                    schedules=tuple(schedules or (cfg.schedule,)), dtype=cfg.precision.dtype,
-                    optimizer=cfg.optimizer.name,
-                    recompute=(False, True) if allow_recompute else (False,),
-                    tensor_sizes=None if allow_tensor_parallel else (1,), top_k=1,
-                    arch=cfg.model.family)
-    return Plan(result.best, result)
+        return topo, load_profile(path)
+    return topo, AnalyticProfile(**{k: getattr(args, a) for k, a in
+                                    (("device_tflops", "device_tflops"),
+                                     ("efficiency", "device_efficiency"))
+                                    if getattr(args, a, None) is not None}).validate()
 
 
-__all__ = ["Plan", "plan_for_args", "layout_flags"]
+def _only(cfg: Config, path: str):
+    """(the fixed value,) when the user fixed `path`, else None (the planner chooses)."""
+    if cfg.source_of(path) is None:
+        return None
+    value = cfg.fixed_value(path)
+    return (cfg.get(path) if value is None else value,)
+
+
+def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
+    """The planner's search restricted to what `cfg` leaves free."""
+    if cfg.batch.global_batch_size is None:
+        raise PlanError("--auto-plan needs the global batch: give --global-batch-size or "
+                        "train_batch_size in the DeepSpeed config (the planner keeps it and "
+                        "chooses the micro batch and the parallel sizes)")
+    recompute = _only(cfg, "model.recompute_method")
+    try:
+        return search(cfg.model, topology, profile, cfg.batch.global_batch_size,
+                      schedules=_only(cfg, "schedule") or SCHEDULES,
+                      dtype=cfg.precision.dtype, optimizer=cfg.optimizer.name,
+                      recompute=(False, True) if recompute is None else (recompute[0] is not None,),
+                      tensor_sizes=_only(cfg, "parallel.tensor"),
+                      pipeline_sizes=_only(cfg, "parallel.pipeline"),
+                      data_sizes=_only(cfg, "parallel.data"),
+                      micro_batches=_only(cfg, "batch.micro_batch_size"),
+                      num_microbatches=_only(cfg, "batch.num_microbatches"),
+                      rank_orders=_only(cfg, "parallel.rank_order") or RANK_ORDERS,
+                      top_k=top_k, arch=cfg.model.family)
+    except PlanError as e:
+        fixed = [f.source for f in cfg.fixed
+                 if f.path in PLANNED + ("batch.global_batch_size",)]
+        if not str(e).startswith("no valid layout") or not fixed:
+            raise
+        raise PlanError(f"auto-plan: no layout of {topology.num_gpus} processes keeps "
+                        f"{' and '.join(dict.fromkeys(fixed))}: change or drop one of them"
+                        ) from None
+
+
+def plan(cfg: Config, topology, profile, log=None) -> Config:
+    """A new Config with the fastest layout that keeps everything `cfg.fixed` names (see the
+    module docstring). `log(line)` receives the summary and any warning."""
+    best = search_for(cfg, topology, profile)
+    chosen = Plan(best.best, best)
+    L = chosen.layout
+    if log is not None:
+        log(chosen.summary())
+        kind = schedule_kind(L.schedule)
+        if L.pipeline == 1 and not kind.synchronous:
+            log(f"auto-plan: warning: the fastest layout has one pipeline stage, where {L.schedule}"
+                f" (fixed by {cfg.source_of('schedule')}) only adds weight staleness: a "
+                "synchronous schedule (--pipeline-schedule flush) trains the same layout on "
+                "exact gradients")
+    return chosen.config(cfg)
+
+
+__all__ = ["Plan", "plan", "planner_inputs", "search_for", "layout_flags"]

@@ -12,6 +12,7 @@ for pretrain_gpt.py, or everything as JSON with --json. Bad input: one line on s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -84,14 +85,12 @@ def model_from_args(a) -> ModelConfig:
         cfg = named_model(a.model) if a.model else ModelConfig()
     except ValueError as e:
         raise PlanError(str(e)) from None
-    for name, _ in SHAPE:
-        if getattr(a, name) is not None:
-            setattr(cfg, name, getattr(a, name))
+    changes = {name: getattr(a, name) for name, _ in SHAPE if getattr(a, name) is not None}
     if a.untie_embeddings_and_output_weights:
-        cfg.untie_embeddings_and_output_weights = True
+        changes["untie_embeddings_and_output_weights"] = True
     if a.family:
-        cfg.family = a.family
-    return cfg
+        changes["family"] = a.family
+    return dataclasses.replace(cfg, **changes)
 
 
 def _table(result, model, topo) -> str:

@@ -47,7 +47,7 @@ class DeviceMemory(NamedTuple):
 def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
     """Peak bytes of one rank of each pipeline stage, by kind (`stage_memory`'s dict)."""
     from ..training import model_parts  # the engine's own stage boundaries
-    d, m = cfg.parallel.pipeline, cfg.num_microbatches(world_size)
+    d, m = cfg.parallel.pipeline, cfg.resolved(world_size).num_microbatches
     _, _, bounds = model_parts(cfg, num_stages=d)
     costs = layer_costs(cfg.model, cfg.batch.micro_batch_size, cfg.parallel.tensor,
                         cfg.precision.dtype, cfg.model.family)
@@ -125,7 +125,8 @@ def check_memory(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 
     local = range(first, min(first + (local_ranks or local_world_size() or 1), world_size))
     sharing = [r for r in local if memory.gpu is None or (r - first) % memory.gpus == memory.gpu]
     grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
-                       cfg.data_parallel_size(world_size), rank_order=cfg.parallel.rank_order)
+                       cfg.resolved(world_size).data_parallel_size,
+                       rank_order=cfg.parallel.rank_order)
     stages = [grid.coords(r)[1] for r in sharing or [rank]]
     need = sum(estimates[s]["total"] for s in stages)
     if need <= memory.free:

@@ -1,8 +1,15 @@
 """Search over layouts: every (t, d, w) with t*d*w = N (t inside a node), every micro batch b that
 divides the per-replica batch, recomputation on/off, each schedule the number of microbatches suits
-(`ScheduleKind.accepts`: 2BW needs m >= d) and, on more
-than one node, both rank orders. Layouts over the usable memory are dropped; the rest are ranked
-by predicted time per batch (the global batch is fixed, so this is ranking by samples/s).
+(`ScheduleKind.accepts`: 2BW needs m >= d) and, on more than one node, both rank orders; the
+`*_sizes`/`micro_batches`/`num_microbatches` filters keep only what the caller fixed. Layouts over
+the usable memory are dropped; the rest are ranked by predicted time per batch (the global batch is
+fixed, so this is ranking by samples/s).
+
+Semantics before a sliver of speed: predictions within `TIE` of each other are a tie, and a tie
+goes to the synchronous schedule (`ScheduleKind.synchronous`: exact gradients), then to the smaller
+memory footprint. An asynchronous schedule on one pipeline stage is not offered when a synchronous
+one is allowed: with nothing to fill, 2BW's second version only adds staleness (its sole gain
+there, hiding the gradient all-reduce behind the next forwards, is not worth a stale gradient).
 
 Every layout gets a cheap `lower_bound()`; layouts are simulated in increasing bound order and the
 search stops once the k-th best prediction beats every remaining bound (branch and bound). The
@@ -15,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import RANK_ORDERS, ModelConfig
+from ..config import num_microbatches as config_microbatches
 from ..models.flops import DTYPE_BYTES
 from ..pipeline.registry import schedule_kind, schedule_names
 from .cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
@@ -22,6 +30,7 @@ from .simulate import Estimate, predict
 from .topology import GB, PlanError, Topology
 
 SCHEDULES = schedule_names()
+TIE = 1e-5  # relative difference of two predictions that counts as a tie
 
 
 @dataclass
@@ -44,7 +53,9 @@ def divisors(n: int) -> list[int]:
 
 
 def _key(est: Estimate) -> tuple:
-    return (est.time_per_batch, est.plan.max_memory, est.layout.describe())
+    """Rank: time (ties within TIE), then the synchronous schedule, then memory."""
+    tied = float(f"{est.time_per_batch:.6g}")  # quantum <= TIE
+    return (tied, not est.layout.kind.synchronous, est.plan.max_memory, est.layout.describe())
 
 
 def _check_inputs(model: ModelConfig, global_batch, schedules, dtype, optimizer, recompute):
@@ -73,28 +84,35 @@ def _check_inputs(model: ModelConfig, global_batch, schedules, dtype, optimizer,
 
 def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
                       schedules=SCHEDULES, recompute=(False, True), tensor_sizes=None,
-                      micro_batches=None, rank_orders=RANK_ORDERS):
-    """Yield every candidate Layout (memory is checked later)."""
+                      micro_batches=None, rank_orders=RANK_ORDERS, pipeline_sizes=None,
+                      data_sizes=None, num_microbatches=None):
+    """Yield every candidate Layout (memory is checked later). A filter that is None allows
+    every value."""
     n, gpn = topology.num_gpus, topology.gpus_per_node
     orders = tuple(rank_orders) if topology.num_nodes > 1 else tuple(rank_orders)[:1]
+    kinds = [schedule_kind(s) for s in schedules]
+    any_synchronous = any(k.synchronous for k in kinds)
     for t in divisors(gpn):
         if (model.num_attention_heads % t or model.vocab_size % t or model.ffn_size % t or n % t
                 or (tensor_sizes and t not in tensor_sizes)):
             continue  # the engine shards heads, the vocabulary and the MLP evenly
         for d in divisors(n // t):
-            if d > model.num_layers:
+            if d > model.num_layers or (pipeline_sizes and d not in pipeline_sizes):
                 continue
             w = n // (t * d)
-            if global_batch % w:
+            if global_batch % w or (data_sizes and w not in data_sizes):
                 continue
             for b in divisors(global_batch // w):
-                if micro_batches and b not in micro_batches:
+                m = config_microbatches(global_batch, b, w)
+                if (micro_batches and b not in micro_batches) or \
+                        (num_microbatches and m not in num_microbatches):
                     continue
-                m = global_batch // (w * b)
                 for rc in recompute:
-                    for sched in schedules:
-                        if not schedule_kind(sched).accepts(d, m):
+                    for kind in kinds:
+                        if not kind.accepts(d, m) or (d == 1 and any_synchronous
+                                                      and not kind.synchronous):
                             continue
+                        sched = kind.name
                         for order in (orders if d > 1 and w > 1 else orders[:1]):
                             yield Layout(sched, t, d, w, b, m, bool(rc), order)
 
@@ -103,7 +121,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            schedules=SCHEDULES, dtype: str = "fp32", optimizer: str = "adam",
            recompute=(False, True), tensor_sizes=None, micro_batches=None,
            rank_orders=RANK_ORDERS, top_k: int = 5, exhaustive: bool = False,
-           arch: str = "gpt") -> SearchResult:
+           arch: str = "gpt", pipeline_sizes=None, data_sizes=None,
+           num_microbatches=None) -> SearchResult:
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
@@ -113,7 +132,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     usable = topology.usable_memory_gb * GB
     considered, smallest, cands = 0, float("inf"), []
     for layout in enumerate_layouts(model, topology, global_batch, schedules, recompute,
-                                    tensor_sizes, micro_batches, rank_orders):
+                                    tensor_sizes, micro_batches, rank_orders, pipeline_sizes,
+                                    data_sizes, num_microbatches):
         considered += 1
         plan = stage_plan(setup, layout, times, topology)
         smallest = min(smallest, plan.max_memory)
@@ -134,7 +154,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     cands.sort(key=lambda c: (c[0], c[1]))
     ranked, simulated = [], 0
     for bound, _, plan in cands:
-        if not exhaustive and len(ranked) >= top_k and bound > ranked[top_k - 1].time_per_batch:
+        if not exhaustive and len(ranked) >= top_k and \
+                bound > ranked[top_k - 1].time_per_batch * (1 + 2 * TIE):
             break
         ranked.append(predict(plan))
         simulated += 1
