@@ -30,10 +30,14 @@ __all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteratio
 
 def layout(cfg: Config, grid) -> dict:
     m = cfg.model
+    learned = m.position_embedding_type == "learned_absolute"
     return {"family": m.family, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads, "ffn_size": m.ffn_size,
-            "vocab_size": m.vocab_size, "max_positions": m.max_positions,
+            "vocab_size": m.vocab_size, "max_positions": m.max_positions if learned else None,
             "tied": not m.untie_embeddings_and_output_weights,
+            "position_embedding_type": m.position_embedding_type,
+            "normalization": m.normalization, "swiglu": m.swiglu,
+            "query_groups": m.query_groups, "bias_linear": m.add_bias_linear,
             "tensor": grid.tensor, "pipeline": grid.pipeline}
 
 

@@ -28,7 +28,7 @@ FLAVOURS: dict[str, tuple[str, int, int, int, int]] = {
 # Llama flavours: (query groups, ffn hidden size or None for Megatron's SwiGLU default,
 # rotary base, vocabulary or None (from the data), tied embeddings)
 LLAMA: dict[str, tuple] = {
-    "llama-debug": (2, None, 10000.0, None, False),
+    "llama-debug": (2, None, 10000.0, 512, False),
     "llama-3.2-1b": (8, 8192, 500000.0, 128256, True),
     "llama-3.2-3b": (8, 8192, 500000.0, 128256, True),
     "llama-3.1-8b": (8, 14336, 500000.0, 128256, False),

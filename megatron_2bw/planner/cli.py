@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from ..arguments import add_architecture_args, apply_architecture_args
 from ..config import ModelConfig
 from ..models.flops import model_names, named_model, num_parameters
 from .auto import layout_flags
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in SHAPE:
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    add_architecture_args(p)
     g = p.add_argument_group("machine (defaults: SLURM / visible devices, then an A100 node)")
     g.add_argument("--num-gpus", type=int, default=None,
                    help="total; a multiple of --gpus-per-node")
@@ -89,6 +91,7 @@ def model_from_args(a) -> ModelConfig:
             setattr(cfg, name, getattr(a, name))
     if a.untie_embeddings_and_output_weights:
         cfg.untie_embeddings_and_output_weights = True
+    cfg = apply_architecture_args(cfg, a)
     if a.family:
         cfg.family = a.family
     return cfg

@@ -79,8 +79,8 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
     orders = tuple(rank_orders) if topology.num_nodes > 1 else tuple(rank_orders)[:1]
     for t in divisors(gpn):
         if (model.num_attention_heads % t or model.vocab_size % t or model.ffn_size % t or n % t
-                or (tensor_sizes and t not in tensor_sizes)):
-            continue  # the engine shards heads, the vocabulary and the MLP evenly
+                or model.query_groups % t or (tensor_sizes and t not in tensor_sizes)):
+            continue  # the engine shards heads, key/value groups, the vocabulary and the MLP
         for d in divisors(n // t):
             if d > model.num_layers:
                 continue
