@@ -163,3 +163,27 @@ def test_rmsnorm_matches_the_plain_formula_and_its_gradient():
     y = x.detach()
     plain = norm.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(norm(y), plain)
+
+
+def test_planner_plans_llama_shapes_with_whole_query_groups_per_tensor_rank(tmp_path):
+    import io
+    import json
+    from megatron_2bw.planner.cli import run as plan_run
+    out = io.StringIO()
+    assert plan_run("--model llama-3.1-8b --num-nodes 2 --gpus-per-node 8 --gpu-memory-gb 80 "
+                    "--global-batch-size 64 --bf16 --top 50 --json".split(), out) == 0
+    data = json.loads(out.getvalue())
+    assert {c["tensor"] for c in data["candidates"]} <= {1, 2, 4, 8}  # 8 groups: all divide
+    out = io.StringIO()
+    assert plan_run("--model llama-debug --num-query-groups 1 --num-gpus 4 --gpus-per-node 4 "
+                    "--global-batch-size 16 --top 50 --json".split(), out) == 0
+    assert {c["tensor"] for c in json.loads(out.getvalue())["candidates"]} == {1}
+    # a measured profile records the architecture: another shape cannot reuse it
+    path = str(tmp_path / "p.json")
+    shape = "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 8 --vocab-size 64"
+    assert plan_run(f"{shape} --profile-out {path} --profile-micro-batches 1".split(),
+                    io.StringIO()) == 0
+    from megatron_2bw.planner.topology import PlanError
+    with pytest.raises(PlanError, match="was measured for normalization LayerNorm, not RMSNorm"):
+        plan_run(f"{shape} --normalization RMSNorm --profile {path} --num-gpus 2 "
+                 "--global-batch-size 8".split(), io.StringIO())

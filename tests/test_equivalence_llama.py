@@ -45,3 +45,23 @@ def test_llama_t2_d2_flush_sgd_agrees_to_rounding():
 @pytest.mark.parametrize("schedule", ["gpipe", "flush", "2bw"])
 def test_llama_full_matrix(schedule, t, d, w):
     check(schedule, t, d, w, extra=INIT + (["--recompute-activations"] if w == 2 else []))
+
+
+def test_bert_with_the_llama_architecture_t2_d2():
+    argv = ("--model-type bert --position-embedding-type rope --normalization RMSNorm --swiglu "
+            "--group-query-attention --num-query-groups 2 --disable-bias-linear --num-layers 2 "
+            "--hidden-size 64 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+            "--global-batch-size 8 --train-iters 3 --tensor-model-parallel-size 2 "
+            "--pipeline-model-parallel-size 2 --schedule 2bw").split() + INIT
+    cfg, _ = parse(argv)
+    rep = run(cfg, timeout_minutes=2)
+    assert rep.passed(1e-5), rep
+
+
+@pytest.mark.slow
+def test_llama_bf16_t2_d2():
+    cfg, _ = parse(["--schedule", "2bw", "--tensor-model-parallel-size", "2",
+                    "--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--bf16"]
+                   + TINY)
+    rep = run(cfg, timeout_minutes=2)
+    assert rep.passed(3e-2), rep

@@ -115,10 +115,12 @@ def train_4(cfg, out):
     return torch.load(f"{out}.3")  # a rank of the last stage
 
 
-@pytest.mark.parametrize("shape", ["gpt", "llama"])
-def test_t2_d2_checkpoint_reads_as_newest_weights_and_exports_to_hf_logits(shape, tmp_path):
+@pytest.mark.parametrize("shape,schedule", [("gpt", "2bw"), ("llama", "2bw"),
+                                            ("llama", "flush")])
+def test_t2_d2_checkpoint_reads_as_newest_weights_and_exports_to_hf_logits(shape, schedule,
+                                                                           tmp_path):
     save = str(tmp_path / "ckpt")
-    cfg = make_cfg(SHAPE_FLAGS[shape] + ["--pipeline-schedule", "2bw", "--train-iters", "3",
+    cfg = make_cfg(SHAPE_FLAGS[shape] + ["--pipeline-schedule", schedule, "--train-iters", "3",
                                          "--optimizer", "sgd", "--save", save])
     train_4(cfg, str(tmp_path / "losses"))
     full = read_checkpoint(save)

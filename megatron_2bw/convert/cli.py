@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from ..arguments import FlagParser, exit_on_config_error
-from ..config import ModelConfig, SCHEDULES
+from ..config import SCHEDULES, Config, ModelConfig
 from ..pipeline.registry import DEFAULT_SCHEDULE
 
 
@@ -85,8 +85,8 @@ def import_(args) -> str:
     from .native import write_checkpoint
     from .tokenizers import carry_to_checkpoint, sentencepiece_flags
     t, d = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    model = import_hf(args.load, t, args.make_vocab_size_divisible_by)
-    model.config.schedule = args.pipeline_schedule
+    base = Config(schedule=args.pipeline_schedule)
+    model = import_hf(args.load, t, args.make_vocab_size_divisible_by, base)
     write_checkpoint(args.save, model, t, d)
     carry_to_checkpoint(args.load, args.save)
     flags = ["--load", args.save, "--tensor-model-parallel-size", str(t),

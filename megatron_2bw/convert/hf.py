@@ -10,9 +10,9 @@ loads. A sentencepiece tokenizer travels with the weights as `tokenizer.model` (
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
+from dataclasses import replace
 
 import torch
 
@@ -104,11 +104,9 @@ def import_hf(hf_dir: str, tensor: int = 1, divisible_by: int = 128,
     non-model settings (defaults: Config())."""
     hf = read_hf_config(hf_dir)
     kind, m = model_config(hf)
-    m.vocab_size = vocab_size_with_padding(hf["vocab_size"], divisible_by, tensor)
-    cfg = copy.deepcopy(base) if base is not None else Config()
-    cfg.model = m
+    m = replace(m, vocab_size=vocab_size_with_padding(hf["vocab_size"], divisible_by, tensor))
     state = from_hf(kind, m, read_hf_tensors(hf_dir))
-    return FullModel(cfg, state, 0)
+    return FullModel(replace(base or Config(), model=m), state, 0)
 
 
 def hf_vocab_size(hf_dir: str) -> int:

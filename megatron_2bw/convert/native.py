@@ -17,10 +17,9 @@ stage's parameters in the engine's order (`VersionedWeights._ordered_params`).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -69,10 +68,14 @@ def _canonical(cfg: Config) -> tuple[dict[str, torch.Size], dict[str, str]]:
     return ({n: p.shape for n, p in whole.named_parameters()}, whole.tied_parameter_names())
 
 
+def _layout(cfg: Config, tensor: int, pipeline: int) -> Config:
+    """`cfg` for t = tensor, d = pipeline (even stages, data size from the world)."""
+    return replace(cfg, parallel=replace(cfg.parallel, tensor=tensor, pipeline=pipeline,
+                                         data=None, partition=None))
+
+
 def _single(cfg: Config) -> Config:
-    cfg = copy.deepcopy(cfg)
-    cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.partition = 1, 1, None
-    return cfg
+    return _layout(cfg, 1, 1)
 
 
 def _renames(stage_tied: dict[str, str], tied_names: dict[str, str]) -> dict[str, str]:
@@ -158,12 +161,9 @@ def split_shard(full: torch.Tensor, dim: int | None, tensor: int, rank: int) -> 
 def write_checkpoint(save_dir: str, model: FullModel, tensor: int = 1, pipeline: int = 1) -> str:
     """Write `model` as iteration 0 of a checkpoint for tensor size `tensor` and `pipeline`
     stages into `save_dir` (which must hold no checkpoint yet); returns the directory."""
-    cfg = copy.deepcopy(model.config)
-    cfg.parallel.tensor, cfg.parallel.pipeline = tensor, pipeline
-    cfg.parallel.data, cfg.parallel.partition = None, None
-    check = copy.deepcopy(cfg)  # the model and layout rules; batch settings do not matter here
-    check.batch = BatchConfig(micro_batch_size=1, global_batch_size=4 * pipeline)
-    check.validate()
+    cfg = _layout(model.config, tensor, pipeline)
+    # the model and layout rules; the batch settings do not matter here
+    replace(cfg, batch=BatchConfig(micro_batch_size=1, global_batch_size=4 * pipeline)).validate()
     if os.path.isdir(save_dir) and latest_iteration(save_dir) is not None:
         raise CheckpointError(f"{save_dir} already holds a checkpoint (iteration "
                               f"{latest_iteration(save_dir)}): write into an empty directory")
