@@ -17,6 +17,7 @@ from megatron_2bw.generate import generate, next_token
 from test_readme_commands import ROOT, readme_block, run
 
 SECTION = "Finetuning and serving elsewhere (HuggingFace)"
+os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"  # nothing downloads
 
 
 def _prepare(tmp_path_factory, iterations):
