@@ -11,6 +11,8 @@ setup(
     # a range for cluster users; development pins the CPU build in requirements-dev.txt
     install_requires=["torch>=2.3", "numpy", "sentencepiece>=0.2,<0.3"],
     # matplotlib: tools/compare_convergence.py and tools/plot_schedule.py draw PNGs (Agg)
+    # hf: tools/checkpoint_convert.py (HuggingFace export/import), generate.py on HF directories
     extras_require={"test": ["pytest>=7", "wandb>=0.17", "matplotlib>=3.7"],
-                    "wandb": ["wandb>=0.17"], "plots": ["matplotlib>=3.7"]},
+                    "wandb": ["wandb>=0.17"], "plots": ["matplotlib>=3.7"],
+                    "hf": ["transformers>=4.40", "safetensors>=0.4"]},
 )

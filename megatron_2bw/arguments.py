@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from dataclasses import replace
 
 from .config import (LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS, SCHEDULES, BatchConfig, Config,
                      ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                      TrainConfig)
-from .models.flavours import FLAVOURS, flavour_shape
+from .models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from .pipeline.registry import DEFAULT_SCHEDULE
 
 
@@ -56,6 +57,54 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=("full",), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    add_architecture_args(p)
+
+
+# -- architecture flags (Megatron's names and meanings) -------------------------------------------
+# flag -> ModelConfig field; None defaults mean "not given": the --model flavour's value, else the
+# ModelConfig default (the GPT-2 shape)
+ARCHITECTURE_FLAGS = {"position_embedding_type": "position_embedding_type",
+                      "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
+                      "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
+                      "swiglu": "swiglu", "group_query_attention": "group_query_attention",
+                      "num_query_groups": "num_query_groups", "openai_gelu": "openai_gelu"}
+
+
+def add_architecture_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("architecture (Megatron's flags; default: the GPT-2 shape)")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default=None, help="rope: rotary embeddings, no learned position table")
+    g.add_argument("--rotary-base", type=float, default=None, help="RoPE base (10000)")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="fraction of each head's channels rotated (1.0)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=None)
+    g.add_argument("--norm-epsilon", type=float, default=None, help="(1e-5)")
+    g.add_argument("--swiglu", action="store_true", default=None,
+                   help="gated SiLU MLP; --ffn-hidden-size defaults to int(8h/3 / 64) * 64")
+    g.add_argument("--group-query-attention", action="store_true", default=None)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention (1)")
+    g.add_argument("--disable-bias-linear", action="store_true", default=None,
+                   help="no biases in the linear layers (norms keep theirs)")
+    g.add_argument("--openai-gelu", action="store_true", default=None,
+                   help="tanh-approximated GeLU (GPT-2's gelu_new)")
+
+
+def apply_architecture_args(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """The model with the --model flavour's architecture and the architecture flags applied
+    (a flag beats the flavour; the vocabulary still comes from the data)."""
+    fields = flavour_architecture(getattr(args, "model", None) or "")
+    fields.pop("vocab_size", None)
+    if getattr(args, "ffn_hidden_size", None) is not None:
+        fields.pop("ffn_hidden_size", None)
+    if getattr(args, "untie_embeddings_and_output_weights", False):
+        fields["untie_embeddings_and_output_weights"] = True
+    for flag, field_name in ARCHITECTURE_FLAGS.items():
+        if getattr(args, flag, None) is not None:
+            fields[field_name] = getattr(args, flag)
+    if getattr(args, "disable_bias_linear", None):
+        fields["add_bias_linear"] = False
+    return replace(model, **fields)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -156,6 +205,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         recompute_method=method, recompute_num_layers=num or 0)
+    model = apply_architecture_args(model, args)
     parallel = ParallelConfig(
         tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
         data=args.data_parallel_size, rank_order=args.rank_order,

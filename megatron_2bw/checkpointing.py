@@ -29,11 +29,25 @@ __all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteratio
 
 def layout(cfg: Config, grid) -> dict:
     m = cfg.model
+    learned = m.position_embedding_type == "learned_absolute"
     return {"family": m.family, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
             "num_attention_heads": m.num_attention_heads, "ffn_size": m.ffn_size,
-            "vocab_size": m.vocab_size, "max_positions": m.max_positions,
+            "vocab_size": m.vocab_size, "max_positions": m.max_positions if learned else None,
             "tied": not m.untie_embeddings_and_output_weights,
+            "position_embedding_type": m.position_embedding_type,
+            "normalization": m.normalization, "swiglu": m.swiglu,
+            "query_groups": m.query_groups, "bias_linear": m.add_bias_linear,
             "tensor": grid.tensor, "pipeline": grid.pipeline}
+
+
+def legacy_layout(saved: dict) -> dict:
+    """A saved layout with the architecture keys that checkpoints written before them lack filled
+    in as the only architecture they could hold (GPT-2 shaped)."""
+    if not saved or "position_embedding_type" in saved:
+        return saved
+    return {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+            "swiglu": False, "query_groups": saved.get("num_attention_heads"),
+            "bias_linear": True, **saved}
 
 
 def _agree(problem: str | None, grid) -> str | None:
@@ -124,7 +138,7 @@ def _read(path: str, t: int, cfg: Config, grid) -> dict:
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
                               "truncated or corrupted; load an earlier iteration") from None
-    theirs, ours = payload.get("layout", {}), layout(cfg, grid)
+    theirs, ours = legacy_layout(payload.get("layout", {})), layout(cfg, grid)
     diff = [f"{k} {theirs.get(k)} != {ours[k]}" for k in ours if theirs.get(k) != ours[k]]
     if diff:
         raise CheckpointError(f"checkpoint {path} was saved for another model or layout "

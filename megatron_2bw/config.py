@@ -71,10 +71,39 @@ class ModelConfig:
     bert_binary_head: bool = True
     num_tokentypes: int = 2
     recompute_num_layers: int = 0
+    # -- architecture: Megatron's flags and meanings; the defaults are the GPT-2 shape --------
+    # (--norm-epsilon fills layernorm_epsilon above; rules: _check_architecture below)
+    position_embedding_type: str = "learned_absolute"  # or "rope" (no learned positions)
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0                 # fraction of each head's channels rotated
+    normalization: str = "LayerNorm"            # or "RMSNorm"
+    swiglu: bool = False                        # gated SiLU MLP (fc1 holds [gate; up])
+    group_query_attention: bool = False
+    num_query_groups: int = 1                   # key/value heads; read with group_query_attention
+    add_bias_linear: bool = True                # --disable-bias-linear: no bias in any linear
+    openai_gelu: bool = False                   # tanh-approximated GeLU (GPT-2's "gelu_new")
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:  # Megatron's default: about 2/3 of 4h (three matrices), a multiple of 64
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups with --group-query-attention, else one per head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (Megatron: kv_channels x rotary_percent)."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def max_positions(self) -> int:
@@ -321,6 +350,7 @@ class Config:
             if most >= 1 and m.recompute_num_layers > most:
                 _fail(f"--recompute-num-layers {m.recompute_num_layers} is more than {what} "
                       f"(--recompute-method {m.recompute_method}): use at most {most}")
+        _check_architecture(m, p)
         if p.pipeline > m.num_layers:
             _fail(f"--pipeline-model-parallel-size {p.pipeline} is larger than --num-layers "
                   f"{m.num_layers}: every stage needs at least one transformer layer")
@@ -384,3 +414,44 @@ class Config:
 
 def _fail(message: str):
     raise ConfigError(message)
+
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def _check_architecture(m: ModelConfig, p: ParallelConfig) -> None:
+    """The rules of the architecture flags (one block, one-line errors)."""
+    if m.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        _fail(f"unknown --position-embedding-type {m.position_embedding_type!r}: use one of "
+              f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+    if m.normalization not in NORMALIZATIONS:
+        _fail(f"unknown --normalization {m.normalization!r}: use one of "
+              f"{', '.join(NORMALIZATIONS)}")
+    if not m.layernorm_epsilon > 0:
+        _fail(f"--norm-epsilon must be > 0, got {m.layernorm_epsilon}")
+    if m.position_embedding_type == "rope":
+        if not 0 < m.rotary_percent <= 1:
+            _fail(f"--rotary-percent must be in (0, 1], got {m.rotary_percent}")
+        if m.rotary_dim < 2 or m.rotary_dim % 2:
+            _fail(f"--rotary-percent {m.rotary_percent} rotates {m.rotary_dim} of the "
+                  f"{m.kv_channels} channels per head: RoPE needs an even number >= 2")
+        if not m.rotary_base > 0:
+            _fail(f"--rotary-base must be > 0, got {m.rotary_base}")
+    if m.group_query_attention:
+        g = m.num_query_groups
+        if g < 1 or m.num_attention_heads % g:
+            _fail(f"--num-query-groups {g} must divide --num-attention-heads "
+                  f"{m.num_attention_heads} (each group shares one key/value head)")
+        if g % p.tensor:
+            _fail(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size "
+                  f"{p.tensor}: every tensor rank holds whole query groups; use a multiple of "
+                  f"{p.tensor} groups or a smaller tensor size")
+    if m.openai_gelu and m.swiglu:
+        _fail("--openai-gelu and --swiglu exclude each other: SwiGLU's activation is SiLU")
+    if m.ffn_size < 1:
+        _fail(f"--swiglu's default ffn size int(8h/3 / 64) * 64 is 0 for --hidden-size "
+              f"{m.hidden_size}: give --ffn-hidden-size")
+    if m.ffn_size % p.tensor:
+        _fail(f"the ffn size {m.ffn_size} is not divisible by --tensor-model-parallel-size "
+              f"{p.tensor}: change --ffn-hidden-size")

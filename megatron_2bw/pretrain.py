@@ -96,6 +96,9 @@ def parse(family: str, argv=None) -> Parsed:
         if not args.no_memory_check:  # every rank, before any process group
             from .planner.memory_check import check_memory
             check_memory(cfg, world_size, rank, local_rank)
+        if rank == 0 and cfg.train.save:  # generate.py and the exporter read it from there
+            from .convert.tokenizers import record_tokenizer
+            record_tokenizer(cfg.train.save, data.tokenizer)
         return Parsed(cfg, data, rank, world_size, local_rank, built.lr_schedule)
 
     return exit_on_config_error(build)

@@ -85,9 +85,25 @@ def _saved_bytes(module, fn):
     return sum(seen.values())
 
 
-def test_activation_bytes_equal_what_autograd_saves():
+# architecture variants (config.py's flags) next to the GPT-2 shape
+ARCH_SHAPES = {
+    "gpt2": {},
+    "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                  group_query_attention=True, num_query_groups=2, add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True),
+    "llama-biases-partial-rope": dict(position_embedding_type="rope", rotary_percent=0.5,
+                                      normalization="RMSNorm", swiglu=True,
+                                      group_query_attention=True, num_query_groups=2),
+    "gqa-gelu": dict(group_query_attention=True, num_query_groups=1),
+    "swiglu-layernorm": dict(swiglu=True),
+    "no-bias": dict(add_bias_linear=False, openai_gelu=True),
+}
+
+
+@pytest.mark.parametrize("shape", ARCH_SHAPES)
+def test_activation_bytes_equal_what_autograd_saves(shape):
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                      vocab_size=512)
+                      vocab_size=512, **ARCH_SHAPES[shape])
     b, s, h = 4, 32, 64
     costs = layer_costs(cfg, b, 1, "fp32")
     torch.manual_seed(0)

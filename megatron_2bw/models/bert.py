@@ -16,7 +16,8 @@ from ..pipeline.module import LayerSpec
 from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, copy_to_tp_region,
                                set_partition_attrs, vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import sharded_normal
-from .gpt import TIED_KEY, gpt_partition, tied_init
+from .gpt import TIED_KEY, gpt_partition, learned_positions, tied_init
+from .norms import build_norm
 from .transformer import TransformerLayer
 
 
@@ -25,16 +26,17 @@ class BertEmbedding(nn.Module):
         super().__init__()
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, std)
-        self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.position_embeddings = learned_positions(cfg, init=False)
         self.tokentype_embeddings = nn.Embedding(cfg.num_tokentypes, cfg.hidden_size)
         for emb in (self.position_embeddings, self.tokentype_embeddings):
-            nn.init.normal_(emb.weight.data, std=std)
+            if emb is not None:
+                nn.init.normal_(emb.weight.data, std=std)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, tokens, token_types, padding_mask):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = (self.word_embeddings(tokens) + self.position_embeddings(positions)
-             + self.tokentype_embeddings(token_types))
+        x = self.word_embeddings(tokens) + self.tokentype_embeddings(token_types)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
         return self.dropout(x), padding_mask.bool()
 
 
@@ -51,7 +53,7 @@ class BertHeads(nn.Module):
         super().__init__()
         h, std = cfg.hidden_size, cfg.init_method_std
         self.tp, self.binary = tp, cfg.bert_binary_head
-        self.final_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+        self.final_layernorm = build_norm(cfg)
         self.lm_dense = nn.Linear(h, h)
         self.lm_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
         self.weight = sharded_normal((cfg.vocab_size, h), std, 0, tp)

@@ -1,22 +1,31 @@
 """Parameters, FLOPs and stashed-activation bytes of GPT- and BERT-shaped transformer models.
 
-Counts follow the modules in `models/gpt.py` exactly for GPT (the tests compare them with the real
-`nn.Module`s and with the engine's buffers): the model is the spec list
+Counts follow the modules in `models/` exactly (the tests compare them with the real `nn.Module`s,
+with HuggingFace's models and with the engine's buffers): the model is the spec list
 `[embedding, transformer x L, head]` and every function below has one entry per spec.
 
-Per transformer layer (h hidden, f ffn, a heads, s sequence, b micro batch, t tensor ranks):
-    parameters   4h^2 + 2hf + 8h + f (no key bias)   = 12h^2 + 12h for f = 4h
-    fwd FLOPs    2bs(4h^2 + 2hf) + 4bs^2h   (matmuls + attention scores/values, full, as Megatron)
-    activations  sbh*p*(4 + (5 + 2f/h)/t) + 16sb + 4asb/t bytes with fused (flash) attention;
-                 the non-fused path keeps the softmax instead: +a s^2 b (p, +p+1 with dropout) / t.
+Per transformer layer (h hidden, f ffn, a heads, g key/value groups, d = h/a channels per head,
+s sequence, b micro batch, t tensor ranks; GPT-2 shape: g = a, GeLU, LayerNorm, biases):
+    parameters   QKV (a + 2g)dh, output projection h^2, MLP 2hf (SwiGLU: 3hf), two norms
+                 (LayerNorm 2h each, RMSNorm h), and with biases (a + g)d (query/value, no key
+                 bias) + h + f (SwiGLU: 2f) + h        = 12h^2 + 13h for the GPT-2 shape, f = 4h
+    fwd FLOPs    2bsh((a + 2g)d + h + f_in + f)/t + 4bs^2h/t   (f_in = f, SwiGLU 2f; attention
+                 scores and values in full, as Megatron counts them; RoPE's elementwise work and
+                 the norms are not counted)
+    activations  sbh*p*(4 + (3 + 2gd/h + k f/h)/t) + 2 norm statistics + 4asb/t bytes with fused
+                 (flash) attention, k = 2 (GeLU: fc1 output and activation) or 4 (SwiGLU: gate,
+                 up, SiLU(gate), product); RoPE adds its cos and sin tables (2 s r p). The
+                 non-fused path keeps the softmax instead: +a s^2 b (p, +p+1 with dropout) / t.
 Backward costs 2x the forward FLOPs; activation recomputation adds one more forward.
-Model FLOPs per sample (Megatron's convention): 72 s L h^2 (1 + s/(6h) + V/(12 h L)) for f = 4h.
+Model FLOPs per sample (Megatron's convention): 72 s L h^2 (1 + s/(6h) + V/(12 h L)) for the
+GPT-2 shape with f = 4h. Learned position embeddings count only with learned_absolute positions.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
+from .norms import norm_params, norm_stats_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ARCHS = ("gpt", "bert")
@@ -65,9 +74,10 @@ def named_model(name: str) -> ModelConfig:
     if name in MODELS:
         return replace(MODELS[name])
     if name in _flavours():
+        from .flavours import flavour_architecture
         family, layers, hidden, heads, seq = _flavours()[name]
         vocab = pad_vocab(30522 if family == "bert" else 50257)
-        cfg = _gpt(layers, hidden, heads, seq, vocab)
+        cfg = replace(_gpt(layers, hidden, heads, seq, vocab), **flavour_architecture(name))
         if family == "bert" and hasattr(cfg, "family"):
             cfg = replace(cfg, family="bert")
         return cfg
@@ -104,16 +114,31 @@ class LayerCost:
     output_bytes: float       # what a stage boundary after this layer sends
 
 
+def _mlp_in(m: ModelConfig) -> int:
+    """Output columns of fc1: f, or 2f with SwiGLU (gate and up)."""
+    return (2 if m.swiglu else 1) * m.ffn_size
+
+
+def _qkv_width(m: ModelConfig) -> int:
+    return (m.num_attention_heads + 2 * m.query_groups) * m.kv_channels
+
+
 def layer_params(cfg, tensor: int = 1, arch: str | None = None) -> list[tuple[int, int]]:
     """[(params, tied params)] per spec, per tensor-parallel rank (as models/gpt.py, bert.py)."""
     m, a = _model(cfg), _arch(cfg, arch)
     h, f, V, P, t = m.hidden_size, m.ffn_size, m.vocab_size, m.max_positions, tensor
     tied = a == "bert" or not m.untie_embeddings_and_output_weights
     word = V * h // t
-    emb = word + P * h
-    # LNs 4h, fused QKV 3h^2 (no bias), q/v bias 2h, proj h^2 + h, fc1 hf + f, fc2 fh + h
-    layer = (4 * h * h + 2 * h * f + 2 * h + f) // t + 4 * h + 2 * h
-    head = 2 * h + word
+    emb = word + (P * h if m.position_embedding_type == "learned_absolute" else 0)
+    # split across tensor ranks: QKV (no bias), output projection, fc1, fc2, and the
+    # query/value and fc1 biases; replicated: two norms, the projection and fc2 biases
+    split = h * (_qkv_width(m) + m.num_attention_heads * m.kv_channels + _mlp_in(m) + f)
+    replicated = 2 * norm_params(m)
+    if m.add_bias_linear:
+        split += (m.num_attention_heads + m.query_groups) * m.kv_channels + _mlp_in(m)
+        replicated += 2 * h
+    layer = split // t + replicated
+    head = norm_params(m) + word
     if a == "bert":
         emb += getattr(m, "num_tokentypes", 2) * h
         head += h * h + h + 2 * h + V // t  # LM-head dense + LayerNorm, output bias
@@ -144,11 +169,17 @@ def layer_costs(cfg, micro_batch: int, tensor: int = 1, dtype: str = "fp32",
     hidden = sbh * p
     tokens = s * b * 8
 
-    emb_act = tokens + 8 * s + (sbh if drop_h else 0)  # token and position indices
+    positions = 8 * s if m.position_embedding_type == "learned_absolute" else 0
+    emb_act = tokens + positions + (sbh if drop_h else 0)  # token and position indices
     emb = LayerCost("embedding", *params[0], 0.0, 0.0, 3.0 * hidden, emb_act, tokens, hidden)
 
-    fwd = 2.0 * b * s * (4 * h * h + 2 * h * f) / t + 4.0 * b * s * s * h / t
-    act = sbh * p * (4 + (5 + 2 * f / h) / t) + 16 * s * b + (2 * sbh if drop_h else 0)
+    fwd = 2.0 * b * s * h * (_qkv_width(m) + h + _mlp_in(m) + f) / t + 4.0 * b * s * s * h / t
+    attn = 3 + 2 * m.query_groups * m.kv_channels / h  # q, attention output, proj input; k, v
+    mlp = (4 if m.swiglu else 2) * f / h
+    act = (sbh * p * (4 + (attn + mlp) / t) + 2 * norm_stats_bytes(m, s * b)
+           + (2 * sbh if drop_h else 0))
+    if m.position_embedding_type == "rope":
+        act += 2 * s * m.rotary_dim * p  # the cos and sin tables
     if flash:
         act += 4 * heads * s * b / t
     else:
@@ -157,7 +188,7 @@ def layer_costs(cfg, micro_batch: int, tensor: int = 1, dtype: str = "fp32",
     layer = LayerCost("transformer", *params[1], fwd, 2 * fwd, 2.0 * act, act, hidden, hidden)
 
     head_fwd = 2.0 * b * s * h * V / t
-    head_act = 2 * hidden + 8 * s * b + 4.0 * s * b * V / t + tokens
+    head_act = 2 * hidden + norm_stats_bytes(m, s * b) + 4.0 * s * b * V / t + tokens
     if a == "bert":  # LM-head transform (dense, GeLU, LayerNorm) and the pooler
         head_fwd += 2.0 * b * s * h * h + 2.0 * b * h * h
         head_act += 4 * hidden

@@ -1,4 +1,7 @@
-"""A Megatron-shaped GPT built from layer specs: embedding | N pre-LN transformer layers | head.
+"""A Megatron-shaped GPT built from layer specs: embedding | N pre-norm transformer layers | head.
+
+The GPT-2 shape by default (learned positions, LayerNorm, GeLU, biases); the architecture flags
+(config.py) give the Llama shape (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases).
 
 The output layer reuses the word embedding (tied, key "word_embeddings") unless
 `untie_embeddings_and_output_weights` is set. The embedding, the output layer and the loss are
@@ -16,6 +19,7 @@ from ..pipeline.module import LayerSpec, split_evenly
 from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, copy_to_tp_region,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import sharded_normal
+from .norms import build_norm
 from .transformer import TransformerLayer
 
 TIED_KEY = "word_embeddings"
@@ -35,13 +39,25 @@ class GPTEmbedding(nn.Module):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp,
                                                       cfg.init_method_std)
-        self.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size)
-        nn.init.normal_(self.position_embeddings.weight.data, std=cfg.init_method_std)
+        self.position_embeddings = learned_positions(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.dropout(self.word_embeddings(tokens) + self.position_embeddings(positions))
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.dropout(x)
+
+
+def learned_positions(cfg: ModelConfig, init: bool = True) -> nn.Embedding | None:
+    """The learned absolute position table (normal(0, init std) unless `init` is False), or None
+    with RoPE (the attention rotates instead)."""
+    if cfg.position_embedding_type != "learned_absolute":
+        return None
+    table = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+    if init:
+        nn.init.normal_(table.weight.data, std=cfg.init_method_std)
+    return table
 
 
 class GPTHead(nn.Module):
@@ -50,7 +66,7 @@ class GPTHead(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
         self.tp = tp
-        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.final_layernorm = build_norm(cfg)
         self.weight = sharded_normal((cfg.vocab_size, cfg.hidden_size), cfg.init_method_std, 0, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

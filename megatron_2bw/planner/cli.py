@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 
+from ..arguments import add_architecture_args, apply_architecture_args
 from ..config import ModelConfig
 from ..models.flops import model_names, named_model, num_parameters
 from .auto import layout_flags
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in SHAPE:
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    add_architecture_args(p)
     g = p.add_argument_group("machine (defaults: SLURM / visible devices, then an A100 node)")
     g.add_argument("--num-gpus", type=int, default=None,
                    help="total; a multiple of --gpus-per-node")
@@ -90,7 +92,7 @@ def model_from_args(a) -> ModelConfig:
         changes["untie_embeddings_and_output_weights"] = True
     if a.family:
         changes["family"] = a.family
-    return dataclasses.replace(cfg, **changes)
+    return apply_architecture_args(dataclasses.replace(cfg, **changes), a)
 
 
 def _table(result, model, topo) -> str:

@@ -35,7 +35,9 @@ from .topology import PlanError
 
 KINDS = ("embedding", "transformer", "head")
 SHAPE_FIELDS = ("family", "hidden_size", "num_attention_heads", "ffn_size", "seq_length",
-                "vocab_size", "max_positions", "untie_embeddings_and_output_weights")
+                "vocab_size", "max_positions", "untie_embeddings_and_output_weights",
+                "position_embedding_type", "normalization", "swiglu", "query_groups",
+                "add_bias_linear")
 
 
 @dataclass

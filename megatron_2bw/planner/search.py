@@ -94,8 +94,8 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
     any_synchronous = any(k.synchronous for k in kinds)
     for t in divisors(gpn):
         if (model.num_attention_heads % t or model.vocab_size % t or model.ffn_size % t or n % t
-                or (tensor_sizes and t not in tensor_sizes)):
-            continue  # the engine shards heads, the vocabulary and the MLP evenly
+                or model.query_groups % t or (tensor_sizes and t not in tensor_sizes)):
+            continue  # the engine shards heads, key/value groups, the vocabulary and the MLP
         for d in divisors(n // t):
             if d > model.num_layers or (pipeline_sizes and d not in pipeline_sizes):
                 continue

@@ -1,0 +1,208 @@
+"""This project's checkpoints as one full model: the converters' native reader and writer.
+
+    read_checkpoint(dir)                       -> FullModel at the newest (or a given) iteration
+    write_checkpoint(dir, model, t, d)         -> iteration 0 of `model` for the layout (t, d)
+
+A FullModel is the config a model was trained with plus every parameter as one full fp32 tensor,
+named as in the one-process model (`layers.<spec index>.<name>`, a tied embedding once under its
+first name, `layers.0.word_embeddings.weight`). Any layout reads the same: each stage file
+(checkpoint_files.py) holds the stage's newest fp32 weights as one flat buffer with its parameter
+names (pipeline/weights.py; under 2BW the newest version, not the one the next batch runs on).
+Shapes and tensor-parallel split dims come from building the stage on the meta device (no
+memory), tensor shards are merged by `verify.merge_tensor_shards` (concatenation along each
+parameter's `partition_dim`), and parameter names are global already, so stages only need their
+tied copies renamed. Writing is the inverse: split every full tensor into the chunk a stage of
+rank r holds (the chunk `tensor_parallel.layers.sharded_normal` initializes) and flatten the
+stage's parameters in the engine's order (`VersionedWeights._ordered_params`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import torch
+
+from ..checkpoint_files import (FILENAME, CheckpointError, latest_iteration, rank_dir,
+                                verify_checksum, write_latest, write_with_checksum)
+from ..checkpointing import layout
+from ..config import (BatchConfig, Config, ModelConfig, OptimizerConfig, ParallelConfig,
+                      PrecisionConfig, TrainConfig)
+from ..optim.loss_scale import make_loss_scaler
+from ..pipeline.module import StageModule
+from ..pipeline.weights import VersionedWeights
+from ..tensor_parallel import TPGroup
+
+
+@dataclass
+class FullModel:
+    config: Config
+    state: dict[str, torch.Tensor]   # full fp32 tensors by one-process parameter name
+    iteration: int = 0
+
+
+def config_from_dict(d: dict) -> Config:
+    """The Config a checkpoint recorded (`Config.to_dict()`); unknown keys are ignored."""
+    parts = {"model": ModelConfig, "parallel": ParallelConfig, "batch": BatchConfig,
+             "optimizer": OptimizerConfig, "precision": PrecisionConfig, "train": TrainConfig}
+    kwargs = {}
+    for key, cls in parts.items():
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs[key] = cls(**{k: v for k, v in (d.get(key) or {}).items() if k in known})
+    return Config(schedule=d.get("schedule", Config().schedule), **kwargs)
+
+
+def stage_module(cfg: Config, tensor: int, tp_rank: int, pipeline: int, stage: int
+                 ) -> StageModule:
+    """The stage's module on the meta device: names, shapes and split dims, no memory."""
+    from ..training import model_parts
+    specs, _, partition = model_parts(cfg, TPGroup(None, tp_rank, tensor), pipeline)
+    with torch.device("meta"):
+        return StageModule(specs, partition[stage], partition[stage + 1], seed=cfg.train.seed)
+
+
+def _canonical(cfg: Config) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """(one-process parameter shapes by name, tied key -> its one-process name)"""
+    whole = stage_module(_single(cfg), 1, 0, 1, 0)
+    return ({n: p.shape for n, p in whole.named_parameters()}, whole.tied_parameter_names())
+
+
+def _layout(cfg: Config, tensor: int, pipeline: int) -> Config:
+    """`cfg` for t = tensor, d = pipeline (even stages, data size from the world)."""
+    return replace(cfg, parallel=replace(cfg.parallel, tensor=tensor, pipeline=pipeline,
+                                         data=None, partition=None))
+
+
+def _single(cfg: Config) -> Config:
+    return _layout(cfg, 1, 1)
+
+
+def _renames(stage_tied: dict[str, str], tied_names: dict[str, str]) -> dict[str, str]:
+    """A stage's names of tied copies (key -> name) -> their one-process names."""
+    return {name: tied_names[key] for key, name in stage_tied.items()}
+
+
+# -- read ------------------------------------------------------------------------------------------
+def _load(path: str) -> dict:
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
+    verify_checksum(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
+                              "truncated or corrupted; use an earlier iteration") from None
+
+
+def read_checkpoint(load_dir: str, iteration: int | None = None) -> FullModel:
+    """The full model of the checkpoint in `load_dir` (any layout; the newest iteration unless
+    one is given); one-line CheckpointError when it cannot be read."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"{load_dir} is not a checkpoint directory: fix the path")
+    it = latest_iteration(load_dir) if iteration is None else iteration
+    if it is None:
+        raise CheckpointError(f"{load_dir} holds no checkpoint (no "
+                              "latest_checkpointed_iteration.txt): pass the --save directory")
+    one_stage = os.path.join(rank_dir(load_dir, it, 0, 0, 1), FILENAME)
+    first = _load(one_stage if os.path.exists(one_stage) else
+                  os.path.join(rank_dir(load_dir, it, 0, 0, 2), FILENAME))
+    t, d = first["layout"]["tensor"], first["layout"]["pipeline"]
+    cfg = config_from_dict(first["config"])
+    from ..verify import Report, merge_tensor_shards
+    results = []
+    for stage in range(d):
+        for r in range(t):
+            payload = _load(os.path.join(rank_dir(load_dir, it, r, stage, d), FILENAME))
+            module = stage_module(cfg, t, r, d, stage)
+            results.append(_unflatten(payload["engine"], module, stage, r))
+    rep = Report()
+    merged = merge_tensor_shards(results, rep)
+    if rep.problems:
+        raise CheckpointError(f"checkpoint {load_dir} iteration {it}: {rep.problems[0]}")
+    shapes, tied_names = _canonical(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for res in merged:
+        renames = _renames(res["tied"], tied_names)
+        for name, value in res["params"].items():
+            state.setdefault(renames.get(name, name), value)
+    missing = sorted(set(shapes) - set(state))
+    if missing:
+        raise CheckpointError(f"checkpoint {load_dir} iteration {it} lacks {missing[0]}: it "
+                              "was written by another version of the model code")
+    return FullModel(cfg, {n: state[n] for n in shapes}, it)
+
+
+def _unflatten(engine: dict, module: StageModule, stage: int, tp_rank: int) -> dict:
+    params = dict(module.named_parameters())
+    names = list(engine["names"])
+    if sorted(names) != sorted(params):
+        extra = sorted(set(names) ^ set(params))
+        raise CheckpointError(f"stage {stage} of the checkpoint does not match the model its "
+                              f"config describes ({extra[0]}): it was written by another version "
+                              "of the model code")
+    flat, out, offset = engine["newest"], {}, 0
+    for name in names:
+        shape = params[name].shape
+        out[name] = flat[offset:offset + shape.numel()].view(shape).float()
+        offset += shape.numel()
+    return {"params": out, "stage": stage, "dp": 0, "tp": tp_rank,
+            "partition_dims": {n: getattr(p, "partition_dim", None) for n, p in params.items()},
+            "tied": module.tied_parameter_names()}
+
+
+# -- write -----------------------------------------------------------------------------------------
+def split_shard(full: torch.Tensor, dim: int | None, tensor: int, rank: int) -> torch.Tensor:
+    """The chunk of `full` that tensor rank `rank` of `tensor` holds (contiguous chunks along the
+    parameter's partition dim, as sharded_normal cuts them; replicated when dim is None)."""
+    return full if dim is None else full.chunk(tensor, dim=dim)[rank]
+
+
+def write_checkpoint(save_dir: str, model: FullModel, tensor: int = 1, pipeline: int = 1) -> str:
+    """Write `model` as iteration 0 of a checkpoint for tensor size `tensor` and `pipeline`
+    stages into `save_dir` (which must hold no checkpoint yet); returns the directory."""
+    cfg = _layout(model.config, tensor, pipeline)
+    # the model and layout rules; the batch settings do not matter here
+    replace(cfg, batch=BatchConfig(micro_batch_size=1, global_batch_size=4 * pipeline)).validate()
+    if os.path.isdir(save_dir) and latest_iteration(save_dir) is not None:
+        raise CheckpointError(f"{save_dir} already holds a checkpoint (iteration "
+                              f"{latest_iteration(save_dir)}): write into an empty directory")
+    shapes, tied_names = _canonical(cfg)
+    for name, shape in shapes.items():
+        have = model.state.get(name)
+        if have is None or have.shape != shape:
+            what = "is missing" if have is None else f"has shape {tuple(have.shape)}"
+            raise CheckpointError(f"parameter {name} {what}, the model needs {tuple(shape)}")
+    grid = SimpleNamespace(tensor=tensor, pipeline=pipeline)
+    scaler = make_loss_scaler(cfg.precision).state_dict()
+    for stage in range(pipeline):
+        for r in range(tensor):
+            module = stage_module(cfg, tensor, r, pipeline, stage)
+            params, names = VersionedWeights._ordered_params(module, module.tied)
+            renames = _renames(module.tied_parameter_names(), tied_names)
+            flat = torch.cat([split_shard(model.state[renames.get(n, n)].float(),
+                                          getattr(p, "partition_dim", None), tensor, r)
+                              .reshape(-1) for p, n in zip(params, names)])
+            engine = {"iteration": 0, "schedule": cfg.schedule, "names": names,
+                      "newest": flat.contiguous(), "scaler": scaler, "skipped": 0}
+            payload = {"engine": engine, "iteration": 0, "consumed_samples": 0,
+                       "layout": layout(cfg, grid), "config": cfg.to_dict(),
+                       "rng": {"cpu": torch.get_rng_state()}}
+            path = os.path.join(rank_dir(save_dir, 0, r, stage, pipeline), FILENAME)
+            write_with_checksum(path, lambda f, payload=payload: torch.save(payload, f))
+    write_latest(save_dir, 0)
+    return save_dir
+
+
+def one_process_model(model: FullModel) -> StageModule:
+    """The whole model in one module holding `model`'s weights (eval mode), for sampling and
+    comparisons."""
+    from ..reference import build_sequential
+    from ..training import model_parts
+    cfg = _single(model.config)
+    specs, _, _ = model_parts(cfg)
+    module = build_sequential(cfg, specs)
+    first = {id(p): n for n, p in module.named_parameters()}  # a tied one under its first name
+    module.load_state_dict({n: model.state[first[id(p)]]
+                            for n, p in module.named_parameters(remove_duplicate=False)})
+    return module.eval()

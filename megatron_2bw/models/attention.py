@@ -1,0 +1,87 @@
+"""Self-attention with tensor-parallel heads, grouped-query attention and RoPE.
+
+Heads come in `query_groups` groups (`--num-query-groups` with `--group-query-attention`, else
+one group per head); each group has P = heads / groups query heads and one key and one value
+head. The fused column-parallel QKV weight [groups * (P + 2) * d, h] (d = kv_channels) is laid
+out group by group, each group as [q_1 .. q_P, k, v] (Megatron's layout), so a contiguous split
+across tensor ranks is a split by whole groups: every rank holds groups / t groups (the config
+checks that they divide). With one group per head this is the classic per-head [q, k, v].
+
+Biases (unless `--disable-bias-linear`): `qv_bias` [groups, P + 1, d] holds the query and value
+biases; there is no key bias: softmax is invariant to it, so its gradient is exactly zero and it
+would only collect rounding noise (amplified by Adam). The output projection is row-parallel.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear, TPGroup,
+                               set_partition_attrs)
+from .rope import RotaryEmbedding
+
+# scaled_dot_product_attention broadcasts key/value groups itself from torch 2.5 on
+_NATIVE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _divide(n: int, tp: TPGroup, flag: str) -> int:
+    if n % tp.size:
+        raise ValueError(f"{flag} {n} is not divisible by --tensor-model-parallel-size {tp.size}")
+    return n // tp.size
+
+
+class SelfAttention(nn.Module):
+    """x [b, s, h] (and an optional boolean key-padding mask [b, s], True = keep) -> [b, s, h]"""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, tracker: RNGTracker | None, causal: bool,
+                 init_std: float, out_std: float):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.kv_channels
+        self.heads = _divide(cfg.num_attention_heads, tp, "--num-attention-heads")
+        self.groups = _divide(cfg.query_groups, tp, "--num-query-groups" if
+                              cfg.group_query_attention else "--num-attention-heads")
+        self.per_group, self.head_dim = self.heads // self.groups, d
+        self.causal, self.tracker, self.attention_dropout = causal, tracker, cfg.attention_dropout
+        width = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
+        self.qkv = ColumnParallelLinear(h, width, tp, bias=False, init_std=init_std)
+        self.qv_bias = set_partition_attrs(nn.Parameter(
+            torch.zeros(self.groups, self.per_group + 1, d)), 0) if cfg.add_bias_linear else None
+        self.proj = RowParallelLinear(cfg.num_attention_heads * d, h, tp,
+                                      bias=cfg.add_bias_linear, init_std=out_std)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base) \
+            if cfg.position_embedding_type == "rope" else None
+
+    def _qkv(self, x: torch.Tensor):
+        b, s, _ = x.shape
+        P = self.per_group
+        qkv = self.qkv(x).view(b, s, self.groups, P + 2, self.head_dim)
+        if self.qv_bias is not None:
+            q_bias, v_bias = self.qv_bias.split([P, 1], dim=1)
+            qkv = qkv + torch.cat([q_bias, torch.zeros_like(v_bias), v_bias], dim=1)
+        q = qkv[:, :, :, :P].reshape(b, s, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, P], qkv[:, :, :, P + 1]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads or groups, s, d]
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(s, x.device, q.dtype)
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x)
+        extra = {}
+        if self.per_group > 1:
+            if _NATIVE_GQA:
+                extra["enable_gqa"] = True
+            else:
+                k, v = (t.repeat_interleave(self.per_group, dim=1) for t in (k, v))
+        attn_mask = None if mask is None else mask[:, None, None, :]
+        p = self.attention_dropout if self.training else 0.0
+        if p > 0 and self.tracker is not None:
+            with self.tracker.fork():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, self.causal, **extra)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, self.causal, **extra)
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))

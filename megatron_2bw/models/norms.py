@@ -1,0 +1,68 @@
+"""The normalization layers (`--normalization`): LayerNorm (weight and bias) or RMSNorm (weight
+only). Both keep Megatron's parameter names `weight` (and `bias`).
+
+RMSNorm computes y = weight * (x / sqrt(mean(x^2) + eps)) in fp32 and casts the normalized value
+back to the input's dtype before the weight, exactly as HuggingFace's Llama does, so the two
+models agree to rounding. Its backward keeps only x and the fp32 reciprocal root [.., 1], as
+LayerNorm's does (no normalized copy): the stash models/flops.py counts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+
+
+def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x), 1 / rms(x) [.., 1]), in fp32 (or x's dtype when wider)"""
+    y = x.float() if x.element_size() < 4 else x
+    rstd = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return y * rstd, rstd
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        n, rstd = _normalize(x, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * n.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        wide = rstd.dtype
+        n = x.to(wide) * rstd
+        g = grad.to(wide)
+        grad_weight = (g * n.to(x.dtype).to(wide)).sum(dim=tuple(range(g.dim() - 1)))
+        dn = g * weight.to(wide)
+        grad_x = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+def build_norm(cfg: ModelConfig, hidden_size: int | None = None) -> nn.Module:
+    h = hidden_size or cfg.hidden_size
+    if cfg.normalization == "RMSNorm":
+        return RMSNorm(h, cfg.layernorm_epsilon)
+    return nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+
+
+def norm_params(cfg: ModelConfig) -> int:
+    """Parameters of one normalization layer (models/flops.py counts with it)."""
+    return cfg.hidden_size * (1 if cfg.normalization == "RMSNorm" else 2)
+
+
+def norm_stats_bytes(cfg: ModelConfig, tokens: int) -> int:
+    """fp32 statistics one normalization layer keeps for the backward: LayerNorm's mean and
+    1/std, RMSNorm's 1/rms (the input is counted by the caller)."""
+    return tokens * (4 if cfg.normalization == "RMSNorm" else 8)
