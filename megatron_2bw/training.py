@@ -6,7 +6,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .checkpointing import check_iterations, load_checkpoint, save_checkpoint
+from .checkpointing import check_iterations, load_checkpoint
 from .config import Config
 from .data.bert_mock import BertBatches, MockBertDataset
 from .data.mock import GPTBatches, MockGPTDataset
@@ -120,14 +120,18 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if t.trace:
         engine.enable_trace()
     preemption = Preemption() if t.save else None
-    save = lambda: save_checkpoint(t.save, engine, cfg, grid, t.save_optim,  # noqa: E731
-                                   t.keep_last, hooks)
+    saver = None
+    if t.save:
+        from .ckpt.saver import Checkpointer
+        saver = Checkpointer(cfg, grid, engine, hooks)
     pending, losses, saved_at = [], [], None
     started = tick = time.time()
     since = 0
     for it in range(start + 1, t.train_iters + 1):
         pending.append(engine.train_batch(data).detach().clone())
         hooks.after_iteration(grid, it)
+        if saver is not None:
+            saver.poll()  # publishes an --async-save once every rank has written it
         since += 1
         if it % t.log_interval == 0 or it == t.train_iters:
             values = torch.stack(pending).tolist()  # the only host read: once per log interval
@@ -159,7 +163,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
             if pending and cfg.precision.dtype != "fp16":  # never checkpoint garbage
                 check_finite(torch.stack(pending).tolist(), it - len(pending) + 1, grid,
                              cfg.precision.dtype)
-            save()
+            saver.save(wait=preempted or stop)  # a preemption waits for the save in flight
             saved_at = it
         if preempted:
             if reporter:
@@ -177,6 +181,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if t.trace:
         engine.save_trace(f"{t.trace}.rank{grid.rank}.json")
     if t.save and saved_at is None and engine.iteration > start:
-        save()
+        saver.save()
+    if saver is not None:
+        saver.wait()
     logger.finish()
     return losses
