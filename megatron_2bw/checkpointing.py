@@ -64,10 +64,15 @@ def check_layout(theirs: dict, cfg: Config, grid, what: str, resharding: bool) -
     ours = layout(cfg, grid)
     keys = [k for k in ours if not (resharding and k in PARALLEL_KEYS)]
     diff = _diff(legacy_layout(theirs), ours, keys)
-    if diff:
-        raise CheckpointError(f"checkpoint {what} was saved for another model "
-                              f"{'' if resharding else 'or layout '}({', '.join(diff)}): use "
-                              "matching flags")
+    if not diff:
+        return
+    fix = "use matching flags"
+    if not resharding and not _diff(legacy_layout(theirs), ours,
+                                    [k for k in ours if k not in PARALLEL_KEYS]):
+        fix += (", or convert it with tools/checkpoint_convert.py to-dist to load it into any "
+                "layout")
+    raise CheckpointError(f"checkpoint {what} was saved for another model "
+                          f"{'' if resharding else 'or layout '}({', '.join(diff)}): {fix}")
 
 
 def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: str

@@ -123,7 +123,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     saver = None
     if t.save:
         from .ckpt.saver import Checkpointer
-        saver = Checkpointer(cfg, grid, engine, hooks)
+        saver = Checkpointer(cfg, grid, engine, hooks, log if reporter else None)
     pending, losses, saved_at = [], [], None
     started = tick = time.time()
     since = 0

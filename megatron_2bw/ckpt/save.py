@@ -31,7 +31,7 @@ import torch
 
 from ..checkpoint_files import (TMP_PREFIX, CheckpointError, agree, atomic_write,
                                 fsync_directory, iteration_dir, latest_iteration, prune,
-                                write_latest)
+                                write_error, write_latest)
 from ..reliability import NO_FAULTS, FaultHooks
 from .shards import state_shards
 from .storage import CHECKSUMS, PlannedSave, finish_metadata, plan_save, write_files
@@ -98,6 +98,8 @@ class DistSave:
             self.results = write_files(self.planned)
         except CheckpointError as e:
             self.error = str(e)
+        except OSError as e:
+            self.error = write_error(self.planned.first_file(), e, 0)
         except BaseException as e:  # noqa: BLE001 - reported to every rank at finish
             first = str(e).splitlines()[0] if str(e) else ""
             self.error = (f"writing {self.planned.first_file()} failed: {type(e).__name__}: "

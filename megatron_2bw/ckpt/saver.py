@@ -29,8 +29,9 @@ AGREEMENT_DELAY = 3  # boundaries after a save starts before `save_busy` speaks 
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, grid, engine, hooks: FaultHooks = NO_FAULTS):
-        self.cfg, self.grid, self.engine, self.hooks = cfg, grid, engine, hooks
+    def __init__(self, cfg: Config, grid, engine, hooks: FaultHooks = NO_FAULTS, log=None):
+        """`log`: where a published --async-save is announced (the reporting rank's log)."""
+        self.cfg, self.grid, self.engine, self.hooks, self.log = cfg, grid, engine, hooks, log
         self.train = cfg.train
         self.view = None
         if self.train.ckpt_format == "torch_dist":
@@ -74,4 +75,7 @@ class Checkpointer:
             return
         pending, self.pending = self.pending, None
         self.flags.raise_flag(FLAG, False)
-        pending.finish()
+        path = pending.finish()
+        if self.log is not None:
+            self.log(f"saved iteration {pending.iteration} in {path}: written in the background "
+                     f"while training went on, published at iteration {self.engine.iteration}")

@@ -15,8 +15,9 @@ from ..checkpoint_files import (FILENAME, CheckpointError, agree, latest_iterati
                                 verify_checksum, write_with_checksum)
 
 # the layer parameter names of commit e2f4b58 and before -> today's
-_LEGACY_NAMES = ((re.compile(r"^(layers\.\d+\.)(qkv|qv_bias|proj)\."), r"\1self_attention.\2."),
-                 (re.compile(r"^(layers\.\d+\.)(fc1|fc2)\."), r"\1mlp.\2."))
+_LEGACY_NAMES = ((re.compile(r"^(layers\.\d+\.)(qkv|qv_bias|proj)(\.|$)"),
+                  r"\1self_attention.\2\3"),
+                 (re.compile(r"^(layers\.\d+\.)(fc1|fc2)(\.|$)"), r"\1mlp.\2\3"))
 
 
 def legacy_layout(saved: dict) -> dict:
