@@ -15,6 +15,7 @@ from megatron_2bw.checkpointing import save_checkpoint
 from megatron_2bw.ckpt.convert import torch_to_dist
 from megatron_2bw.training import mock_batches
 from test_ckpt_async import _one_rank
+from test_fault_table import _front_door as fault_table_front_door
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
@@ -22,17 +23,10 @@ TINY = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --s
 
 
 def _front_door(argv, world, monkeypatch, capsys):
-    """pretrain.parse on rank 0 of `world` (no process group): (exit code, stdout, stderr)."""
-    from megatron_2bw.pretrain import parse
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    try:
-        parse("gpt", TINY + [str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out.splitlines(), out.err.splitlines()
+    """pretrain.parse on rank 0 of `world` (no process group): (exit code, stdout lines,
+    stderr lines)."""
+    code, out, err = fault_table_front_door(argv, monkeypatch, capsys, world, TINY)
+    return code, out.splitlines(), err
 
 
 @pytest.fixture(scope="module")

@@ -151,13 +151,14 @@ def test_load_typo_is_an_error_and_the_checkpoints_stay_byte_identical(checkpoin
     assert digest(ck) == before
 
 
-def _front_door(argv, monkeypatch, capsys):
-    """pretrain.parse on rank 0 of 2 (no process group): (exit code, stdout, stderr lines)."""
+def _front_door(argv, monkeypatch, capsys, world=2, base=TINY):
+    """pretrain.parse on rank 0 of `world` (no process group): (exit code, stdout, stderr
+    lines)."""
     from megatron_2bw.pretrain import parse
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     try:
-        parse("gpt", TINY + [str(a) for a in argv])
+        parse("gpt", base + [str(a) for a in argv])
         code = 0
     except SystemExit as e:
         code = e.code
