@@ -6,7 +6,8 @@ background thread while training goes on, and published collectively on the main
     save.finish()        # collective, main thread: every rank's files durable -> `latest` moves
 
 1. Start (collective, main thread): the engine's state as boxes of global tensors (shards.py),
-   copied to host memory when the write is asynchronous (pinned on CUDA: one device sync), the
+   copied to host memory when the write is asynchronous where the engine would change them
+   (`_private`; pinned on CUDA, one device sync), the
    common state (iteration, data position, loss scaler, optimizer step count, config, layout) on
    rank 0, each rank's RNG state, and DCP's global plan (storage.plan_save: one gather).
 2. Write (this rank, no collective): DCP writes the rank's boxes into
@@ -56,21 +57,31 @@ def rng_state(device) -> dict:
     return state
 
 
-def _to_host(shards: list) -> list:
-    """Private host copies of the boxes (the write reads them while training changes the
-    engine's): pinned memory and one synchronization on CUDA."""
+def _private(shards: list, engine) -> list:
+    """The boxes with private host copies where the background write would otherwise read
+    buffers the engine keeps changing: the optimizer's live buffers, and anything on the device
+    (pinned memory, one synchronization on CUDA). A box of a CPU copy the state dict made
+    already (PipelineEngine.state_dict clones the weights) stays a view: DCP copies it on the
+    writing thread. A copy per box, not per buffer: DCP would copy a view of a buffer again."""
     from dataclasses import replace
-    out, cuda = [], None
+    w = engine.weights
+    live = {t.untyped_storage().data_ptr() for t in
+            [*w.slots, *w.grads, w.master, *engine.optimizer.state_dict().values()]
+            if isinstance(t, torch.Tensor)}
+    out, device = [], None
     for s in shards:
-        if s.tensor.device.type == "cuda":
-            host = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, pin_memory=True)
-            host.copy_(s.tensor, non_blocking=True)
-            cuda = s.tensor.device
+        t = s.tensor
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            device = t.device
+        elif t.untyped_storage().data_ptr() in live:
+            host = t.clone()
         else:
-            host = s.tensor.clone()
+            host = t
         out.append(replace(s, tensor=host))
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
+    if device is not None:
+        torch.cuda.synchronize(device)
     return out
 
 
@@ -168,7 +179,7 @@ def start_save(save_dir: str, engine, grid, view, common: dict, save_optim: bool
         state.pop("optimizer", None)
     shards, other = state_shards(state, view.params, view.numel, *view.range)
     if asynchronous:
-        shards = _to_host(shards)
+        shards = _private(shards, engine)
     common = dict(common, optimizer=None if not save_optim else other)
     objects = {rng_key(grid): rng_state(engine.device)}
     planned = plan_save(shards, objects, tmp, grid.comm)
