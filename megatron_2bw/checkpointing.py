@@ -121,7 +121,7 @@ def start_checkpoint(save_dir: str, engine, cfg: Config, grid, view, save_optim:
                      keep_last: int = 0, hooks: FaultHooks = NO_FAULTS,
                      asynchronous: bool = False):
     """Collective: begin a torch_dist save of the current iteration (ckpt/save.py); the caller
-    calls `.finish()` (collective) to publish it. `view`: ckpt.load.engine_view(engine, ...)."""
+    calls `.finish()` (collective) to publish it. `view`: ckpt.load.stage_boxes(engine, ...)."""
     from .ckpt.save import start_save, tmp_dir
     if grid.rank == 0 and os.path.exists(tmp_dir(save_dir, engine.iteration)):
         shutil.rmtree(tmp_dir(save_dir, engine.iteration))  # a failed save of this iteration
@@ -136,8 +136,8 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
     forward and prune old iterations (keep_last > 0); returns this rank's file or directory."""
     if cfg.train.ckpt_format == "torch_dist":
         if view is None:
-            from .ckpt.load import engine_view
-            view = engine_view(engine, cfg, grid)
+            from .ckpt.load import stage_boxes
+            view = stage_boxes(engine, cfg, grid)
         return start_checkpoint(save_dir, engine, cfg, grid, view, save_optim, keep_last,
                                 hooks).finish()
     from .ckpt.torch_format import remove_stage_files, save_torch
@@ -178,9 +178,9 @@ def _read(path: str, t: int, cfg: Config, grid) -> dict:
 
 
 def _read_dist(directory: str, engine, cfg: Config, grid, load_optim: bool) -> dict:
-    from .ckpt.load import engine_view, read_common, read_engine_state
+    from .ckpt.load import read_common, read_engine_state, stage_boxes
     check_layout(read_common(directory)["layout"], cfg, grid, directory, resharding=True)
-    return read_engine_state(directory, engine, engine_view(engine, cfg, grid), grid, cfg,
+    return read_engine_state(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
                              load_optim)
 
 

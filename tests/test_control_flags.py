@@ -19,20 +19,22 @@ BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --s
 def test_flags_are_read_one_batch_behind():
     flags = ControlFlags("cpu")
     tail = torch.zeros(len(FLAGS))
+    assert FLAGS == ("preempt", "exit_duration", "save_busy")
+    none = dict.fromkeys(FLAGS, False)
     flags.raise_flag("exit_duration")
     flags.write(tail)
-    assert tail.tolist() == [0.0, 1.0]
-    assert flags.agreed() == {"preempt": False, "exit_duration": False}   # nothing carried yet
-    flags.carried(0, torch.tensor([0.0, 0.5]))
-    assert flags.agreed() == {"preempt": False, "exit_duration": False}   # batch -1: none
-    flags.carried(1, torch.tensor([2.0, 0.0]))
-    assert flags.agreed() == {"preempt": False, "exit_duration": True}    # batch 0's sums
-    flags.carried(2, torch.tensor([0.0, 0.0]))
-    assert flags.agreed() == {"preempt": True, "exit_duration": False}    # batch 1's sums
+    assert tail.tolist() == [0.0, 1.0, 0.0]
+    assert flags.agreed() == none                                         # nothing carried yet
+    flags.carried(0, torch.tensor([0.0, 0.5, 1.0]))
+    assert flags.agreed() == none                                         # batch -1: none
+    flags.carried(1, torch.tensor([2.0, 0.0, 0.0]))
+    assert flags.agreed() == dict(none, exit_duration=True, save_busy=True)  # batch 0's sums
+    flags.carried(2, torch.tensor([0.0, 0.0, 0.0]))
+    assert flags.agreed() == dict(none, preempt=True)                     # batch 1's sums
     flags.raise_flag("exit_duration", False)
     tail.zero_()
     flags.write(tail)
-    assert tail.tolist() == [0.0, 0.0]
+    assert tail.tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="unknown control flag 'stop': use one of"):
         flags.raise_flag("stop")
 
@@ -40,9 +42,9 @@ def test_flags_are_read_one_batch_behind():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flags_on_a_gpu_go_through_pinned_memory_without_a_host_sync():
     flags = ControlFlags("cuda")
-    for batch, sums in enumerate([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]]):
+    for batch, sums in enumerate([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 3.0, 0.0]]):
         flags.carried(batch, torch.tensor(sums, device="cuda"))
-        expected = [[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]][batch]
+        expected = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0]][batch]
         assert flags.agreed() == dict(zip(FLAGS, [v > 0 for v in expected]))
     assert all(host.is_pinned() for host in flags._host)
 

@@ -17,7 +17,7 @@ from ..checkpoint_files import FILENAME, CheckpointError, latest_iteration, rank
 from ..parallel.comm import Comm
 from ..reliability import NO_FAULTS
 from .save import DistSave, tmp_dir
-from .shards import stage_params, state_shards
+from .shards import param_boxes, state_shards
 from .storage import plan_save
 from .torch_format import first_stage_file, read_torch
 
@@ -62,7 +62,7 @@ def torch_to_dist(load_dir: str, save_dir: str, iteration: int | None = None) ->
                 raise CheckpointError(f"checkpoint file {path} does not match the model its "
                                       "config describes: it was written by another version of "
                                       "the model code")
-            params = stage_params(flat, one_process_names(cfg, module), r, t)
+            params = param_boxes(flat, one_process_names(cfg, module), r, t)
             boxes, other = state_shards(engine, params, flat.numel, 0, flat.numel)
             shards += boxes
     common = {key: first[key] for key in ("iteration", "consumed_samples", "layout", "config")}

@@ -1,7 +1,7 @@
 """Reading torch_dist checkpoints: into an engine of any layout (each rank reads its own boxes,
 resharded by DCP), or whole in one process (tools, converters).
 
-    view = engine_view(engine, cfg, grid)              # the stage's boxes of global tensors
+    view = stage_boxes(engine, cfg, grid)              # the stage's boxes of global tensors
     payload = read_engine_state(dir, engine, view, grid, load_optim=True)
     engine.load_state_dict(payload["engine"])           # as if this layout had saved it
     common = read_common(dir)                           # iteration, layout, config ... (small)
@@ -17,24 +17,24 @@ import torch
 from ..checkpoint_files import CheckpointError
 from .save import COMMON, rng_key
 from .shards import (MODEL, OPTIMIZER, PREVIOUS, ParamBox, Shard, empty_state, shard_range,
-                     stage_params, state_shards)
+                     param_boxes, state_shards)
 from .storage import CHECKSUMS, METADATA, read_boxes, read_checksums, read_metadata, verify_file
 
 
 @dataclass(frozen=True)
-class EngineView:
+class StageBoxes:
     """A stage's flat layout as boxes of global tensors, and the optimizer's flat range."""
     params: list[ParamBox]
     numel: int
     range: tuple[int, int]
 
 
-def engine_view(engine, cfg, grid) -> EngineView:
+def stage_boxes(engine, cfg, grid) -> StageBoxes:
     from ..convert.native import one_process_names
     with torch.random.fork_rng(devices=[]):  # building the meta model draws nothing we keep
         renames = one_process_names(cfg, engine.weights.modules[0])
     numel = engine.weights.numel
-    return EngineView(stage_params(engine.weights, renames, grid.tp_rank, grid.tensor), numel,
+    return StageBoxes(param_boxes(engine.weights, renames, grid.tp_rank, grid.tensor), numel,
                       shard_range(engine.optimizer, numel))
 
 
@@ -58,7 +58,7 @@ def _optimizer_name(common: dict) -> str | None:
     return ((common.get("config") or {}).get("optimizer") or {}).get("name")
 
 
-def read_engine_state(directory: str, engine, view: EngineView, grid, cfg,
+def read_engine_state(directory: str, engine, view: StageBoxes, grid, cfg,
                       load_optim: bool = True) -> dict:
     """This rank's engine state from the torch_dist checkpoint in `directory`, whatever layout
     and schedule saved it: a payload shaped like a torch-format stage file ({"engine": state
@@ -107,5 +107,6 @@ def read_full(directory: str, prefix: str = MODEL) -> dict[str, torch.Tensor]:
     return {s.name[len(prefix):]: s.tensor for s in targets}
 
 
-__all__ = ["EngineView", "engine_view", "is_dist_checkpoint", "read_common", "read_engine_state",
+__all__ = ["StageBoxes", "stage_boxes", "is_dist_checkpoint", "read_common",
+           "read_engine_state",
            "read_full", "MODEL", "PREVIOUS", "OPTIMIZER"]

@@ -169,7 +169,7 @@ def start_save(save_dir: str, engine, grid, view, common: dict, save_optim: bool
                keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, asynchronous: bool = False,
                state: dict | None = None) -> DistSave:
     """Collective: stage and plan this rank's part of the save of `engine`'s current iteration
-    and start writing it (module docstring, steps 1-2). `view` is the stage's EngineView
+    and start writing it (module docstring, steps 1-2). `view` is the stage's StageBoxes
     (load.py); `common` the state rank 0 writes to common.pt (checkpointing.common_state);
     `state` the engine's state dict when the caller has it already."""
     t = engine.iteration

@@ -35,8 +35,8 @@ class Checkpointer:
         self.train = cfg.train
         self.view = None
         if self.train.ckpt_format == "torch_dist":
-            from .load import engine_view
-            self.view = engine_view(engine, cfg, grid)
+            from .load import stage_boxes
+            self.view = stage_boxes(engine, cfg, grid)
         self.pending, self.started = None, None
 
     @property

@@ -65,7 +65,7 @@ class ParamBox:
         return math.prod(self.local_shape)
 
 
-def stage_params(weights, renames: dict[str, str], tp_rank: int, tp_size: int
+def param_boxes(weights, renames: dict[str, str], tp_rank: int, tp_size: int
                  ) -> list[ParamBox]:
     """The ParamBoxes of a stage's flat layout (`VersionedWeights`: names, shapes, offsets,
     partition dims); `renames` maps the stage's names of tied copies to one-process names."""
