@@ -6,7 +6,8 @@ iterations equal the single-process reference started from the merged state (rto
 Merging here goes through the engine's own per-stage names, `verify.merge_tensor_shards` and the
 tied renames, not through the checkpoint's boxes (ckpt/shards.py), so a wrong box fails it.
 The distributed optimizer (issue 17) adds one more saved layout to this test once it exists: its
-state is another sharding of the same global tensors (ckpt/shards.py, `shard_range`)."""
+state is another sharding of the same global tensors (ckpt/shards.py, the pieces form; tested
+without processes in test_ckpt_shards.py)."""
 import os
 
 import pytest

@@ -1,7 +1,7 @@
 """The boxes of global tensors (ckpt/shards.py), no processes: a flat range of a tensor is a few
-contiguous boxes, and a state sharded by flat ranges (how a distributed optimizer holds its
-buffers, issue 17) saves as more chunks of the same global tensors and reads back into any other
-split or whole."""
+contiguous boxes, and a state in pieces of flat ranges (the distributed optimizer's state_dict,
+issue 17: fp32 masters and Adam moments) saves as more chunks of the same global tensors and
+reads back into any other split, or whole into a run without one."""
 import math
 import random
 from types import SimpleNamespace
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_2bw.ckpt.load import read_full, stage_boxes
-from megatron_2bw.ckpt.save import DistSave, tmp_dir
-from megatron_2bw.ckpt.shards import flat_range_boxes, flat_shards, state_shards
+from megatron_2bw.ckpt.save import DistSave, nested_tensors, tmp_dir
+from megatron_2bw.ckpt.shards import empty_state, flat_range_boxes, state_shards
 from megatron_2bw.ckpt.storage import plan_save, read_boxes
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.reliability import NO_FAULTS
@@ -55,17 +55,30 @@ def _save(shards, objects, root, it=1):
     return DistSave(root, it, grid, planned, common, 0, NO_FAULTS).start(False).finish()
 
 
-def test_a_state_sharded_by_flat_ranges_saves_and_reads_into_any_split(tmp_path):
+def _pieces(state: dict, ranges: list, rank: int) -> dict:
+    """The pieces form of a distributed optimizer's state (ckpt/shards.py) for `ranges` of the
+    flat layout, its fp32 masters the newest weights."""
+    opt = state["optimizer"]
+    return {"sharded": {"count": 3, "rank": rank}, "steps": opt["steps"],
+            "pieces": [{"range": (lo, hi), "exp_avg": opt["exp_avg"][lo:hi],
+                        "exp_avg_sq": opt["exp_avg_sq"][lo:hi],
+                        "master": state["newest"][lo:hi]} for lo, hi in ranges]}
+
+
+def test_a_distributed_optimizer_state_in_pieces_saves_and_reads_into_any_split(tmp_path):
     engine, cfg, grid = _one_rank()
     engine.train_batch(mock_batches(cfg, 1, 0))
     view, numel = stage_boxes(engine, cfg, grid), engine.weights.numel
     state = engine.state_dict()
-    cut = numel // 2 + 7  # inside a parameter: its boxes split mid-row
-    shards = state_shards({"newest": state["newest"]}, view.params, numel, 0, numel)[0]
-    for lo, hi in ((0, cut), (cut, numel)):  # two "replicas" of a distributed optimizer
-        part = {k: v[lo:hi] for k, v in state["optimizer"].items() if torch.is_tensor(v)}
-        boxes, other = state_shards({"optimizer": part}, view.params, numel, lo, hi)
-        assert other == {}
+    a, b, c = numel // 3 + 7, numel // 2 + 1, 2 * numel // 3 + 5  # inside parameters: mid-row
+    split = [[(0, a)], [(a, b), (c, numel)], [(b, c)]]  # 3 replicas, at most two pieces each
+    shards = []
+    for rank, ranges in enumerate(split):
+        boxes, other = state_shards({"newest": state["newest"], "optimizer": _pieces(
+            state, ranges, rank)}, view.params, numel)
+        assert other == {"steps": state["optimizer"]["steps"]}, "rank's place is not state"
+        assert sum(s.tensor.numel() for s in boxes if s.name.startswith("model.")) == \
+            sum(hi - lo for lo, hi in ranges), "the masters replace the newest weights"
         shards += boxes
     directory = _save(shards, {}, str(tmp_path))
     whole = engine.weights.named_tensors(state["optimizer"]["exp_avg"])
@@ -73,7 +86,26 @@ def test_a_state_sharded_by_flat_ranges_saves_and_reads_into_any_split(tmp_path)
     assert set(saved) == {p.name for p in view.params}
     for name, value in whole.items():
         assert torch.equal(saved[name], value), name
-    lo, hi = numel // 3, numel - 5  # another split reads its range back, bitwise
-    target = torch.full((hi - lo,), float("nan"))
-    read_boxes(directory, flat_shards("optimizer.exp_avg_sq.", target, lo, view.params), [])
-    assert torch.equal(target, state["optimizer"]["exp_avg_sq"][lo:hi])
+    for n, v in engine.weights.named_tensors(state["newest"]).items():
+        assert torch.equal(read_full(directory, "model.")[n], v), n
+
+    def load(optimizer_state):
+        buffers = empty_state(numel, None, optimizer_state)
+        for t in [buffers["newest"], *nested_tensors(buffers["optimizer"])]:
+            t.fill_(float("nan"))
+        read_boxes(directory, state_shards(buffers, view.params, numel, reading=True)[0], [])
+        return buffers
+
+    flat = load(state["optimizer"])  # into a run without the distributed optimizer
+    assert torch.equal(flat["newest"], state["newest"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(flat["optimizer"][key], state["optimizer"][key])
+    other = [(numel // 4, numel - 3), (1, 2)]  # another split reads its pieces back, bitwise
+    split2 = load(_pieces(state, other, 1))
+    assert split2["optimizer"]["sharded"] == {"count": 3, "rank": 1}, "the loading rank's place"
+    assert torch.equal(split2["newest"], state["newest"])
+    for (lo, hi), piece in zip(other, split2["optimizer"]["pieces"]):
+        assert piece["range"] == (lo, hi)
+        assert torch.equal(piece["master"], state["newest"][lo:hi])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(piece[key], state["optimizer"][key][lo:hi]), key

@@ -63,7 +63,7 @@ def torch_to_dist(load_dir: str, save_dir: str, iteration: int | None = None) ->
                                       "config describes: it was written by another version of "
                                       "the model code")
             params = param_boxes(flat, one_process_names(cfg, module), r, t)
-            boxes, other = state_shards(engine, params, flat.numel, 0, flat.numel)
+            boxes, other = state_shards(engine, params, flat.numel)
             shards += boxes
     common = {key: first[key] for key in ("iteration", "consumed_samples", "layout", "config")}
     common.update(schedule=first["engine"]["schedule"], scaler=first["engine"]["scaler"],

@@ -16,17 +16,16 @@ import torch
 
 from ..checkpoint_files import CheckpointError
 from .save import COMMON, rng_key
-from .shards import (MODEL, OPTIMIZER, PREVIOUS, ParamBox, Shard, empty_state, shard_range,
-                     param_boxes, state_shards)
+from .shards import (MODEL, OPTIMIZER, PREVIOUS, ParamBox, Shard, empty_state, param_boxes,
+                     state_shards)
 from .storage import CHECKSUMS, METADATA, read_boxes, read_checksums, read_metadata, verify_file
 
 
 @dataclass(frozen=True)
 class StageBoxes:
-    """A stage's flat layout as boxes of global tensors, and the optimizer's flat range."""
+    """A stage's flat layout as boxes of global tensors."""
     params: list[ParamBox]
     numel: int
-    range: tuple[int, int]
 
 
 def stage_boxes(engine, cfg, grid) -> StageBoxes:
@@ -34,8 +33,7 @@ def stage_boxes(engine, cfg, grid) -> StageBoxes:
     with torch.random.fork_rng(devices=[]):  # building the meta model draws nothing we keep
         renames = one_process_names(cfg, engine.weights.modules[0])
     numel = engine.weights.numel
-    return StageBoxes(param_boxes(engine.weights, renames, grid.tp_rank, grid.tensor), numel,
-                      shard_range(engine.optimizer, numel))
+    return StageBoxes(param_boxes(engine.weights, renames, grid.tp_rank, grid.tensor), numel)
 
 
 def is_dist_checkpoint(directory: str) -> bool:
@@ -79,7 +77,7 @@ def read_engine_state(directory: str, engine, view: StageBoxes, grid, cfg,
                               "--no-load-optim to start its state fresh")
     buffers = empty_state(view.numel, engine.weights.dtype if previous else None,
                           engine.optimizer.state_dict() if want_optim else {})
-    targets, _ = state_shards(buffers, view.params, view.numel, *view.range)
+    targets, _ = state_shards(buffers, view.params, view.numel, reading=True)
     key = rng_key(grid)
     objects = read_boxes(directory, targets, [key] if key in keys else [], sums, metadata)
     state = {"iteration": common["iteration"], "schedule": common["schedule"],

@@ -57,17 +57,25 @@ def rng_state(device) -> dict:
     return state
 
 
+def nested_tensors(value) -> list:
+    """Every tensor in nested lists and dicts (an optimizer's pieces form: ckpt/shards.py)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else \
+        value if isinstance(value, (list, tuple)) else ()
+    return [t for v in items for t in nested_tensors(v)]
+
+
 def _private(shards: list, engine) -> list:
     """The boxes with private host copies where the background write would otherwise read
-    buffers the engine keeps changing: the optimizer's live buffers, and anything on the device
-    (pinned memory, one synchronization on CUDA). A box of a CPU copy the state dict made
-    already (PipelineEngine.state_dict clones the weights) stays a view: DCP copies it on the
+    buffers the engine keeps changing: the optimizer's live buffers (whole or pieces), and
+    anything on the device (pinned memory, one synchronization on CUDA). A box of a CPU copy the
+    state dict made already (PipelineEngine.state_dict clones the weights) stays a view: DCP copies it on the
     writing thread. A copy per box, not per buffer: DCP would copy a view of a buffer again."""
     from dataclasses import replace
     w = engine.weights
     live = {t.untyped_storage().data_ptr() for t in
-            [*w.slots, *w.grads, w.master, *engine.optimizer.state_dict().values()]
-            if isinstance(t, torch.Tensor)}
+            nested_tensors([*w.slots, *w.grads, w.master, engine.optimizer.state_dict()])}
     out, device = [], None
     for s in shards:
         t = s.tensor
@@ -177,7 +185,7 @@ def start_save(save_dir: str, engine, grid, view, common: dict, save_optim: bool
     state = dict(engine.state_dict() if state is None else state)
     if not save_optim:
         state.pop("optimizer", None)
-    shards, other = state_shards(state, view.params, view.numel, *view.range)
+    shards, other = state_shards(state, view.params, view.numel)
     if asynchronous:
         shards = _private(shards, engine)
     common = dict(common, optimizer=None if not save_optim else other)

@@ -18,12 +18,21 @@ the tensors it owns:
 - pipeline parallelism: each stage owns other names (the tied embedding: both of its stages);
 - data parallelism: every replica holds the same boxes; DCP writes one copy of each (its dedup
   spreads the writes over the replicas);
-- a distributed optimizer (its state sharded across replicas) holds a contiguous range [lo, hi)
-  of the stage's flat buffer (pipeline/weights.py); a range of a k-dim parameter is at most 2k-1
-  boxes (`flat_range_boxes`), each contiguous in memory. So a sharded optimizer state is one more
-  sharding of the same global tensors and loads into any layout. The hook: an optimizer with a
-  `shard_range` attribute (lo, hi) holds its per-element buffers (and a sharded fp32 master, the
-  engine state's `newest`) for that range only (`state_shards`).
+- a distributed optimizer (issue 17; its state sharded across the data-parallel replicas)
+  holds, per rank, pieces of the stage's flat layout (pipeline/weights.py), its `state_dict()`
+  in the *pieces form*:
+
+      {"sharded": {...this rank's place...}, "steps": k,
+       "pieces": [{"range": (lo, hi), "exp_avg": [hi - lo], ..., "master": [hi - lo]?}]}
+
+  Each piece's buffer is elements [lo, hi) of the flat layout: `flat_shards(prefix, buf, lo)`,
+  at most 2k-1 boxes per k-dim parameter (`flat_range_boxes`), each contiguous in memory. Its
+  per-element buffers are `optimizer.<key>.<name>` as above and an fp32 "master" is
+  `model.<name>` (then the engine state's `newest` is not saved from this rank: the pieces are
+  the exact fp32 weights; a loading rank reads both). "sharded" describes the rank, not the state: it is never saved, and
+  a loading rank keeps its own. So a sharded optimizer state is one more sharding of the same
+  global tensors: it loads into any layout with or without a distributed optimizer, and any
+  checkpoint loads into it (`empty_state` shapes the buffers like this rank's pieces).
 
 Saving reads the boxes from the engine state's flat buffers (views, no copy); loading writes them
 into flat buffers of this engine's layout (`empty_state`), which `PipelineEngine.load_state_dict`
@@ -129,48 +138,57 @@ def flat_shards(prefix: str, flat: torch.Tensor, lo: int, params: list[ParamBox]
     return out
 
 
-def shard_range(optimizer, numel: int) -> tuple[int, int]:
-    """The flat range [lo, hi) this rank's optimizer state covers (a distributed optimizer's
-    `shard_range`; everything otherwise)."""
-    return tuple(getattr(optimizer, "shard_range", None) or (0, numel))
+LAYOUT_KEYS = ("pieces", "sharded")  # the pieces form's structure, not saved as state
 
 
-def _placed(tensor, numel: int, lo: int, hi: int) -> int | None:
-    """The flat start of a per-element buffer (0 when whole, lo when it holds [lo, hi)), or None
-    when `tensor` is not one (a scalar such as a fused optimizer's step count)."""
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
-        return None
-    if tensor.numel() == numel:
-        return 0
-    return lo if tensor.numel() == hi - lo else None
+def _is_flat(value, numel: int) -> bool:
+    """A per-element buffer of the whole flat layout (not a scalar such as a step count)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
 
 
-def state_shards(state: dict, params: list[ParamBox], numel: int, lo: int, hi: int
+def state_shards(state: dict, params: list[ParamBox], numel: int, reading: bool = False
                  ) -> tuple[list[Shard], dict]:
     """(tensor shards, the optimizer's other entries) of an engine state dict
-    (`PipelineEngine.state_dict()` or `empty_state`): newest, previous, and every per-element
-    optimizer buffer; [lo, hi) is the optimizer's `shard_range`."""
-    shards = []
+    (`PipelineEngine.state_dict()` to save, `empty_state` to read into with `reading`): newest,
+    previous, and every per-element optimizer buffer, whole (flat form) or in pieces (the pieces
+    form, module docstring; its masters are saved instead of newest, and read as well)."""
+    optimizer = state.get("optimizer") or {}
+    pieces = optimizer.get("pieces") or []
+    shards, other = [], {}
+    for key, value in optimizer.items():
+        if _is_flat(value, numel):
+            shards += flat_shards(f"{OPTIMIZER}{key}.", value, 0, params)
+        elif key not in LAYOUT_KEYS:
+            other[key] = value
+    for piece in pieces:
+        lo = piece["range"][0]
+        for key, value in piece.items():
+            if key != "range":
+                prefix = MODEL if key == "master" else f"{OPTIMIZER}{key}."
+                shards += flat_shards(prefix, value, lo, params)
+    masters = any("master" in piece for piece in pieces)
     for prefix, key in ((MODEL, "newest"), (PREVIOUS, "previous")):
         flat = state.get(key)
-        if flat is not None:
-            shards += flat_shards(prefix, flat, _placed(flat, numel, lo, hi) or 0, params)
-    other = {}
-    for key, value in (state.get("optimizer") or {}).items():
-        start = _placed(value, numel, lo, hi)
-        if start is None:
-            other[key] = value
-        else:
-            shards += flat_shards(f"{OPTIMIZER}{key}.", value, start, params)
+        if flat is not None and (reading or not (masters and key == "newest")):
+            shards += flat_shards(prefix, flat, 0, params)
     return shards, other
+
+
+def _empty_like(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="cpu")
+    if isinstance(value, dict):
+        return {k: _empty_like(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_empty_like(v) for v in value]
+    return value
 
 
 def empty_state(numel: int, previous_dtype: torch.dtype | None, optimizer_state: dict) -> dict:
     """CPU buffers to load a checkpoint into, shaped like an engine's state dict: the newest
     weights (fp32), the previous version (2BW: `previous_dtype`, else None) and the optimizer's
-    tensors (like `optimizer_state`'s, its other entries as they are)."""
+    tensors (like `optimizer_state`'s, flat or pieces form; its other entries as they are)."""
     return {"newest": torch.empty(numel, dtype=torch.float32),
             "previous": None if previous_dtype is None else torch.empty(numel,
                                                                         dtype=previous_dtype),
-            "optimizer": {k: torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor)
-                          else v for k, v in optimizer_state.items()}}
+            "optimizer": _empty_like(optimizer_state)}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -231,7 +231,7 @@ class ShardLoadPlanner(LoadPlanner):
     layout: DCP's resharding reads (`create_read_items_for_chunk_list`) per box."""
 
     def __init__(self, targets: list[Shard], objects: list[str]):
-        self.targets = {(s.name, tuple(s.offsets)): s for s in targets}
+        self.targets = list(targets)  # boxes may overlap (a master piece and the newest)
         self.wanted, self.objects = list(objects), {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
@@ -239,7 +239,7 @@ class ShardLoadPlanner(LoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         md, items = self.metadata.state_dict_metadata, []
-        for s in self.targets.values():
+        for i, s in enumerate(self.targets):
             saved = md.get(s.name)
             if saved is None:
                 raise CheckpointError(f"lacks the tensor {s.name}")
@@ -247,7 +247,8 @@ class ShardLoadPlanner(LoadPlanner):
                 raise CheckpointError(f"holds {s.name} with shape {tuple(saved.size)}, this "
                                       f"model needs {tuple(s.global_shape)}")
             chunk = ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=s.tensor.size())
-            items += create_read_items_for_chunk_list(s.name, saved, [chunk])
+            items += [replace(item, dest_index=MetadataIndex(s.name, s.offsets, i))
+                      for item in create_read_items_for_chunk_list(s.name, saved, [chunk])]
         for key in self.wanted:
             if key not in md:
                 raise CheckpointError(f"lacks {key}")
@@ -267,7 +268,7 @@ class ShardLoadPlanner(LoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         index = read_item.dest_index
-        view = self.targets[(index.fqn, tuple(index.offset))].tensor
+        view = self.targets[index.index].tensor
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, start, length)
         return view
