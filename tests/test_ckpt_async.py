@@ -134,3 +134,45 @@ def test_a_rank_killed_while_writing_in_the_background_leaves_the_previous_check
     assert preflight(cfg.train, log=lambda line: None) == 2
     assert temporary_files(ck) == []
     assert run(cfg, f"{d}/rest") == full[2:]
+
+
+class _SignalWhileWriting(InjectedFault):
+    """SIGTERM to rank 0 after iteration 1; every rank's write of iteration 2 is held until its
+    iteration 3 is done, when the preemption is acted on."""
+
+    def __init__(self):
+        super().__init__("sigterm", 0, 1)
+        self.open = None
+
+    def after_iteration(self, grid, iteration):
+        if self.open is None:
+            self.open = threading.Event()
+        super().after_iteration(grid, iteration)
+        if iteration == 3:
+            self.open.set()
+
+    def during_save(self, grid, iteration, path):
+        if iteration == 2:
+            assert self.open.wait(60)
+
+
+def test_a_preemption_waits_for_the_save_in_flight(tmp_path):
+    d, ck = str(tmp_path), str(tmp_path / "ck")
+    full = run(make_cfg(["--train-iters", "6"]), f"{d}/full")
+    flags = ["--train-iters", "6", "--save", ck, "--async-save", "--save-interval", "2"]
+    first = run(make_cfg(flags), f"{d}/first", hooks=_SignalWhileWriting(), log=f"{d}/log")
+    # the signal after iteration 1 is acted on after iteration 3 (pipeline/flags.py), while
+    # iteration 2's write is still in flight: it is published first, then iteration 3 is saved
+    assert first == full[:3] and latest_iteration(ck) == 3
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000003",
+                                      "latest_checkpointed_iteration.txt"]
+    lines = [line for line in open(f"{d}/log.1").read().splitlines()  # the reporting rank
+             if line.startswith(("saved iteration", "a preemption signal"))]
+    assert lines == [
+        f"saved iteration 2 in {ck}/iter_0000002: written in the background while training went "
+        "on, published at iteration 3",
+        f"saved iteration 3 in {ck}/iter_0000003: written in the background while training went "
+        "on, published at iteration 3",
+        f"a preemption signal to another rank: saved a checkpoint at iteration 3 in {ck}; exiting "
+        "(resume with --load)"]
+    assert run(make_cfg(flags + ["--load", ck]), f"{d}/rest") == full[3:]
