@@ -3,15 +3,20 @@ checkpoint was saved with and what changed (--auto-plan picks the layout for the
 size); a torch-format checkpoint of another layout, or another global batch, is one line naming
 the fix. The slow test resumes a 2-rank torch_dist run on 4 ranks with --auto-plan through
 torchrun."""
+import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from megatron_2bw import checkpoint_files
 from megatron_2bw.checkpoint_files import latest_iteration
-from megatron_2bw.checkpointing import save_checkpoint
+from megatron_2bw.checkpointing import load_checkpoint, save_checkpoint
+from megatron_2bw.ckpt import storage
+from megatron_2bw.ckpt.saver import Checkpointer
 from megatron_2bw.ckpt.convert import torch_to_dist
 from megatron_2bw.training import mock_batches
 from test_ckpt_async import _one_rank
@@ -116,3 +121,51 @@ def test_a_run_resumes_on_twice_the_ranks_with_auto_plan(tmp_path):
     note = [line for line in rest.stdout.splitlines() if line.startswith("resuming")]
     assert len(note) == 1 and "on 4 ranks (chosen by --auto-plan)" in note[0], rest.stdout
     assert latest_iteration(str(ck)) == 5
+
+
+def test_the_loss_scale_skipped_steps_step_count_and_rng_carry_over(tmp_path):
+    """torch_dist, one process: what is not a tensor of the model carries over too (the lr
+    schedule follows the iteration and the step count)."""
+    argv = ["--fp16", "--loss-scale-window", "2", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", "2", "--save", str(tmp_path)]
+    engine, cfg, grid = _one_rank(argv)
+    data = mock_batches(cfg, 1, 0)
+    for _ in range(3):
+        engine.train_batch(data)
+    scaler = engine.stepper.scaler.state_dict()
+    assert scaler["scale"] == 2.0 ** 17 and scaler["clean"] == 1, "grown: not a fresh scaler's"
+    engine.stepper.skipped = 1  # as if one step had overflowed
+    torch.manual_seed(1234)
+    save_checkpoint(str(tmp_path), engine, cfg, grid)
+    expected_rng = torch.get_rng_state()
+    torch.manual_seed(99)
+    fresh, _, _ = _one_rank(argv)
+    assert load_checkpoint(str(tmp_path), fresh, cfg, grid) == 3
+    assert fresh.stepper.scaler.state_dict() == scaler
+    assert fresh.stepper.skipped == 1 and fresh.skipped_iterations == engine.skipped_iterations
+    assert fresh.state_dict()["optimizer"]["steps"] == engine.state_dict()["optimizer"]["steps"]
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    data = mock_batches(cfg, 1, 0, start_batch=3)
+    assert torch.equal(fresh.train_batch(data), engine.train_batch(mock_batches(cfg, 1, 0, 3)))
+    assert fresh.stepper.last_lr == engine.stepper.last_lr  # the schedule's position
+    assert torch.equal(fresh.state_dict()["newest"], engine.state_dict()["newest"])
+
+
+def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
+    """No file of a save is read back to hash it (checkpoint_files.sha256_of is for readers)."""
+    engine, cfg, grid = _one_rank(["--save", str(tmp_path), "--async-save"])
+    engine.train_batch(mock_batches(cfg, 1, 0))
+
+    def reread(path):
+        raise AssertionError(f"a save re-read {path}")
+    for module in (checkpoint_files, storage):
+        monkeypatch.setattr(module, "sha256_of", reread)
+    saver = Checkpointer(cfg, grid, engine)
+    saver.save(wait=True)
+    monkeypatch.undo()
+    directory = tmp_path / "iter_0000001"
+    sums = dict(reversed(line.split("  ")) for line in
+                (directory / "checksums.sha256").read_text().splitlines())
+    assert set(sums) == set(os.listdir(directory)) - {"checksums.sha256"}
+    for name, digest in sums.items():
+        assert hashlib.sha256((directory / name).read_bytes()).hexdigest() == digest, name
