@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing import ProcessRaisedException
 
 from megatron_2bw.ckpt.convert import torch_to_dist
 from megatron_2bw.ckpt.load import is_dist_checkpoint
@@ -54,6 +55,7 @@ def test_it_reads_as_a_full_model_and_resumes_in_another_layout_as_torch_dist(tm
 def test_another_layout_is_one_line_naming_it_and_the_conversion(tmp_path):
     cfg = make_cfg(["--pipeline-model-parallel-size", "2", "--train-iters", "5", "--load",
                     str(FIXTURE)], world=2)
-    with pytest.raises(Exception, match=r"saved for another model or layout \(tensor 2 != 1\)"
-                                        r".*checkpoint_convert.py to-dist"):
+    with pytest.raises(ProcessRaisedException,
+                       match=r"saved for another model or layout \(tensor 2 != 1\)"
+                             r".*checkpoint_convert.py to-dist"):
         spawn(_worker, 2, args=(cfg, str(tmp_path / "x")), timeout_minutes=1)
