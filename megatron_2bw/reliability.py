@@ -1,5 +1,5 @@
 """Failure handling of a training run: the launcher watch, preemption signals, failures named by
-rank and stage, non-finite losses, and the fault-injection hooks tests pass in.
+rank and stage, non-finite losses and gradients, and the fault-injection hooks tests pass in.
 
 - Launcher watch: a worker that a launcher started (torchrun, srun, mpirun, torch
   multiprocessing) exits within about a second of that launcher's death (`kill -9` of torchrun,
@@ -13,6 +13,12 @@ rank and stage, non-finite losses, and the fault-injection hooks tests pass in.
   tensor coordinates, and the process exits non-zero, so the launcher (torchrun, srun
   --kill-on-bad-exit, torch.multiprocessing) stops the others; ranks blocked on a dead peer fail
   within the collective timeout (--distributed-timeout-minutes) with the peer named.
+- Non-finite values (--check-for-nan-in-loss-and-grad, on by default): every rank reads the
+  loss and the per-stage finiteness bits of the batch before the newest after each iteration
+  (pipeline/flags.py: carried with the control flags, no extra collective, no wait for the batch
+  just queued), and those of the newest before a checkpoint and at the end, so no checkpoint of a
+  diverged step is written; `check_numerics` stops fp32/bf16 runs naming the iteration and the
+  stages. fp16 skips such steps instead.
 - Fault injection: `FaultHooks` is the set of points where tests inject faults. Production code
   calls the no-op defaults; tests pass their own object to `training.train(..., hooks=)` or
   `pretrain.main(family, argv, hooks=)`. Nothing here reads the environment to inject a fault.

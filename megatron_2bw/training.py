@@ -148,7 +148,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         preempted = preemption is not None and preemption.agreed(engine)
         saving = t.save and ((t.save_interval and it % t.save_interval == 0) or stop
                              or preempted or it == t.train_iters)
-        if saving or it == t.train_iters:
+        if saving or stop or it == t.train_iters:
             check_nan(newest=True)
         if saving:
             save()
