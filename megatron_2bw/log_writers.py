@@ -10,8 +10,9 @@ together.
 - wandb (`--wandb-project`): an offline run under `--wandb-save-dir` (default {save}/wandb).
 - TensorBoard (`--tensorboard-dir DIR`): event files written by
   `torch.utils.tensorboard.SummaryWriter` (the tensorboard package, imported only when asked for;
-  `check_tensorboard` says so in one line before any process group). Flushed at every log
-  interval, so a run that stops on an error keeps every interval it logged.
+  `check_tensorboard` says so in one line before any process group, and again if a caller of
+  `training.train` skipped it). Flushed at every log interval, so a run that stops on an error
+  keeps every interval it logged.
 """
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ def check_tensorboard(train) -> None:
     path = train.tensorboard_dir
     if not path:
         return
+    check_writable_dir(path, "--tensorboard-dir")
     if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("--tensorboard-dir needs the tensorboard package: pip install "
                           "tensorboard (or megatron_2bw[tensorboard])")
-    check_writable_dir(path, "--tensorboard-dir")
 
 
 class WandbWriter:
@@ -63,6 +64,7 @@ class WandbWriter:
 
 class TensorBoardWriter:
     def __init__(self, cfg):
+        check_tensorboard(cfg.train)  # train() called without pretrain's check: the same line
         from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(log_dir=cfg.train.tensorboard_dir,
                                     max_queue=cfg.train.tensorboard_queue_size)

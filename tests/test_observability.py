@@ -77,7 +77,8 @@ def test_tensorboard_events_hold_the_scalars_of_the_wandb_history(tmp_path, monk
                 "TFLOP/s/device", "ms/iteration", "memory_GB_per_stage/stage0",
                 "memory_GB_per_stage/stage1", "ms_forward", "ms_p2p"):
         assert [s for s, _ in board[key]] == [2, 4, 6], key
-    assert [s for s, _ in board["validation_loss"]] == [3, 6]
+    assert [s for s, _ in board["validation_loss"]] == [s for s, _ in board["validation_ppl"]] \
+        == [3, 6]
     assert sorted(board) == sorted(history), "the same scalars in both"
     for key, rows in history.items():
         assert [s for s, _ in board[key]] == [s for s, _ in rows], key
@@ -199,3 +200,26 @@ def test_profile_writes_a_trace_per_rank_with_the_engine_action_ranges(tmp_path)
             "the ranges carry the engine's own --trace labels"
         assert any(e.get("cat") == "cpu_op" for e in events), "the operators inside them"
     assert not (tmp_path / "profile" / "rank0.iter1-2.pt.trace.json").exists()
+
+
+def test_without_the_tensorboard_package_logging_works_and_tensorboard_dir_is_one_line(
+        monkeypatch, tmp_path):
+    from megatron_2bw import log_writers
+    from megatron_2bw.config import ConfigError
+    from megatron_2bw.logger import TrainLogger
+    tb = tmp_path / "tb"
+    with_tb, without = (build_config(build_parser("gpt").parse_args(SMALL + extra), "gpt", 1)
+                        .config for extra in (["--tensorboard-dir", str(tb)], []))
+    log_writers.check_tensorboard(with_tb.train)
+    assert tb.is_dir()
+    monkeypatch.setitem(sys.modules, "tensorboard", None)   # as if it were not installed
+    missing = r"^--tensorboard-dir needs the tensorboard package: pip install tensorboard"
+    with pytest.raises(ConfigError, match=missing):
+        log_writers.check_tensorboard(with_tb.train)       # pretrain, before any process group
+    with pytest.raises(ConfigError, match=missing):
+        TrainLogger(with_tb, ProcessGrid(1, 1, 1), reporter=True)  # a direct training.train
+    lines = []
+    logger = TrainLogger(without, ProcessGrid(1, 1, 1), True, lines.append)
+    logger.log(1, {"loss": 2.5, "ETA": "3s"})
+    logger.finish()
+    assert parse_line(lines[0]) == (1, {"loss": 2.5, "ETA": "3s"})
