@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from torch.multiprocessing import ProcessExitedException
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from fault_hooks import InjectedFault
 from megatron_2bw.checkpoint_files import CheckpointError, latest_iteration, temporary_files
@@ -176,3 +176,31 @@ def test_a_preemption_waits_for_the_save_in_flight(tmp_path):
         f"a preemption signal to another rank: saved a checkpoint at iteration 3 in {ck}; exiting "
         "(resume with --load)"]
     assert run(make_cfg(flags + ["--load", ck]), f"{d}/rest") == full[3:]
+
+
+class _NanWhileWriting(InjectedFault):
+    """The last stage's loss is NaN from iteration 3 on; every rank's write of iteration 2 is
+    held until its iteration 3 is done."""
+
+    def __init__(self):
+        super().__init__("nan", 1, 3)
+        self.open = None
+
+    def after_iteration(self, grid, iteration):
+        if self.open is None:
+            self.open = threading.Event()
+        if iteration == 3:
+            self.open.set()
+
+    def during_save(self, grid, iteration, path):
+        if iteration == 2:
+            assert self.open.wait(60)
+
+
+def test_a_numerics_stop_publishes_the_save_in_flight_and_names_it(tmp_path):
+    ck = str(tmp_path / "ck")
+    flags = ["--train-iters", "6", "--save", ck, "--async-save", "--save-interval", "2"]
+    with pytest.raises(ProcessRaisedException, match=r"loss is nan at iteration 4 .* resume "
+                                                     f"from iteration 2 in {ck}$"):
+        run(make_cfg(flags), str(tmp_path / "x"), hooks=_NanWhileWriting())
+    assert latest_iteration(ck) == 2 and temporary_files(ck) == []
