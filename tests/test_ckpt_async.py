@@ -136,12 +136,12 @@ def test_a_rank_killed_while_writing_in_the_background_leaves_the_previous_check
     assert run(cfg, f"{d}/rest") == full[2:]
 
 
-class _SignalWhileWriting(InjectedFault):
-    """SIGTERM to rank 0 after iteration 1; every rank's write of iteration 2 is held until its
-    iteration 3 is done, when the preemption is acted on."""
+class _HoldingIteration2(InjectedFault):
+    """A fault (fault_hooks.py: `kind` on `rank` at `iteration`), and every rank's write of
+    iteration 2 held until its iteration 3 is done."""
 
-    def __init__(self):
-        super().__init__("sigterm", 0, 1)
+    def __init__(self, kind, rank, iteration):
+        super().__init__(kind, rank, iteration)
         self.open = None
 
     def after_iteration(self, grid, iteration):
@@ -160,7 +160,8 @@ def test_a_preemption_waits_for_the_save_in_flight(tmp_path):
     d, ck = str(tmp_path), str(tmp_path / "ck")
     full = run(make_cfg(["--train-iters", "6"]), f"{d}/full")
     flags = ["--train-iters", "6", "--save", ck, "--async-save", "--save-interval", "2"]
-    first = run(make_cfg(flags), f"{d}/first", hooks=_SignalWhileWriting(), log=f"{d}/log")
+    first = run(make_cfg(flags), f"{d}/first", hooks=_HoldingIteration2("sigterm", 0, 1),
+                log=f"{d}/log")
     # the signal after iteration 1 is acted on after iteration 3 (pipeline/flags.py), while
     # iteration 2's write is still in flight: it is published first, then iteration 3 is saved
     assert first == full[:3] and latest_iteration(ck) == 3
@@ -178,29 +179,10 @@ def test_a_preemption_waits_for_the_save_in_flight(tmp_path):
     assert run(make_cfg(flags + ["--load", ck]), f"{d}/rest") == full[3:]
 
 
-class _NanWhileWriting(InjectedFault):
-    """The last stage's loss is NaN from iteration 3 on; every rank's write of iteration 2 is
-    held until its iteration 3 is done."""
-
-    def __init__(self):
-        super().__init__("nan", 1, 3)
-        self.open = None
-
-    def after_iteration(self, grid, iteration):
-        if self.open is None:
-            self.open = threading.Event()
-        if iteration == 3:
-            self.open.set()
-
-    def during_save(self, grid, iteration, path):
-        if iteration == 2:
-            assert self.open.wait(60)
-
-
 def test_a_numerics_stop_publishes_the_save_in_flight_and_names_it(tmp_path):
     ck = str(tmp_path / "ck")
     flags = ["--train-iters", "6", "--save", ck, "--async-save", "--save-interval", "2"]
     with pytest.raises(ProcessRaisedException, match=r"loss is nan at iteration 4 .* resume "
                                                      f"from iteration 2 in {ck}$"):
-        run(make_cfg(flags), str(tmp_path / "x"), hooks=_NanWhileWriting())
+        run(make_cfg(flags), str(tmp_path / "x"), hooks=_HoldingIteration2("nan", 1, 3))
     assert latest_iteration(ck) == 2 and temporary_files(ck) == []
