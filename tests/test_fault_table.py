@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.checkpoint_files import LATEST, TMP_PREFIX, rank_dir, temporary_files
+from megatron_2bw.checkpoint_files import LATEST, TMP_PREFIX, temporary_files
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "tests" / "fault_entry.py")
@@ -247,7 +247,7 @@ def test_kill_during_save_leaves_temporary_files_the_next_start_removes(tmp_path
 
 def test_corrupted_checkpoint_is_one_line_per_rank_without_traceback(checkpoints, tmp_path):
     ck = copy_of(checkpoints, tmp_path)
-    path = Path(rank_dir(str(ck), 10, 0, 1, 2)) / "model_optim_rng.pt"
+    path = ck / "iter_0000010" / "__1_0.distcp"  # the second stage's shards (torch_dist)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -289,7 +289,8 @@ def test_disk_full_during_a_save_names_enospc_and_keeps_the_previous_checkpoint(
                                    in x for x in lines), lines
     files = tail[2:]
     assert all(f.startswith("./iter_0000002/") for f in files if f != f"./{LATEST}"), files
-    assert len(files) == 5, "iteration 2 (two stages, each with its checksum) and latest"
+    assert len(files) == 6, "iteration 2 (torch_dist: .metadata, two ranks' shards, common.pt, " \
+        "checksums.sha256) and latest"
 
 
 # -- resume with another precision ----------------------------------------------------------------
