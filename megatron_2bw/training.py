@@ -1,6 +1,7 @@
 """Building an engine from the config, and the training loop shared by the pretrain scripts."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterator
 
@@ -37,6 +38,8 @@ def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGri
 def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
     """(layer specs, loss function, stage boundaries) of the configured model family."""
     specs_fn, loss_fn, partition_fn, _, _ = FAMILIES[cfg.model.family]
+    if cfg.parallel.sequence_parallel != tp.sequence_parallel:
+        tp = dataclasses.replace(tp, sequence_parallel=cfg.parallel.sequence_parallel)
     partition = cfg.parallel.partition if (cfg.parallel.partition and num_stages > 1) else \
         partition_fn(cfg.model, num_stages)
     return specs_fn(cfg.model, tp, seed=cfg.train.seed), loss_fn(tp), partition
@@ -72,7 +75,7 @@ def _flops_per_sample(cfg: Config) -> float:
     try:
         from .models.flops import model_flops_per_sample
         return float(model_flops_per_sample(cfg.model,
-                                            recompute=cfg.model.recompute_method is not None))
+                                            recompute=cfg.model.full_recompute))
     except Exception:  # noqa: BLE001 - logging must not fail on an estimate
         return 0.0
 
