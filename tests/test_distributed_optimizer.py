@@ -17,8 +17,9 @@ from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training import batches, build_engine, build_grid, mock_dataset, train
+from megatron_2bw.training import build_engine, build_grid
 from megatron_2bw.verify import parse, run
+from test_hf_convert import _train_worker
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --train-iters 4 --clip-grad 0.3 --optimizer adam "
@@ -58,16 +59,8 @@ def make_cfg(argv, world):
     return build_config(build_parser("gpt").parse_args(BASE + argv), "gpt", world).config
 
 
-def _train(rank, world_size, cfg, out):
-    grid = build_grid(cfg, rank, world_size)
-    dataset = mock_dataset(cfg)
-    losses = train(cfg, grid, "cpu", log=lambda line: None,
-                   make_data=lambda start: batches(cfg, dataset, grid.data, grid.dp_rank, start))
-    torch.save(losses, f"{out}.{rank}")
-
-
 def _run(cfg, world, out):
-    spawn(_train, world, args=(cfg, out), timeout_minutes=1)
+    spawn(_train_worker, world, args=(cfg, out), timeout_minutes=1)
     losses = [torch.load(f"{out}.{r}") for r in range(world)]
     assert all(x == losses[0] for x in losses)
     return losses[0]
