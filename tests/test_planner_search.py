@@ -293,3 +293,26 @@ def test_plan_without_replicas_says_there_is_nothing_to_shard():
     assert plan_run(argv.split(), out) == 0
     assert "distributed optimizer: no: the chosen layout has one data-parallel replica" in \
         out.getvalue()
+
+
+def test_the_planner_turns_on_the_distributed_optimizer_and_recomputation_when_they_fit_it():
+    """GPT 1.3B, bf16 2BW at d=2 w=2 on 18 GB GPUs: without the distributed optimizer nothing
+    fits, even with full recomputation; with it, full recomputation fits and is chosen."""
+    topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=18)
+    args = (named_model("gpt-1.3b"), topo, AnalyticProfile(), 64)
+    kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,))
+    with pytest.raises(PlanError, match="does not fit"):
+        search(*args, distributed_optimizer=(False,), **kw)
+    L = search(*args, **kw).best.layout
+    assert (L.data, L.distributed_optimizer, L.recompute) == (2, True, True)
+    with pytest.raises(PlanError, match="does not fit"):
+        search(*args, recompute=(False, "selective"), **kw)
+
+
+def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
+    layouts = list(enumerate_layouts(_model(4), Topology(num_nodes=1, gpus_per_node=4), 16))
+    assert {(L.sequence_parallel, L.distributed_optimizer) for L in layouts} == \
+        {(a, b) for a in (False, True) for b in (False, True)}
+    assert all(L.tensor > 1 for L in layouts if L.sequence_parallel)
+    assert all(L.data > 1 for L in layouts if L.distributed_optimizer)
+    assert {L.recompute_name for L in layouts} == {"no", "sel", "full"}
