@@ -11,17 +11,19 @@ R(t)  mark this rank's raised control flags in the buffer's tail (flags.py); und
       out of it).
 N(t)  wait for the data-parallel reduction (and, on the first stage, the tied one), compute this
       stage's share of the squared global gradient norm (distributed: of this rank's shard), and
-      start the all-reduce of [norm^2, loss, *flags] over the model-parallel group
-      (distributed: over the world, which sums the shards' norms and the replicas' losses and
-      flags in the same collective). The last stage contributes the loss, so every rank learns
-      it; the flag slots end as world-wide sums.
-S(t)  wait for everything, hand the flag sums to the host without blocking, clip by the global
-      norm, unscale (fp16), step the optimizer from the version the schedule names into the slot it
-      names, zero the buffer. Distributed: step this rank's shard and start the all-gather of the
-      new weights into that slot; the engine waits for it (`wait_weights`) right before the first
-      forward that reads the slot (or anything else that reads weights: eval, checkpoints), so it
-      overlaps whatever the schedule runs in between (at least the activation receive that
-      precedes that forward on every stage but the first).
+      start the all-reduce of [norm^2, loss, *flags, *stage_nonfinite] over the model-parallel
+      group (distributed: over the world, which sums the shards' norms and the replicas' losses,
+      flags and stage bits in the same collective). The last stage contributes the loss, so every
+      rank learns it; the flag slots end as world-wide sums; slot s of the d stage slots is 1 on
+      the ranks of stage s whose share of the norm is not finite (flags.py, "Numerics"; with the
+      distributed optimizer it is > 0 when any shard of stage s is not finite).
+S(t)  wait for everything, hand [loss, *flags, *stage bits] to the host without blocking, clip
+      by the global norm, unscale (fp16), step the optimizer from the version the schedule names
+      into the slot it names, zero the buffer. Distributed: step this rank's shard and start the
+      all-gather of the new weights into that slot; the engine waits for it (`wait_weights`)
+      right before the first forward that reads the slot (or anything else that reads weights:
+      eval, checkpoints), so it overlaps whatever the schedule runs in between (at least the
+      activation receive that precedes that forward on every stage but the first).
 
 Every collective goes through the grid's Comm (parallel/comm.py). Nothing here synchronizes with
 the host except fp16's overflow check (one read per batch). A skipped fp16 step is counted; more
@@ -51,7 +53,9 @@ class BatchStepper:
         self.device = device
         self.comm = grid.comm
         self.comm.expect_device(device, "the pipeline engine")
-        self.flags = ControlFlags(device)
+        self.flags = ControlFlags(device, grid.pipeline)
+        self._stage_slot = torch.zeros(grid.pipeline, device=device)  # one-hot: this stage
+        self._stage_slot[grid.stage] = 1.0
         self.dp_size = grid.data
         self.sharded = weights.sharded
         self.optimizer = DistributedOptimizer(cfg.optimizer, weights, device) if self.sharded \
@@ -105,7 +109,9 @@ class BatchStepper:
         if self.grid.is_first_stage:
             _wait(works.pop("tied"), "tied-embedding all-reduce (first and last stage)")
         buf, n = self.w.grads[slot], self.w.numel
-        stats = torch.cat([self._norm_sq(buf).reshape(1), buf[n:]])  # norm^2, loss, *flags
+        norm_sq = self._norm_sq(buf)
+        nonfinite = self._stage_slot * torch.isfinite(norm_sq).logical_not()  # no host sync
+        stats = torch.cat([norm_sq.reshape(1), buf[n:], nonfinite])  # norm^2, loss, *flags, *bits
         if self.grid.tp_rank != 0:  # tensor ranks repeat the loss; count it once
             stats[1] = 0
         works["stats"] = stats
@@ -151,7 +157,7 @@ class BatchStepper:
         _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)")
         _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)")
         stats = works["stats"]
-        self.flags.carried(batch, stats[2:])
+        self.flags.carried(batch, stats[1:])
         scale = self.scaler.scale
         buf, n = self.w.grads[grad_slot], self.w.numel
         norm_sq, loss = stats[0], stats[1]
