@@ -4,6 +4,9 @@
     --ckpt-format torch (Megatron's layout, one file per stage and tensor rank):
     {dir}/iter_0000100/mp_rank_00/model_optim_rng.pt    one stage's state (+ .sha256 beside it)
     {dir}/iter_0000100/mp_rank_00_001/...               tensor rank 0, stage 1 (d > 1)
+    {dir}/iter_0000100/mp_rank_00/distrib_optim_dp002.pt  data-parallel rank 2's optimizer shard
+                                                        (--use-distributed-optimizer; the
+                                                        stage file then holds no optimizer)
     --ckpt-format torch_dist (layout-free, ckpt/ package):
     {dir}/iter_0000100/.metadata, __<rank>_0.distcp     DCP's files
     {dir}/iter_0000100/checksums.sha256                 the sha256 of each, computed while writing
@@ -33,6 +36,13 @@ from .config import ConfigError
 
 LATEST = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
+
+
+def optimizer_shard_name(dp_rank: int) -> str:
+    """The file of a data-parallel rank's distributed-optimizer shard, next to FILENAME."""
+    return f"distrib_optim_dp{dp_rank:03d}.pt"
+
+
 TMP_PREFIX = ".tmp-"
 
 

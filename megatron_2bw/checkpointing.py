@@ -5,7 +5,11 @@
   loads it; --async-save writes it in the background.
 - torch (Megatron's layout; checkpoint_files.py): one file per stage and tensor rank holding the
   stage's engine state; loads only into the layout that saved it. Files of older versions of the
-  model code load too (`legacy_layout`, `legacy_names`).
+  model code load too (`legacy_layout`, `legacy_names`). With the distributed optimizer each
+  data-parallel rank also writes its optimizer shard (`optimizer_shard_name`,
+  optim/distributed.py's state) and the stage file records how many there are
+  ("optimizer_shards"); a run with the same data-parallel size reads its own shard, any other
+  run (another w, or no distributed optimizer) reads all of them and re-cuts them.
 
 Both hold the engine state at an iteration boundary (newest fp32 weights, the 2BW version the
 next batch runs on, optimizer, loss scaler, skipped steps), the iteration, the consumed samples,
@@ -27,7 +31,7 @@ import shutil
 import torch
 
 from .checkpoint_files import (FILENAME, LATEST, CheckpointError, agree, iteration_dir,
-                               latest_iteration, not_newer, prune, rank_dir,
+                               latest_iteration, not_newer, optimizer_shard_name, prune, rank_dir,
                                remove_temporary_files, write_latest)
 from .ckpt.torch_format import legacy_layout
 from .config import Config, TrainConfig
@@ -111,7 +115,8 @@ def _state_to_save(save_dir: str, engine, grid, everyone: bool) -> dict | None:
     current = latest_iteration(save_dir)
     if current is not None and t <= current:  # every rank reads the same `latest`
         raise CheckpointError(not_newer(save_dir, t, current))
-    state = engine.state_dict() if (everyone or grid.dp_rank == 0) else None
+    sharded = engine.weights.sharded  # a distributed optimizer: every replica saves its shard
+    state = engine.state_dict() if (everyone or grid.dp_rank == 0 or sharded) else None
     bad = agree(_nonfinite(state, engine.weights.slots[0].dtype, grid, t, save_dir), grid)
     if bad:
         raise NumericsError(bad)
@@ -144,13 +149,12 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
     from .ckpt.torch_format import remove_stage_files, save_torch
     t = engine.iteration
     state = _state_to_save(save_dir, engine, grid, everyone=False)
-    if state is not None and not save_optim:
-        state.pop("optimizer")
     payload = dict(common_state(engine, cfg, grid), rng={"cpu": torch.get_rng_state()})
     current = latest_iteration(save_dir)
     kept = f"iteration {current}" if current is not None else "none"
     try:
-        path = save_torch(save_dir, state, payload, grid, hooks)
+        path = save_torch(save_dir, state, payload, grid, hooks, save_optim,
+                          engine.weights.sharded)
     except CheckpointError as e:
         raise CheckpointError(f"{e}; the previous checkpoint ({kept}) in {save_dir} is intact"
                               ) from None
@@ -164,8 +168,9 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
             problem = str(e)
     problem = agree(problem, grid)
     if problem:
-        if state is not None and latest_iteration(save_dir) != t:
-            remove_stage_files(path)  # leave no half of an iteration behind
+        if state is not None and latest_iteration(save_dir) != t:  # no half of an iteration
+            remove_stage_files([path, os.path.join(os.path.dirname(path),
+                                                   optimizer_shard_name(grid.dp_rank))])
         raise CheckpointError(problem)
     return path
 
@@ -183,6 +188,18 @@ def _read_dist(directory: str, engine, cfg: Config, grid, load_optim: bool) -> d
     check_layout(read_common(directory)["layout"], cfg, grid, directory, resharding=True)
     return read_engine_state(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
                              load_optim)
+
+
+def _optimizer_shards(path: str, t: int, count: int, engine, grid):
+    """The distributed-optimizer state saved by `count` data-parallel ranks, as this engine
+    loads it: its own shard when it runs sharded over as many ranks, else all of them."""
+    from .ckpt.torch_format import read_torch
+    directory = os.path.dirname(path)
+    own = engine.weights.sharded and grid.data == count
+    ranks = [grid.dp_rank] if own else range(count)
+    shards = [read_torch(os.path.join(directory, optimizer_shard_name(r)), t)["optimizer"]
+              for r in ranks]
+    return shards[0] if own else shards
 
 
 def _loss_scaling(precision: dict) -> tuple:
@@ -209,14 +226,17 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     try:
         payload = _read_dist(directory, engine, cfg, grid, load_optim and not finetune) if dist \
             else _read(where, t, cfg, grid)
+        shards = None if dist else payload.get("optimizer_shards")
+        if shards and load_optim and not finetune:
+            payload["engine"]["optimizer"] = _optimizer_shards(where, t, shards, engine, grid)
     except CheckpointError as e:
         problem = str(e)
     first = agree(problem, grid)  # every rank reports the same first error
     if first:
         raise CheckpointError(first)
     state = payload["engine"]
-    if finetune or not load_optim or "optimizer" not in state:
-        state = dict(state, optimizer=engine.stepper.optimizer.state_dict())
+    if finetune or not load_optim:
+        state = {k: v for k, v in state.items() if k != "optimizer"}  # the optimizer starts fresh
     theirs = _loss_scaling(payload.get("config", {}).get("precision", {}))
     ours = _loss_scaling({"dtype": cfg.precision.dtype, "loss_scale": cfg.precision.loss_scale})
     if finetune or theirs != ours:

@@ -9,6 +9,7 @@ resharded by DCP), or whole in one process (tools, converters).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ def stage_boxes(engine, cfg, grid) -> StageBoxes:
     from ..convert.native import one_process_names
     with torch.random.fork_rng(devices=[]):  # building the meta model draws nothing we keep
         renames = one_process_names(cfg, engine.weights.modules[0])
-    numel = engine.weights.numel
+    numel = sum(math.prod(shape) for shape in engine.weights.shapes)  # unpadded: the state's
     return StageBoxes(param_boxes(engine.weights, renames, grid.tp_rank, grid.tensor), numel)
 
 

@@ -78,11 +78,11 @@ def param_boxes(weights, renames: dict[str, str], tp_rank: int, tp_size: int
                  ) -> list[ParamBox]:
     """The ParamBoxes of a stage's flat layout (`VersionedWeights`: names, shapes, offsets,
     partition dims); `renames` maps the stage's names of tied copies to one-process names."""
-    out = []
-    for name, offset, shape, dim in zip(weights.names, weights.offsets, weights.shapes,
-                                        weights.partition_dims):
+    out, offset = [], 0  # the unpadded layout (the engine state's; pipeline/weights.py `pack`)
+    for name, shape, dim in zip(weights.names, weights.shapes, weights.partition_dims):
         full, offsets = shard_box(shape, dim, tp_rank, tp_size)
         out.append(ParamBox(renames.get(name, name), offset, tuple(shape), full, offsets))
+        offset += math.prod(shape)
     return out
 
 

@@ -11,8 +11,9 @@ import re
 
 import torch
 
-from ..checkpoint_files import (FILENAME, CheckpointError, agree, latest_iteration, rank_dir,
-                                verify_checksum, write_with_checksum)
+from ..checkpoint_files import (FILENAME, CheckpointError, agree, latest_iteration,
+                                optimizer_shard_name, rank_dir, verify_checksum,
+                                write_with_checksum)
 
 # the layer parameter names of commit e2f4b58 and before -> today's
 _LEGACY_NAMES = ((re.compile(r"^(layers\.\d+\.)(qkv|qv_bias|proj)(\.|$)"),
@@ -46,34 +47,49 @@ def stage_file(root: str, iteration: int, grid) -> str:
                         FILENAME)
 
 
-def save_torch(save_dir: str, state: dict | None, payload: dict, grid, hooks) -> str:
-    """Collective: replica 0's stages write their files (`state`: the engine state on replica
-    0, None elsewhere); returns this rank's file. Every rank raises the same error when a write
-    failed, and the files of that iteration are gone."""
+def save_torch(save_dir: str, state: dict | None, payload: dict, grid, hooks,
+               save_optim: bool = True, sharded: bool = False) -> str:
+    """Collective: replica 0's stages write their files (`state`: the engine state on replica 0,
+    and with the distributed optimizer (`sharded`) on every replica, which then writes its
+    optimizer shard; None elsewhere); returns this rank's stage file. Every rank raises the same
+    error when a write failed, and the files of that iteration are gone."""
     t = payload["iteration"]
     path = stage_file(save_dir, t, grid)
-    problem = None
+    problem, written = None, []
     if state is not None:
-        payload = dict(payload, engine=state)
+        optimizer = state.pop("optimizer", None) if (sharded or not save_optim) else None
+        writes = []
+        if grid.dp_rank == 0:
+            stage = dict(payload, engine=state)
+            if sharded and save_optim:
+                stage["optimizer_shards"] = grid.data
+            writes.append((path, stage))
+        if sharded and save_optim:
+            writes.append((os.path.join(os.path.dirname(path), optimizer_shard_name(grid.dp_rank)),
+                           {"optimizer": optimizer, "iteration": t, "layout": payload["layout"]}))
         hooks.during_save(grid, t, path)
         try:
-            write_with_checksum(path, lambda f: torch.save(payload, f))
+            for target, content in writes:
+                written.append(target)
+                write_with_checksum(target, lambda f, content=content: torch.save(content, f))
         except CheckpointError as e:
             problem = str(e)
     problem = agree(problem, grid)
-    if problem and state is not None:
-        remove_stage_files(path)
     if problem:
+        remove_stage_files(written)
         raise CheckpointError(problem)
     return path
 
 
-def remove_stage_files(path: str) -> None:
-    """Delete a stage file, its checksum and the directories they leave empty."""
-    for p in (path, path + ".sha256"):
-        if os.path.exists(p):
-            os.unlink(p)
-    for d in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+def remove_stage_files(paths: list[str]) -> None:
+    """Delete stage (and optimizer shard) files, their checksums and the directories they leave
+    empty."""
+    for path in paths:
+        for p in (path, path + ".sha256"):
+            if os.path.exists(p):
+                os.unlink(p)
+    for d in ((os.path.dirname(paths[0]), os.path.dirname(os.path.dirname(paths[0])))
+              if paths else ()):
         try:
             os.rmdir(d)  # only when empty: other stages may still be removing theirs
         except OSError:
