@@ -205,9 +205,10 @@ def _ratio(x) -> str:
 def format_result(res: dict) -> str:
     spec, runs = res["spec"], res["runs"]
     d = spec["d"]
-    lines = [f"shape={spec.get('shape', 'flags')} stack={spec['stack']} layers={spec['layers']} hidden={spec['hidden']} "
-             f"heads={spec['heads']} seq={spec['seq']} micro-batch={spec['micro']} m={spec['m']} "
-             f"d={d} global batch={spec['micro'] * spec['m']} timed batches={spec['batches']} "
+    lines = [f"shape={spec.get('shape', 'flags')} stack={spec['stack']} layers={spec['layers']} "
+             f"hidden={spec['hidden']} heads={spec['heads']} seq={spec['seq']} "
+             f"micro-batch={spec['micro']} m={spec['m']} d={d} "
+             f"global batch={spec['micro'] * spec['m']} timed batches={spec['batches']} "
              f"repeats={spec['repeats']}"]
     fb = res["ms_per_microbatch_whole_model"]
     if fb is not None:

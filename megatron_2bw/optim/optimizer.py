@@ -21,6 +21,21 @@ Kernels (`impl`; `make_optimizer` picks the first that works on the device, `imp
 
 State (`state_dict`): {"exp_avg", "exp_avg_sq", "steps"} / {"momentum", "steps"}, the same for
 every kernel, so a checkpoint moves between machines with different kernels.
+
+Layout of every buffer an optimizer touches (src, grad, dst and its state), element i of each
+being the same parameter element (pipeline/weights.py owns the order):
+
+    [0, decay_end)        parameters with weight decay (matrices, embeddings)
+    [decay_end, numel)    parameters without (biases, norms)
+
+Nothing else (no per-parameter boundary, no alignment) matters to the arithmetic: every kernel is
+elementwise, and `steps` is the only shared scalar. So a shard is just a contiguous range
+[lo, hi) of the flat buffers: an optimizer made with `make_optimizer(cfg, hi - lo,
+clamp(decay_end - lo, 0, hi - lo), device)` and stepped on the views `buf[lo:hi]` updates those
+elements as the unsharded optimizer would (its state is the slice [lo, hi) of the unsharded
+state): bit for bit with the unfused kernel; torch's fused kernels round the few elements of a
+vector tail at a cut differently (1 ulp). tests/test_fused_optim.py checks a split step against
+the whole one.
 """
 from __future__ import annotations
 
