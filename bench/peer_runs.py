@@ -1,6 +1,8 @@
 """The per-peer runners of bench/peers.py: one measured run of the layer stack on one rank.
 
     run_ours        megatron_2bw's PipelineEngine (schedule 2bw, flush or gpipe)
+    run_ours_ds     the same engine through its DeepSpeed API (megatron_2bw.initialize,
+                    pipe.PipelineModule, engine.train_batch), as a DeepSpeed script runs it
     run_deepspeed   deepspeed.pipe.PipelineModule + DeepSpeed's PipelineEngine (1F1B with a flush)
     run_torch       torch.distributed.pipelining ScheduleGPipe / Schedule1F1B
     run_single      the single-process reference (and the 2BW delayed-update reference losses)
@@ -103,27 +105,45 @@ def breakdown(trace: list, elapsed: float) -> dict:
     return out
 
 
+def _ds_config(spec, **extra) -> dict:
+    """The DeepSpeed JSON both DeepSpeed runs use: Adam (torch's), no weight decay, no clipping."""
+    return {"train_micro_batch_size_per_gpu": spec["micro"],
+            "gradient_accumulation_steps": spec["m"],
+            "optimizer": {"type": "Adam", "params": {"lr": spec["lr"], "betas": [0.9, 0.999],
+                                                    "eps": 1e-8, "weight_decay": 0.0,
+                                                    "torch_adam": True}},
+            "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
+            "wall_clock_breakdown": False, **extra}
+
+
+def run_ours_ds(rank, world, spec, schedule):
+    """Our engine behind the DeepSpeed API: run_deepspeed's script with `import megatron_2bw as
+    deepspeed` and the schedule in the JSON's pipeline section."""
+    import megatron_2bw
+    return _deepspeed_script(megatron_2bw, rank, world, spec,
+                             _ds_config(spec, pipeline={"schedule": schedule}))
+
+
 def run_deepspeed(rank, world, spec):
     import importlib
     import deepspeed
+    import deepspeed.pipe  # noqa: F401
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # no C++ build
-    from deepspeed.pipe import LayerSpec, PipelineModule
-    d, m, b = world, spec["m"], spec["micro"]
-    data = _data(spec, rank, d)
+    deepspeed.init_distributed(dist_backend="gloo")
+    return _deepspeed_script(deepspeed, rank, world, spec, _ds_config(spec))
+
+
+def _deepspeed_script(ds, rank, world, spec, config):
+    """A DeepSpeed pipeline script's loop through `ds` (the deepspeed package, or ours)."""
+    data = _data(spec, rank, world)
     C.framework_warmup()
     probe = C.MemoryProbe()
-    deepspeed.init_distributed(dist_backend="gloo")
     layer = C.LAYERS[spec["stack"]]
-    net = PipelineModule(layers=[LayerSpec(layer, i, spec["hidden"], spec["heads"], spec["seed"])
-                                 for i in range(spec["layers"])],
-                         num_stages=d, loss_fn=C.loss_fn, partition_method="uniform")
-    config = {"train_micro_batch_size_per_gpu": b, "gradient_accumulation_steps": m,
-              "optimizer": {"type": "Adam", "params": {"lr": spec["lr"], "betas": [0.9, 0.999],
-                                                       "eps": 1e-8, "weight_decay": 0.0,
-                                                       "torch_adam": True}},
-              "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
-              "wall_clock_breakdown": False}
-    engine, _, _, _ = deepspeed.initialize(
+    net = ds.pipe.PipelineModule(
+        layers=[ds.pipe.LayerSpec(layer, i, spec["hidden"], spec["heads"], spec["seed"])
+                for i in range(spec["layers"])],
+        num_stages=world, loss_fn=C.loss_fn, partition_method="uniform")
+    engine, _, _, _ = ds.initialize(
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
         config=config)
     it = iter(data)
@@ -256,6 +276,8 @@ def run_no_comm(rank, world, spec):
 
 
 def runner(name: str):
+    if name.startswith("ours-") and name.endswith("-ds"):
+        return functools.partial(run_ours_ds, schedule=name[5:-3])
     if name.startswith("ours-"):
         return functools.partial(run_ours, schedule=name[5:])
     if name.startswith("torch-"):

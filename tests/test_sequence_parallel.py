@@ -27,13 +27,13 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 class SequenceChunksOnly(PipelineEngine):
     """Fails the run unless every activation sent to the next stage holds s/t positions."""
 
-    def _communicate(self, group):
+    def _communicate(self, group, ahead):
         t, s = self.grid.tensor, self.cfg.model.seq_length
         for a in group:
             if a.kind == A.SEND_ACT:
                 hidden = self.act_out[a.mb][0]
                 assert hidden.shape[1] == s // t, f"sent {tuple(hidden.shape)}, want s/t={s // t}"
-        super()._communicate(group)
+        super()._communicate(group, ahead)
 
 
 def check(model, schedule, t, d, w, engine_class=PipelineEngine):

@@ -8,6 +8,7 @@ import torch
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig
 from megatron_2bw.models.gpt import gpt_layer_specs
+from megatron_2bw.optim import optimizer as optimizer_module
 from megatron_2bw.optim.distributed import DistributedOptimizer, full_state
 from megatron_2bw.optim.optimizer import make_optimizer
 from megatron_2bw.pipeline.module import StageModule
@@ -67,9 +68,18 @@ def test_sharded_weights_pad_regions_and_keep_the_parameters():
     assert not w.slots[0][padding].any(), "padding is zero"
 
 
+@pytest.mark.parametrize("kernel", ["unfused", "default"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["adam", "sgd"])
-def test_every_rank_stepping_its_shard_equals_stepping_the_whole(name, dtype):
+def test_every_rank_stepping_its_shard_equals_stepping_the_whole(name, dtype, kernel,
+                                                                 monkeypatch):
+    """Bit for bit with the unfused kernel; the device's default kernel (torch's fused one on
+    this CPU) rounds the few elements of a vector tail at a shard cut differently (1 ulp: see
+    optim/optimizer.py), so it is compared with a tolerance."""
+    if kernel == "unfused":
+        monkeypatch.setattr(optimizer_module, "choose_impl", lambda device, kind: "unfused")
+    same = torch.equal if kernel == "unfused" else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-7))
     cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1)
     model, count = _model(), 3
     whole = _sharded(model, 1, 0, dtype)
@@ -93,16 +103,16 @@ def test_every_rank_stepping_its_shard_equals_stepping_the_whole(name, dtype):
                 for p in w.pieces:
                     other.slots[dst][p.lo:p.hi].copy_(w.slots[dst][p.lo:p.hi])
     for w in ranks:
-        assert torch.equal(w.pack(w.slots[1]), whole.slots[1]), "bitwise equal to unsharded"
+        assert same(w.pack(w.slots[1]), whole.slots[1]), "equal to unsharded"
     # the state of all shards reassembles into the unsharded optimizer's, and re-cuts for any w
     states = [opt.state_dict() for opt in opts]
     full = full_state(states)
     for key, value in whole_opt.state_dict().items():
         if torch.is_tensor(value):
-            assert torch.equal(full[key], value), key
+            assert same(full[key], value), key
     assert full["steps"] == whole_opt.state_dict()["steps"] or name == "sgd"
     if dtype == "bf16":
-        assert torch.equal(full["master"], whole.master)
+        assert same(full["master"], whole.master)
     two = [DistributedOptimizer(cfg, _sharded(model, 2, r, dtype), "cpu") for r in range(2)]
     assert all(opt.load_state_dict(states) == (dtype == "bf16") for opt in two)
     again = full_state([opt.state_dict() for opt in two])

@@ -20,7 +20,7 @@ from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, copy
 from ..tensor_parallel.layers import sharded_normal
 from .gpt import TIED_KEY, gpt_partition, learned_positions, tied_init
 from .norms import build_norm
-from .transformer import SequenceDropout, TransformerLayer
+from .transformer import SequenceDropout, TransformerLayer, transformer_draws_random
 
 
 class BertEmbedding(nn.Module):
@@ -86,11 +86,13 @@ def bert_layer_specs(cfg: ModelConfig, tp: TPGroup = TPGroup(), seed: int = 1234
     init = tied_init(cfg, tp)
     specs = [LayerSpec(lambda: BertEmbedding(cfg, tp, tracker), name="embedding",
                        tied_key=TIED_KEY,
-                       tied_attr="word_embeddings.weight", tied_init=init)]
+                       tied_attr="word_embeddings.weight", tied_init=init,
+                       random=cfg.hidden_dropout > 0)]
     specs += [LayerSpec(lambda: BertLayer(cfg, tp, tracker, causal=False), name="transformer",
-                        recompute=True, tracker=tracker) for _ in range(cfg.num_layers)]
+                        recompute=True, tracker=tracker, random=transformer_draws_random(cfg))
+              for _ in range(cfg.num_layers)]
     specs.append(LayerSpec(lambda: BertHeads(cfg, tp), name="heads", tied_key=TIED_KEY,
-                           tied_attr="weight", tied_init=init))
+                           tied_attr="weight", tied_init=init, random=False))
     return specs
 
 

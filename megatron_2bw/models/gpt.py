@@ -21,7 +21,7 @@ from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, gath
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import sharded_normal
 from .norms import build_norm
-from .transformer import SequenceDropout, TransformerLayer
+from .transformer import SequenceDropout, TransformerLayer, transformer_draws_random
 
 TIED_KEY = "word_embeddings"
 
@@ -83,12 +83,14 @@ def gpt_layer_specs(cfg: ModelConfig, tp: TPGroup = TPGroup(), seed: int = 1234,
     tied = None if cfg.untie_embeddings_and_output_weights else TIED_KEY
     init = tied_init(cfg, tp)
     specs = [LayerSpec(lambda: GPTEmbedding(cfg, tp, tracker), name="embedding", tied_key=tied,
-                       tied_attr="word_embeddings.weight", tied_init=init)]
+                       tied_attr="word_embeddings.weight", tied_init=init,
+                       random=cfg.hidden_dropout > 0)]
     specs += [LayerSpec(lambda: TransformerLayer(cfg, tp, tracker, causal=True),
-                        name="transformer", recompute=True, tracker=tracker)
+                        name="transformer", recompute=True, tracker=tracker,
+                        random=transformer_draws_random(cfg))
               for _ in range(cfg.num_layers)]
     specs.append(LayerSpec(lambda: GPTHead(cfg, tp), name="head", tied_key=tied, tied_attr="weight",
-                           tied_init=init))
+                           tied_init=init, random=False))
     return specs
 
 

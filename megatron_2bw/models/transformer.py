@@ -27,6 +27,11 @@ from .mlp import MLP
 from .norms import build_norm
 
 
+def transformer_draws_random(cfg: ModelConfig) -> bool:
+    """Whether a training forward of this layer draws random numbers (its dropouts)."""
+    return cfg.hidden_dropout > 0 or cfg.attention_dropout > 0
+
+
 class TransformerLayer(nn.Module):
     """x [b, s, h] (and an optional boolean key-padding mask [b, s], True = keep) -> [b, s, h]"""
 

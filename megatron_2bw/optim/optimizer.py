@@ -1,39 +1,162 @@
-"""Optimizers over one flat fp32 buffer: a handful of kernels per step, no Python per parameter.
+"""Optimizers over one flat fp32 buffer: one fused kernel per step where the device has one.
 
 `step(src, grad, dst, lr)` computes dst = update(src, grad). dst may be src (one weight version)
-or another buffer (2BW writes the new version next to the one still in use). The arithmetic
-matches torch.optim.AdamW / torch.optim.SGD so a plain PyTorch loop is an exact reference.
-The flat layout puts decayed parameters (matrices, embeddings) first: [0, decay_end).
+or another buffer (2BW writes the new version next to the one still in use: dst is first set to
+src, then updated in place). The arithmetic matches torch.optim.AdamW / torch.optim.SGD, so a plain
+PyTorch loop is the reference (tests/test_engine_units.py). The flat layout puts decayed
+parameters (matrices, embeddings) first: [0, decay_end), so a step is at most two kernel calls
+(the decayed range, then the rest with weight decay 0).
+
+Kernels (`impl`; `make_optimizer` picks the first that works on the device, `impl=` forces one):
+
+    torch-fused  torch._fused_adamw_ / torch._fused_sgd_ (the kernels behind
+                 torch.optim.AdamW(fused=True)): one pass over weights, gradient and state
+                 (CUDA; CPU from torch 2.4). Fused AdamW rounds differently from the unfused
+                 arithmetic (relative 1e-7 per step), well inside the equivalence tolerance.
+    apex         NVIDIA apex's FusedAdam kernel (amp_C.multi_tensor_adam, AdamW mode) when apex
+                 is importable, for a CUDA torch without _fused_adamw_; SGD has no apex kernel
+                 here and takes the next line.
+    unfused      a few elementwise ops per step (about 8 passes) into a persistent scratch
+                 buffer: no allocation per step; the fallback on any device.
+
+State (`state_dict`): {"exp_avg", "exp_avg_sq", "steps"} / {"momentum", "steps"}, the same for
+every kernel, so a checkpoint moves between machines with different kernels.
+
+Layout of every buffer an optimizer touches (src, grad, dst and its state), element i of each
+being the same parameter element (pipeline/weights.py owns the order):
+
+    [0, decay_end)        parameters with weight decay (matrices, embeddings)
+    [decay_end, numel)    parameters without (biases, norms)
+
+Nothing else (no per-parameter boundary, no alignment) matters to the arithmetic: every kernel is
+elementwise, and `steps` is the only shared scalar. So a shard is just a contiguous range
+[lo, hi) of the flat buffers: an optimizer made with `make_optimizer(cfg, hi - lo,
+clamp(decay_end - lo, 0, hi - lo), device)` and stepped on the views `buf[lo:hi]` updates those
+elements as the unsharded optimizer would (its state is the slice [lo, hi) of the unsharded
+state): bit for bit with the unfused kernel; torch's fused kernels round the few elements of a
+vector tail at a cut differently (1 ulp). tests/test_fused_optim.py checks a split step against
+the whole one.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ..config import OptimizerConfig
 
+IMPLS = ("torch-fused", "apex", "unfused")
 
-class FlatAdamW:
-    def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig):
-        self.decay_end, self.cfg = decay_end, cfg
+
+def _apex_adam():
+    """(multi_tensor_applier, amp_C.multi_tensor_adam) when apex is importable, else None."""
+    try:
+        import amp_C  # noqa: F401  (apex's compiled kernels)
+        from apex.multi_tensor_apply import multi_tensor_applier
+    except ImportError:
+        return None
+    return multi_tensor_applier, amp_C.multi_tensor_adam
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_fused_works(device, kind: str) -> bool:
+    """Whether torch's fused kernel of `kind` ("adam" or "sgd") runs on `device` (tried once per
+    device on one element)."""
+    op = getattr(torch, "_fused_adamw_" if kind == "adam" else "_fused_sgd_", None)
+    if op is None:
+        return False
+    p, g, s = (torch.zeros(1, device=device) for _ in range(3))
+    try:
+        if kind == "adam":
+            op([p], [g], [s], [torch.zeros(1, device=device)], [], [torch.ones((), device=device)],
+               lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+               maximize=False)
+        else:
+            op([p], [g], [s], weight_decay=0.0, momentum=0.9, lr=0.0, dampening=0.0,
+               nesterov=False, maximize=False, is_first_step=True)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def choose_impl(device, kind: str) -> str:
+    """The fastest kernel available for optimizer `kind` on `device` (see the docstring)."""
+    if _torch_fused_works(torch.device(device), kind):
+        return "torch-fused"
+    if kind == "adam" and torch.device(device).type == "cuda" and _apex_adam() is not None:
+        return "apex"
+    return "unfused"
+
+
+def _check_impl(impl: str, kind: str, device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown optimizer kernel {impl!r}: use one of {IMPLS}")
+    if impl == "apex" and (kind != "adam" or _apex_adam() is None):
+        raise ValueError("the apex kernel needs Adam and an importable apex (pip install apex "
+                         "with its CUDA extensions): use impl='torch-fused' or 'unfused'")
+    if impl == "torch-fused" and not _torch_fused_works(torch.device(device), kind):
+        raise ValueError(f"this torch ({torch.__version__}) has no fused {kind} kernel for "
+                         f"{torch.device(device)}: use impl='unfused'")
+    return impl
+
+
+class _Ranges:
+    """The decayed and the not-decayed range of the flat layout, as (lo, hi, weight decay)."""
+
+    def ranges(self, numel: int, weight_decay: float) -> list[tuple[int, int, float]]:
+        cut = self.decay_end if weight_decay else 0
+        return [(lo, hi, wd) for lo, hi, wd in ((0, cut, weight_decay), (cut, numel, 0.0))
+                if hi > lo]
+
+
+class FlatAdamW(_Ranges):
+    def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig,
+                 impl: str | None = None):
+        self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
+        self.impl = _check_impl(impl, "adam", device) if impl else choose_impl(device, "adam")
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
         self.steps = 0
+        self._step_t = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels'
+        self._scratch = None  # unfused: the denominator, allocated once
+        if self.impl == "apex":
+            self._apex = _apex_adam()
+            self._overflow = torch.zeros(1, dtype=torch.int32, device=device)
 
     def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
-        c = self.cfg
         self.steps += 1
-        b1, b2 = c.adam_beta1, c.adam_beta2
-        self.exp_avg.lerp_(grad, 1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(c.adam_eps)
         if dst is not src:
             dst.copy_(src)
-        if c.weight_decay and self.decay_end:
-            dst[:self.decay_end].mul_(1 - lr * c.weight_decay)
-        dst.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        c = self.cfg
+        if self.impl == "torch-fused":
+            self._step_t.fill_(self.steps)  # a device fill, no host sync
+        for lo, hi, wd in self.ranges(self.numel, c.weight_decay):
+            p, g = dst[lo:hi], grad[lo:hi]
+            m, v = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi]
+            if self.impl == "torch-fused":
+                torch._fused_adamw_([p], [g], [m], [v], [], [self._step_t], lr=lr,
+                                    beta1=c.adam_beta1, beta2=c.adam_beta2, weight_decay=wd,
+                                    eps=c.adam_eps, amsgrad=False, maximize=False)
+            elif self.impl == "apex":
+                applier, kernel = self._apex
+                applier(kernel, self._overflow, [[g], [p], [m], [v]], lr, c.adam_beta1,
+                        c.adam_beta2, c.adam_eps, self.steps, 1, 1, wd)  # AdamW mode, bias corr.
+            else:
+                self._unfused(p, g, m, v, lr, wd, lo, hi)
+
+    def _unfused(self, p, g, m, v, lr: float, wd: float, lo: int, hi: int) -> None:
+        c = self.cfg
+        b1, b2 = c.adam_beta1, c.adam_beta2
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
+        if self._scratch is None:
+            self._scratch = torch.empty_like(self.exp_avg_sq)
+        denom = torch.sqrt(v, out=self._scratch[lo:hi]).div_(math.sqrt(bias2)).add_(c.adam_eps)
+        if wd:
+            p.mul_(1 - lr * wd)
+        p.addcdiv_(m, denom, value=-lr / bias1)
 
     def state_dict(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
@@ -44,31 +167,39 @@ class FlatAdamW:
         self.steps = int(state["steps"])
 
 
-class FlatSGD:
+class FlatSGD(_Ranges):
     """torch.optim.SGD semantics: coupled weight decay, momentum buffer initialized to the first
     gradient."""
 
-    def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig):
-        self.decay_end, self.cfg = decay_end, cfg
+    def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig,
+                 impl: str | None = None):
+        self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
+        self.impl = _check_impl(impl, "sgd", device) if impl else choose_impl(device, "sgd")
         self.momentum = torch.zeros(numel, dtype=torch.float32, device=device)
         self.steps = 0
 
     def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
-        c = self.cfg
-        if c.weight_decay and self.decay_end:
-            grad[:self.decay_end].add_(src[:self.decay_end], alpha=c.weight_decay)
-        update = grad
-        if c.sgd_momentum:
-            if self.steps == 0:
-                self.momentum.copy_(grad)
-            else:
-                self.momentum.mul_(c.sgd_momentum).add_(grad)
-            update = self.momentum
-        self.steps += 1
         if dst is not src:
-            torch.add(src, update, alpha=-lr, out=dst)
-        else:
-            dst.add_(update, alpha=-lr)
+            dst.copy_(src)
+        c = self.cfg
+        for lo, hi, wd in self.ranges(self.numel, c.weight_decay):
+            p, g, mom = dst[lo:hi], grad[lo:hi], self.momentum[lo:hi]
+            if self.impl == "torch-fused":
+                torch._fused_sgd_([p], [g], [mom] if c.sgd_momentum else [], weight_decay=wd,
+                                  momentum=c.sgd_momentum, lr=lr, dampening=0.0, nesterov=False,
+                                  maximize=False, is_first_step=self.steps == 0)
+                continue
+            if wd:
+                g.add_(p, alpha=wd)
+            update = g
+            if c.sgd_momentum:
+                if self.steps == 0:
+                    mom.copy_(g)
+                else:
+                    mom.mul_(c.sgd_momentum).add_(g)
+                update = mom
+            p.add_(update, alpha=-lr)
+        self.steps += 1
 
     def state_dict(self) -> dict:
         return {"momentum": self.momentum, "steps": self.steps}
@@ -78,9 +209,11 @@ class FlatSGD:
         self.steps = int(state["steps"])
 
 
-def make_optimizer(cfg: OptimizerConfig, numel: int, decay_end: int, device):
+def make_optimizer(cfg: OptimizerConfig, numel: int, decay_end: int, device,
+                   impl: str | None = None):
+    """The flat optimizer of `cfg.name` with the best kernel for `device` (or `impl`)."""
     cls = {"adam": FlatAdamW, "sgd": FlatSGD}[cfg.name]
-    return cls(numel, decay_end, device, cfg)
+    return cls(numel, decay_end, device, cfg, impl)
 
 
 def torch_reference_optimizer(cfg: OptimizerConfig, named_params):

@@ -12,7 +12,11 @@ Tensor parallel is always innermost so a stage's tensor group stays inside a nod
 Group kinds: tp, dp, pp, mp (one replica: every stage and tensor rank of a data-parallel index),
 tied (first and last stage, every replica, per tensor rank) and pair: one group per neighbouring
 pair of stages of each pipeline, [rank of stage s, rank of stage s+1], which the point-to-point
-of that pair uses (`pair_group(peer)`), so a batched send never involves another rank.
+of that pair uses (`pair_group(peer)`), so a batched send never involves another rank. Under
+NCCL a pair has a second group, right after the first, for the gradients (s+1 -> s; the first
+carries the activations s -> s+1): one NCCL communicator runs its operations in posting order,
+so a receive posted early on a shared one could hold back a send the peer is waiting for
+(parallel/p2p.py). gloo matches each direction separately and shares one group.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class ProcessGrid:
     rank_order: str = "tp-dp-pp"
     groups: dict = field(default_factory=dict, repr=False)
     pairs: dict = field(default_factory=dict, repr=False)   # neighbour's global rank -> group
+    pair_grads: dict = field(default_factory=dict, repr=False)  # NCCL: the gradients' groups
     comm: Comm = field(default_factory=Comm, repr=False, compare=False)
 
     def __post_init__(self):
@@ -129,18 +134,30 @@ class ProcessGrid:
                 if len(ranks) == 1:
                     continue  # a group of one needs no communication
                 group = self.comm.new_group(ranks)
+                grads = self.comm.new_group(ranks) if kind == "pair" and self.split_pairs \
+                    else None
                 if self.rank not in ranks:
                     continue
                 if kind == "pair":
-                    self.pairs[ranks[1] if ranks[0] == self.rank else ranks[0]] = group
+                    peer = ranks[1] if ranks[0] == self.rank else ranks[0]
+                    self.pairs[peer] = group
+                    if grads is not None:
+                        self.pair_grads[peer] = grads
                 else:
                     self.groups[kind] = group
         return self
 
-    def pair_group(self, peer: int):
-        """The two-rank group of this rank and its neighbouring stage `peer` (a global rank)."""
+    @property
+    def split_pairs(self) -> bool:
+        """Whether each stage pair has a group per direction (NCCL; see the module docstring)."""
+        return self.comm.backend == "nccl"
+
+    def pair_group(self, peer: int, gradients: bool = False):
+        """The two-rank group of this rank and its neighbouring stage `peer` (a global rank);
+        with `gradients`, the one gradients flow in (the same group unless split_pairs)."""
         try:
-            return self.pairs[peer]
+            return self.pair_grads[peer] if gradients and peer in self.pair_grads \
+                else self.pairs[peer]
         except KeyError:
             raise ValueError(f"rank {peer} is not a neighbouring stage of rank {self.rank}, or "
                              "init_groups() has not run") from None

@@ -1,9 +1,38 @@
-"""Point-to-point between neighbouring stages, on the pipeline's own groups: each neighbour is
-reached through the two-rank group of that pair of stages (ProcessGrid.pair_group), never the
-world group, so no batched send needs (or, under NCCL, lazily initializes a communicator over)
-ranks outside the pair. One communication action group of the schedule becomes one batched
-isend/irecv per neighbour; all of them are posted before any is waited on. A one-time
-shape/dtype handshake per run lets receivers allocate buffers."""
+"""Point-to-point between neighbouring stages, overlapped with compute, on the pipeline's groups.
+
+Groups. Each neighbour is reached through the group of that pair of stages
+(`ProcessGrid.pair_group`), never the world group, so no batched send needs (or, under NCCL,
+lazily initializes a communicator over) ranks outside the pair. Under NCCL, where one
+communicator runs its operations in posting order on one stream, the pair has one group per
+direction (activations s -> s+1, gradients s+1 -> s), so a receive posted early never holds back
+a send to the same neighbour; gloo matches each direction's messages on its own and needs one.
+
+Overlap (the engine drives it; `pipeline/engine.py`):
+
+    post_recv(key, buffers, peer)   post a receive now (it may be long before it is needed)
+    wait_recv(key)                  right before the forward / backward that consumes it
+    send(tensors, peer)             post sends; they complete in the background
+    wait_sends(keep)                wait for all but the `keep` newest send posts
+    drain()                         wait for everything (the end of a window)
+
+Why this cannot deadlock when the schedule's table is valid (`simulate.check_schedule`): the
+validator proves the table deadlock-free when every communication group waits for all of its
+operations before the stage moves on. Here every operation is posted in the table's order per
+peer and direction (FIFO matching pairs the same messages), no later than the table posts it, and
+waited for no earlier than the table waits for it. Posting a receive early only lets its sender
+finish sooner (gloo: unordered across directions; NCCL: alone on its direction's stream), and
+waiting later only lets this stage move sooner, so every stage is at least as far along as in
+the validated execution. Tests: tests/test_p2p_overlap.py (d = 4 and 8, every schedule).
+
+Buffers. Received tensors land in buffers from a pool keyed by (shapes, dtypes): after the first
+batches no receive allocates. The engine returns a buffer with `release` once its consumer is done
+(an activation after its backward, a gradient after the backward it feeds); a released buffer is
+handed out again only when no send still in flight shares its storage (a stage whose output
+aliases its input sends the very buffer it received).
+
+A one-time shape/dtype handshake per run (`ensure_meta_sent` / `ensure_meta_received`, on the
+activation direction, before the first activation) lets receivers allocate buffers.
+"""
 from __future__ import annotations
 
 import torch
@@ -36,10 +65,17 @@ def decode_meta(meta: torch.Tensor) -> list[tuple[torch.Size, torch.dtype, bool]
     return out
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 class P2P:
     def __init__(self, grid, device):
         self.prev, self.next, self.device = grid.prev_rank, grid.next_rank, torch.device(device)
         self.comm, self.grid = grid.comm, grid
+        self._free: dict[tuple, list[tuple]] = {}   # signature -> released buffer tuples
+        self._sends: list[tuple] = []               # (works, tensors, peers) per post, oldest first
+        self.pending: dict = {}                     # receive key -> (works, peer)
         self.reset()
 
     def reset(self) -> None:
@@ -47,40 +83,105 @@ class P2P:
         self.meta_sent = False
         self.recv_meta: list | None = None
 
+    # -- handshake --------------------------------------------------------------------------------
     def ensure_meta_sent(self, tensors: tuple[torch.Tensor, ...]) -> None:
         if not self.meta_sent:
             self.comm.send(encode_meta(tensors, self.device), self.next,
-                           self.grid.pair_group(self.next))
+                           self._group(self.next, gradients=False))
             self.meta_sent = True
 
     def ensure_meta_received(self) -> list:
         if self.recv_meta is None:
             meta = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
-            self.comm.recv(meta, self.prev, self.grid.pair_group(self.prev))
+            self.comm.recv(meta, self.prev, self._group(self.prev, gradients=False))
             self.recv_meta = decode_meta(meta)
         return self.recv_meta
 
-    def empty_activation(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(s, dtype=d, device=self.device) for s, d, _ in self.recv_meta)
+    def _group(self, peer: int, gradients: bool):
+        """The pair group with `peer` of the direction activations (to the next stage) or
+        gradients (to the previous stage) flow in (one group serves both under gloo)."""
+        return self.grid.pair_group(peer, gradients=gradients)
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]],
-                 recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """Post all sends and receives (one batch per neighbour, on that pair's group, in rank
-        order) and wait for all of them."""
-        peers = sorted({peer for _, peer in sends + recvs})
-        if not peers:
-            return
+    # -- buffers ----------------------------------------------------------------------------------
+    def activation_buffers(self) -> tuple[torch.Tensor, ...]:
+        """Buffers for one activation as the handshake described it (requires_grad off until the
+        engine sets it after the receive)."""
+        return self._acquire(tuple((s, d) for s, d, _ in self.recv_meta))
+
+    def gradient_buffers(self, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Buffers for the gradients of `like` (this stage's outputs that require grad)."""
+        return self._acquire(tuple((t.shape, t.dtype) for t in like))
+
+    def _acquire(self, signature: tuple) -> tuple[torch.Tensor, ...]:
+        free = self._free.get(signature)
+        if free:
+            busy = {_storage(t) for _, tensors, _ in self._sends for t in tensors}
+            for i in range(len(free) - 1, -1, -1):
+                if not busy.intersection(_storage(t) for t in free[i]):
+                    return free.pop(i)
+        return tuple(torch.empty(s, dtype=d, device=self.device) for s, d in signature)
+
+    def release(self, buffers: tuple[torch.Tensor, ...]) -> None:
+        """Give `buffers` back to the pool: their consumer is done with them."""
+        for t in buffers:
+            t.grad = None
+            t.requires_grad_(False)
+        key = tuple((t.shape, t.dtype) for t in buffers)
+        self._free.setdefault(key, []).append(buffers)
+
+    # -- posting and waiting ----------------------------------------------------------------------
+    def post_recv(self, key, buffers: tuple[torch.Tensor, ...], peer: int) -> None:
+        """Post the receive of `buffers` from `peer` now; `wait_recv(key)` before using them."""
+        self.pending[key] = (self._post([], [(t, peer) for t in buffers], peer), peer)
+
+    def wait_recv(self, key) -> None:
+        works, peer = self.pending.pop(key)
+        self._wait(works, [peer])
+
+    def send(self, sends: list[tuple[torch.Tensor, int]]) -> None:
+        """Post (tensor, peer) sends, one batch per peer; they complete in the background."""
+        peers = sorted({peer for _, peer in sends})
+        works = [w for peer in peers for w in self._post([(t, p) for t, p in sends if p == peer],
+                                                         [], peer)]
+        if works:
+            self._sends.append((works, [t for t, _ in sends], peers))
+
+    def wait_sends(self, keep: int = 0) -> None:
+        """Wait for the sends of all but the `keep` newest `send` calls."""
+        while len(self._sends) > keep:
+            works, _, peers = self._sends[0]
+            self._wait(works, peers)
+            self._sends.pop(0)
+
+    def drain(self) -> None:
+        """Wait for every posted operation (nothing is in flight afterwards)."""
+        for key in list(self.pending):
+            self.wait_recv(key)
+        self.wait_sends()
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self._sends
+
+    def _post(self, sends: list, recvs: list, peer: int) -> list:
+        """Sends to `peer` or receives from it (never both: under NCCL they are two groups):
+        activations go to the next stage, gradients to the previous one."""
+        gradients = peer == (self.prev if sends else self.next)
         try:
-            works = []
-            for peer in peers:
-                works += self.comm.batch_isend_irecv([(t, p) for t, p in sends if p == peer],
-                                                     [(t, p) for t, p in recvs if p == peer],
-                                                     self.grid.pair_group(peer))
+            return self.comm.batch_isend_irecv(sends, recvs, self._group(peer, gradients))
+        except RuntimeError as e:
+            self._fail(e, [peer])
+
+    def _wait(self, works: list, peers: list) -> None:
+        try:
             for work in works:
                 work.wait()
         except RuntimeError as e:
-            names = ", ".join(f"rank {r} ({'previous' if r == self.prev else 'next'} stage)"
-                              for r in peers)
-            raise RuntimeError(f"point-to-point exchange with {names} failed: that rank died or "
-                               f"timed out ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                               ) from e
+            self._fail(e, peers)
+
+    def _fail(self, e: RuntimeError, peers: list):
+        names = ", ".join(f"rank {r} ({'previous' if r == self.prev else 'next'} stage)"
+                          for r in peers)
+        raise RuntimeError(f"point-to-point exchange with {names} failed: that rank died or "
+                           f"timed out ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                           ) from e

@@ -135,7 +135,7 @@ class BatchStepper:
         total = buf.new_zeros(())
         for a, b in ranges:
             if b > a:
-                total = total + buf[a:b].pow(2).sum()
+                total = total + squared_norm(buf[a:b])
         return total
 
     def share_loss(self, local: torch.Tensor) -> torch.Tensor:
@@ -226,6 +226,11 @@ class BatchStepper:
                 f"{scale:g}) on {describe(self.grid)}: the run diverged; lower --lr or add "
                 "--clip-grad and resume from the last checkpoint (--max-skipped-steps sets the "
                 "limit, 0 disables it)")
+
+
+def squared_norm(x: torch.Tensor) -> torch.Tensor:
+    """sum(x ** 2) in one pass without a temporary of x's size (inf and NaN survive it)."""
+    return torch.linalg.vector_norm(x).square()
 
 
 def _wait(works, what: str = "collective") -> None:

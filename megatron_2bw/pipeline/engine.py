@@ -32,6 +32,7 @@ from ..parallel.p2p import P2P
 from . import actions as A
 from .batch_step import BatchStepper
 from .host_memory import keep_freed_memory
+from .interpreter import Interpreter
 from .module import LayerSpec, StageModule
 from .registry import schedule_kind
 from .schedules import forward_only, make_schedule
@@ -40,11 +41,9 @@ from .timers import ActionClock
 from .weights import VersionedWeights
 
 UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
-_TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
-                A.NORM: "all-reduce", A.STEP: "optimizer"}
 
 
-class PipelineEngine:
+class PipelineEngine(Interpreter):
     def __init__(self, cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
                  loss_fn: Callable, partition: list[int], device,
                  lr_schedule: Callable[[int], float] | None = None):
@@ -74,6 +73,7 @@ class PipelineEngine:
         self.p2p = P2P(grid, self.device)
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
+        self._seeded = module.draws_random  # no dropout on this stage: no seeding at all
         self.iteration = 0            # optimizer steps done == index of the next batch
         self.schedule = None
         self._plain_handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
@@ -100,7 +100,7 @@ class PipelineEngine:
             self.start()
         check_schedule(self.schedule)
         self._data = data_iter
-        self._run(self.schedule.window(self.stage, self.iteration))
+        self._run(self.schedule.window(self.stage, self.iteration), self._handlers)
         self._data = None
         return self.stepper.last_loss
 
@@ -136,8 +136,10 @@ class PipelineEngine:
         if self.first or self.last:
             inputs, labels = self._next_data()
         x = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.first \
-            else self.inputs.pop(a.mb)
+            else self._received_inputs(a.mb)
         out = module(*x)
+        if not self.first:
+            self.p2p.release(self.inputs.pop(a.mb))
         if self.last:
             total.add_(self.loss_fn(out, labels).float(), alpha=1.0 / n)
         else:
@@ -240,26 +242,7 @@ class PipelineEngine:
     def skipped_iterations(self) -> int:
         return self.stepper.skipped
 
-    # -- interpreter ------------------------------------------------------------------------------
-    def _run(self, actions: list[A.Action], handlers: dict | None = None) -> None:
-        handlers = handlers or self._handlers
-        i = 0
-        clock = self._clock if self._timed or self._clock.tracing else None
-        while i < len(actions):
-            token = clock.start() if clock is not None else None
-            first = i
-            if actions[i].is_comm:
-                j = i
-                while j < len(actions) and actions[j].is_comm:
-                    j += 1
-                self._communicate(actions[i:j])
-                kind, i = "p2p", j
-            else:
-                handlers[actions[i].kind](actions[i])
-                kind, i = _TIMER_NAMES[actions[i].kind], i + 1
-            if clock is not None:
-                clock.stop(token, kind, actions[first:i] if clock.tracing else None)
-
+    # -- interpreter (the loop and the communication groups: interpreter.py) ---------------------
     @property
     def timers(self) -> ActionClock:
         """Seconds per kind of action (forward, backward, p2p, all-reduce, optimizer) since the
@@ -294,20 +277,13 @@ class PipelineEngine:
             from torch.profiler import record_function
 
             def ranged(fn, label):
-                def run(arg):
+                def run(arg, *rest):  # _communicate(group, ahead): labelled by its group
                     with record_function(label(arg)):
-                        fn(arg)
+                        fn(arg, *rest)
                 return run
             self._handlers = {k: ranged(fn, str) for k, fn in self._plain_handlers.items()}
             self._communicate = ranged(self._communicate,
                                        lambda group: " ".join(map(str, group)))
-
-    def _clear_stash(self) -> None:
-        self.inputs: dict[int, tuple] = {}      # received activations (leaves needing grad)
-        self.outputs: dict[int, object] = {}    # stage outputs (graph) or the loss
-        self.act_out: dict[int, tuple] = {}     # activations waiting to be sent
-        self.grad_in: dict[int, tuple] = {}     # gradients received for our outputs
-        self.grad_out: dict[int, tuple] = {}    # gradients of our inputs waiting to be sent
 
     def _newest_slot(self) -> int:
         """Slot of W(iteration)."""
@@ -333,13 +309,14 @@ class PipelineEngine:
 
     def _forward(self, a: A.Action) -> None:
         self.stepper.wait_weights(a.version)  # a distributed step's all-gather into this slot
-        self._seed_microbatch(a.mb)
+        if self._seeded:
+            self._seed_microbatch(a.mb)
         module = self.weights.modules[a.version]
         labels = None
         if self.first or self.last:
             inputs, labels = self._next_data()
         x = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.first \
-            else self.inputs[a.mb]
+            else self._received_inputs(a.mb)
         out = module(*x)
         if self.last:
             loss = self.loss_fn(out, labels)
@@ -361,32 +338,12 @@ class PipelineEngine:
             grads = self.grad_in.pop(a.mb)
             needs = [t for t in out if t.requires_grad]
             torch.autograd.backward(needs, grads)
+            self.p2p.release(grads)
         if not self.first:
             x = self.inputs.pop(a.mb)
             self.grad_out[a.mb] = tuple(t.grad for t in x if t.requires_grad)
+            self.p2p.release(x)
         self.weights.fold_model_grad(a.version)
-
-    def _communicate(self, group: list[A.Action]) -> None:
-        sends, recvs, received = [], [], []
-        for a in group:
-            if a.kind == A.SEND_ACT:
-                tensors = self.act_out.pop(a.mb)
-                self.p2p.ensure_meta_sent(self.outputs[a.mb])
-                sends += [(t.contiguous(), self.grid.next_rank) for t in tensors]
-            elif a.kind == A.SEND_GRAD:
-                sends += [(t.contiguous(), self.grid.prev_rank) for t in self.grad_out.pop(a.mb)]
-            elif a.kind == A.RECV_ACT:
-                meta = self.p2p.ensure_meta_received()
-                bufs = self.p2p.empty_activation()
-                recvs += [(t, self.grid.prev_rank) for t in bufs]
-                received.append((a.mb, bufs, meta))
-            else:  # RECV_GRAD: one gradient per output that requires grad
-                bufs = tuple(torch.empty_like(t) for t in self.outputs[a.mb] if t.requires_grad)
-                recvs += [(t, self.grid.next_rank) for t in bufs]
-                self.grad_in[a.mb] = bufs
-        self.p2p.exchange(sends, recvs)
-        for mb, bufs, meta in received:
-            self.inputs[mb] = tuple(t.requires_grad_(req) for t, (_, _, req) in zip(bufs, meta))
 
     def _reduce(self, a: A.Action) -> None:
         self.stepper.reduce(a.batch, self.kind.slot_of_batch(a.batch))

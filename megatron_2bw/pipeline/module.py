@@ -27,6 +27,8 @@ class LayerSpec:
     tied_init: Callable[[torch.Tensor], None] | None = None
     recompute: bool = False                       # may be recomputed in backward
     tracker: object = None                        # RNG tracker to restore when recomputing
+    random: bool | None = None                    # draws random numbers in training (dropout);
+                                                  # None: unknown, so the engine seeds it
 
 
 def _get_param_owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -50,6 +52,8 @@ class StageModule(nn.Module):
         if not 0 <= start < end <= len(specs):
             raise ValueError(f"bad layer range [{start}, {end}) for {len(specs)} layers")
         self.start, self.end = start, end
+        # whether a forward may draw random numbers: the engine seeds each microbatch only then
+        self.draws_random = any(spec.random is not False for spec in specs[start:end])
         self._plan = _recompute_plan(specs[start:end], recompute_method, recompute_num_layers)
         self.layers = nn.ModuleDict()
         self.tied: dict[str, nn.Parameter] = {}

@@ -297,6 +297,7 @@ def measure_profile(model, micro_batches=(1, 2, 4), dtype: str = "fp32", device:
 
     from ..config import OptimizerConfig
     from ..optim.optimizer import FlatAdamW
+    from ..pipeline.batch_step import squared_norm
     from ..pipeline.host_memory import keep_freed_memory
     from ..pipeline.weights import DTYPES
 
@@ -327,7 +328,7 @@ def measure_profile(model, micro_batches=(1, 2, 4), dtype: str = "fp32", device:
 
         def step():  # what R, N and S do locally: scale, squared norm, Adam into the other slot
             grad.mul_(1.0)
-            torch.stack([grad[:n].pow(2).sum(), grad[n]])
+            torch.stack([squared_norm(grad[:n]), grad[n]])
             opt.step(src, grad[:n], dst, 1e-3)
             grad.zero_()
             sync()

@@ -32,13 +32,20 @@ class RNGTracker:
 
     def reseed(self, seed: int) -> None:
         """Restart the tensor-parallel stream from `seed` (offset by this tensor rank). Only this
-        tracker's saved states change; the process's generators are left alone."""
-        value = seed + TP_SEED_OFFSET + self.tp_rank
-        self._cpu = torch.Generator().manual_seed(value).get_state()
-        self._dev = None
+        tracker's saved states change; the process's generators are left alone. Lazy: the
+        generator states are made when the stream is first used (`fork`, `get_states`), so a
+        reseed per microbatch costs nothing while attention dropout is off."""
+        self._value = seed + TP_SEED_OFFSET + self.tp_rank
+        self._cpu = self._dev = None
+
+    def _states(self) -> None:
+        """Make the states of the pending reseed (once after each reseed)."""
+        if self._cpu is not None:
+            return
+        self._cpu = torch.Generator().manual_seed(self._value).get_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-                torch.cuda.manual_seed(value)
+                torch.cuda.manual_seed(self._value)
                 self._dev = torch.cuda.get_rng_state()
 
     def __deepcopy__(self, memo) -> "RNGTracker":
@@ -47,6 +54,7 @@ class RNGTracker:
     @contextlib.contextmanager
     def fork(self):
         """Run the block with the tensor-parallel generator state, then advance it."""
+        self._states()
         cpu, dev = torch.get_rng_state(), _device_state()
         torch.set_rng_state(self._cpu)
         if dev is not None and self._dev is not None:
@@ -61,6 +69,7 @@ class RNGTracker:
                 torch.cuda.set_rng_state(dev)
 
     def get_states(self):
+        self._states()
         return (torch.get_rng_state(), _device_state(), self._cpu.clone(),
                 None if self._dev is None else self._dev.clone())
 

@@ -1,0 +1,139 @@
+"""The action interpreter of one stage: runs a window of actions, overlapping its point-to-point
+communication with compute. `PipelineEngine` (engine.py) is an `Interpreter` with the handlers
+of F/B/R/N/S; the communication layer underneath is `parallel/p2p.py`.
+
+A communication group of the table (consecutive ra/sa/rg/sg) is run as:
+
+    1. its sends are posted (after the one-time shape handshake) and left to complete;
+    2. its receives not yet posted are posted, in table order, into pooled buffers;
+    3. the receives of the NEXT group of the window are posted too (early), in table order, as
+       far as their shapes are known (activations: after the handshake; gradients: after the
+       microbatch's forward): they arrive while this stage computes;
+    4. the sends of earlier groups are waited for (they are normally done by then).
+
+A receive is waited for right before the forward (ra) or backward (rg) that consumes it; the
+wait is timed as "p2p" and traced under the receive's label. At the end of every window
+everything still in flight is waited for, so windows stay self-contained: evaluation, a
+checkpoint or a new segment may run between any two windows. parallel/p2p.py says why this
+order cannot deadlock a table the validator accepted.
+"""
+from __future__ import annotations
+
+from . import actions as A
+
+_TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
+                A.NORM: "all-reduce", A.STEP: "optimizer"}
+
+
+def comm_groups(actions: list) -> list[tuple[int, int]]:
+    """[(lo, hi)] of the maximal runs of communication actions, in order."""
+    groups, i, n = [], 0, len(actions)
+    while i < n:
+        if actions[i].is_comm:
+            j = i
+            while j < n and actions[j].is_comm:
+                j += 1
+            groups.append((i, j))
+            i = j
+        else:
+            i += 1
+    return groups
+
+
+class Interpreter:
+    """Needs `p2p` (parallel/p2p.P2P), `grid`, `first`, `last`, `_clock` and `_timed`; the
+    stash dicts are its own (`_clear_stash`)."""
+
+    def _clear_stash(self) -> None:
+        self.inputs: dict[int, tuple] = {}      # received activations (pooled buffers)
+        self.outputs: dict[int, object] = {}    # stage outputs (graph) or the loss
+        self.act_out: dict[int, tuple] = {}     # activations waiting to be sent
+        self.grad_in: dict[int, tuple] = {}     # gradients received for our outputs (pooled)
+        self.grad_out: dict[int, tuple] = {}    # gradients of our inputs waiting to be sent
+
+    def _run(self, actions: list, handlers: dict) -> None:
+        clock = self._clock if self._timed or self._clock.tracing else None
+        groups = comm_groups(actions)
+        g, i, n = 0, 0, len(actions)
+        while i < n:
+            a = actions[i]
+            if a.is_comm:
+                lo, hi = groups[g]
+                g += 1
+                ahead = actions[groups[g][0]:groups[g][1]] if g < len(groups) else ()
+                token = clock.start() if clock is not None else None
+                self._communicate(actions[lo:hi], ahead)
+                if clock is not None:
+                    clock.stop(token, "p2p", actions[lo:hi] if clock.tracing else None)
+                i = hi
+                continue
+            if a.is_compute and self.p2p.pending:
+                self._await_input(a, clock)
+            token = clock.start() if clock is not None else None
+            handlers[a.kind](a)
+            if clock is not None:
+                clock.stop(token, _TIMER_NAMES[a.kind], [a] if clock.tracing else None)
+            i += 1
+        if not self.p2p.idle:  # the window ends with nothing in flight
+            token = clock.start() if clock is not None else None
+            self.p2p.drain()
+            if clock is not None and groups:
+                lo, hi = groups[-1]
+                clock.stop(token, "p2p", actions[lo:hi] if clock.tracing else None)
+
+    def _await_input(self, a, clock) -> None:
+        """Wait for the receive `a` consumes (its activation or its output's gradient)."""
+        kind = A.RECV_ACT if a.kind == A.FORWARD else A.RECV_GRAD
+        key = (kind, a.mb)
+        if key not in self.p2p.pending:
+            return
+        token = clock.start() if clock is not None else None
+        self.p2p.wait_recv(key)
+        if clock is not None:
+            clock.stop(token, "p2p", [A.Action(kind, mb=a.mb)] if clock.tracing else None)
+
+    def _communicate(self, group: list, ahead) -> None:
+        sends = []
+        for a in group:
+            if a.kind == A.SEND_ACT:
+                tensors = self.act_out.pop(a.mb)
+                self.p2p.ensure_meta_sent(self.outputs[a.mb])
+                sends += [(t.contiguous(), self.grid.next_rank) for t in tensors]
+            elif a.kind == A.SEND_GRAD:
+                sends += [(t.contiguous(), self.grid.prev_rank) for t in self.grad_out.pop(a.mb)]
+        self.p2p.send(sends)  # first: a buffer that a send reads is not handed out below
+        for a in group:
+            if a.kind in (A.RECV_ACT, A.RECV_GRAD):
+                self._post_recv(a, early=False)
+        for a in ahead:
+            if a.kind in (A.RECV_ACT, A.RECV_GRAD) and not self._post_recv(a, early=True):
+                break  # later ones wait too: receives are posted in table order
+        self.p2p.wait_sends(keep=1)
+
+    def _post_recv(self, a, early: bool) -> bool:
+        """Post receive `a` unless it is posted already; early: only if its shapes are known.
+        Returns whether it is posted."""
+        if a.kind == A.RECV_ACT:
+            if a.mb in self.inputs:
+                return True
+            if self.p2p.recv_meta is None:
+                if early:
+                    return False
+                self.p2p.ensure_meta_received()
+            bufs, peer = self.p2p.activation_buffers(), self.grid.prev_rank
+            self.inputs[a.mb] = bufs
+        else:
+            if a.mb in self.grad_in:
+                return True
+            if early and a.mb not in self.outputs:
+                return False
+            like = tuple(t for t in self.outputs[a.mb] if t.requires_grad)
+            bufs, peer = self.p2p.gradient_buffers(like), self.grid.next_rank
+            self.grad_in[a.mb] = bufs
+        self.p2p.post_recv((a.kind, a.mb), bufs, peer)
+        return True
+
+    def _received_inputs(self, mb: int) -> tuple:
+        """The activation of microbatch `mb`, its leaves requiring grad as the handshake said."""
+        return tuple(t.requires_grad_(req)
+                     for t, (_, _, req) in zip(self.inputs[mb], self.p2p.recv_meta))
