@@ -6,10 +6,9 @@ import difflib
 import sys
 from dataclasses import replace
 
-from .config import (LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS, RECOMPUTE_GRANULARITIES, SCHEDULES,
-                     BatchConfig, Config,
-                     ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                     TrainConfig)
+from .config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
+                     RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config, ConfigError,
+                     ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from .models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from .pipeline.registry import DEFAULT_SCHEDULE
 
@@ -175,6 +174,13 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=0)
     g.add_argument("--keep-last", type=int, default=0,
                    help="keep only the newest N checkpoints (0: keep all)")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default=CKPT_FORMATS[0],
+                   help="torch_dist: layout-free (loads into any t, d, w and schedule); torch: "
+                        "Megatron's one file per stage and tensor rank (loads into the same "
+                        "layout only). Loading reads either")
+    g.add_argument("--async-save", action="store_true",
+                   help="torch_dist: copy the state to host memory and write the checkpoint in "
+                        "the background while training continues")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--finetune", action="store_true")
@@ -267,7 +273,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
         load=args.load, save_interval=args.save_interval, keep_last=args.keep_last,
-        save_optim=not args.no_save_optim,
+        save_optim=not args.no_save_optim, ckpt_format=args.ckpt_format,
+        async_save=args.async_save,
         load_optim=not args.no_load_optim, finetune=args.finetune,
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,

@@ -1,11 +1,18 @@
-"""The files of a checkpoint directory (Megatron's layout) and the rules that keep them whole:
+"""The files of a checkpoint directory and the rules that keep them whole:
 
     {dir}/latest_checkpointed_iteration.txt             the newest complete iteration
+    --ckpt-format torch (Megatron's layout, one file per stage and tensor rank):
     {dir}/iter_0000100/mp_rank_00/model_optim_rng.pt    one stage's state (+ .sha256 beside it)
     {dir}/iter_0000100/mp_rank_00_001/...               tensor rank 0, stage 1 (d > 1)
     {dir}/iter_0000100/mp_rank_00/distrib_optim_dp002.pt  data-parallel rank 2's optimizer shard
                                                         (--use-distributed-optimizer; the
                                                         stage file then holds no optimizer)
+    --ckpt-format torch_dist (layout-free, ckpt/ package):
+    {dir}/iter_0000100/.metadata, __<rank>_0.distcp     DCP's files
+    {dir}/iter_0000100/checksums.sha256                 the sha256 of each, computed while writing
+    {dir}/.tmp-iter_0000100/                            a torch_dist save in progress, renamed to
+                                                        iter_0000100 once every rank's files are
+                                                        durable
     {dir}/.../.tmp-XXXXXX                               a write in progress (TMP_PREFIX)
 
 - Every file is written to a `.tmp-` name next to it, fsynced and renamed over the target, so a
@@ -43,17 +50,28 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used or written; the message names the file and the fix."""
 
 
+def agree(problem: str | None, grid) -> str | None:
+    """Collective: the first rank's problem (in rank order), the same on every rank."""
+    return next((p for p in grid.comm.gather_objects(problem) if p), None)
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
 def rank_dir(root: str, iteration: int, tp: int, pp: int, num_stages: int) -> str:
     name = f"mp_rank_{tp:02d}" if num_stages == 1 else f"mp_rank_{tp:02d}_{pp:03d}"
-    return os.path.join(root, f"iter_{iteration:07d}", name)
+    return os.path.join(iteration_dir(root, iteration), name)
 
 
-class _CountingWriter:
-    """A file object that counts the bytes written and keeps the OSError a write raised (torch's
-    zip writer swallows it and raises 'unexpected pos' instead)."""
+class HashingWriter:
+    """A file object that counts and hashes the bytes written (the checksum needs no re-read) and
+    keeps the OSError a write raised (torch's zip writer swallows it and raises 'unexpected pos'
+    instead)."""
 
     def __init__(self, f):
         self.f, self.written, self.error = f, 0, None
+        self.sha = hashlib.sha256()
 
     def write(self, data) -> int:
         try:
@@ -61,24 +79,31 @@ class _CountingWriter:
         except OSError as e:
             self.error = e
             raise
+        self.sha.update(data)
         self.written += n
         return n
 
     def flush(self) -> None:
         self.f.flush()
 
+    def tell(self) -> int:
+        return self.f.tell()
 
-def atomic_write(path: str, write) -> None:
-    """write(file_object) into a temporary file next to `path`, fsync, then rename over it.
-    Any OS error (ENOSPC, EDQUOT, EACCES, EIO ...) becomes one CheckpointError; the temporary
-    file is removed and `path` is left as it was."""
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+
+def atomic_write(path: str, write) -> str:
+    """write(file_object) into a temporary file next to `path`, fsync, then rename over it;
+    returns the sha256 of what was written. Any OS error (ENOSPC, EDQUOT, EACCES, EIO ...)
+    becomes one CheckpointError; the temporary file is removed and `path` is left as it was."""
     directory = os.path.dirname(path) or "."
     tmp, writer = None, None
     try:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=directory)
         with os.fdopen(fd, "wb") as f:
-            writer = _CountingWriter(f)
+            writer = HashingWriter(f)
             try:
                 write(writer)
                 f.flush()
@@ -89,16 +114,22 @@ def atomic_write(path: str, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         tmp = None
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_directory(directory)
     except OSError as e:
         raise CheckpointError(write_error(path, e, writer.written if writer else 0)) from None
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+    return writer.sha.hexdigest()
+
+
+def fsync_directory(directory: str) -> None:
+    """Make the directory's entries (files created or renamed in it) durable."""
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def write_error(path: str, e: OSError, written: int) -> str:
@@ -120,9 +151,8 @@ def sha256_of(path: str) -> str:
 
 
 def write_with_checksum(path: str, write) -> None:
-    """atomic_write(path, write) and then its `.sha256` sidecar."""
-    atomic_write(path, write)
-    digest = sha256_of(path)
+    """atomic_write(path, write) and then its `.sha256` sidecar (hashed while writing)."""
+    digest = atomic_write(path, write)
     atomic_write(path + ".sha256",
                  lambda f: f.write(f"{digest}  {os.path.basename(path)}\n".encode()))
 
@@ -175,12 +205,13 @@ def prune(save_dir: str, keep_last: int) -> None:
     latest = latest_iteration(save_dir)
     for it in iterations(save_dir)[:-keep_last] if keep_last > 0 else []:
         if it != latest:
-            shutil.rmtree(os.path.join(save_dir, f"iter_{it:07d}"), ignore_errors=True)
+            shutil.rmtree(iteration_dir(save_dir, it), ignore_errors=True)
 
 
 def temporary_files(directory: str) -> list[str]:
-    """Leftover `.tmp-` files of interrupted writes in a checkpoint tree (only where this
-    module writes: the top level and the iter_*/mp_rank_* directories)."""
+    """Leftover `.tmp-` files and torch_dist save directories of interrupted writes in a
+    checkpoint tree (only where this package writes: the top level and the iter_*/mp_rank_*
+    directories)."""
     return sorted(glob.glob(os.path.join(directory, TMP_PREFIX + "*")) +
                   glob.glob(os.path.join(directory, "iter_*", "mp_rank_*", TMP_PREFIX + "*")))
 
@@ -191,7 +222,10 @@ def remove_temporary_files(directory: str) -> list[str]:
     removed = []
     for path in temporary_files(directory):
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
             removed.append(path)
         except FileNotFoundError:
             pass

@@ -1,35 +1,46 @@
-"""Megatron-style checkpoints with exact resume (files and their rules: checkpoint_files.py).
+"""Checkpoints with exact resume, in two formats (`--ckpt-format`; loading detects the format):
 
-Each stage file holds the stage's engine state at an iteration boundary (newest fp32 weights, the
-2BW version the next batch runs on, optimizer, loss scaler), the iteration, the consumed samples,
-the config and the parallel layout. Data-parallel replicas are identical, so replica 0 writes.
-With the distributed optimizer each data-parallel rank also writes its optimizer shard
-(`optimizer_shard_name`, optim/distributed.py's state) and the stage file records how many there
-are ("optimizer_shards"); a run with the same data-parallel size reads its own shard, any other
-run (another w, or no distributed optimizer) reads all of them and re-cuts them.
+- torch_dist (the default; ckpt/ package): layout-free. Every tensor is saved under its global
+  name and shape by the ranks that own it, so any (t, d, w), schedule and optimizer sharding
+  loads it; --async-save writes it in the background.
+- torch (Megatron's layout; checkpoint_files.py): one file per stage and tensor rank holding the
+  stage's engine state; loads only into the layout that saved it. Files of older versions of the
+  model code load too (`legacy_layout`, `legacy_names`). With the distributed optimizer each
+  data-parallel rank also writes its optimizer shard (`optimizer_shard_name`,
+  optim/distributed.py's state) and the stage file records how many there are
+  ("optimizer_shards"); a run with the same data-parallel size reads its own shard, any other
+  run (another w, or no distributed optimizer) reads all of them and re-cuts them.
+
+Both hold the engine state at an iteration boundary (newest fp32 weights, the 2BW version the
+next batch runs on, optimizer, loss scaler, skipped steps), the iteration, the consumed samples,
+the config, the layout and the RNG state.
 
 A save is collective and all-or-nothing. Every rank first agrees that the iteration is newer
-than `latest` and that every stage's weights are finite (else nobody writes); then each stage
-writes its file and checksum atomically; if any write failed (disk full ...), every rank raises
-the same one-line error and the files of that iteration are removed; only when all succeeded does
-rank 0 move `latest` forward. A writer killed mid-save therefore never leaves a `latest` that
-points at a partial checkpoint, and no save overwrites a newer iteration.
+than `latest` and that every stage's weights are finite (else nobody writes); then the files are
+written with their checksums (computed while writing) atomically; if any write failed (disk full
+...), every rank raises the same one-line error and the files of that iteration are removed;
+only when all succeeded does rank 0 move `latest` forward. A writer killed mid-save therefore
+never leaves a `latest` that points at a partial checkpoint, and no save overwrites a newer
+iteration.
 """
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
-from .checkpoint_files import (FILENAME, LATEST, CheckpointError, latest_iteration, not_newer,
-                               optimizer_shard_name, prune, rank_dir, remove_temporary_files,
-                               verify_checksum, write_latest, write_with_checksum)
+from .checkpoint_files import (FILENAME, LATEST, CheckpointError, agree, iteration_dir,
+                               latest_iteration, not_newer, optimizer_shard_name, prune, rank_dir,
+                               remove_temporary_files, write_latest)
+from .ckpt.torch_format import legacy_layout
 from .config import Config, TrainConfig
 from .paths import check_writable_dir
 from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe
 
 __all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteration",
-           "save_checkpoint", "load_checkpoint", "layout", "preflight", "check_iterations"]
+           "save_checkpoint", "start_checkpoint", "load_checkpoint", "layout", "preflight",
+           "check_iterations", "resume_note"]
 
 
 def layout(cfg: Config, grid) -> dict:
@@ -45,19 +56,28 @@ def layout(cfg: Config, grid) -> dict:
             "tensor": grid.tensor, "pipeline": grid.pipeline}
 
 
-def legacy_layout(saved: dict) -> dict:
-    """A saved layout with the architecture keys that checkpoints written before them lack filled
-    in as the only architecture they could hold (GPT-2 shaped)."""
-    if not saved or "position_embedding_type" in saved:
-        return saved
-    return {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-            "swiglu": False, "query_groups": saved.get("num_attention_heads"),
-            "bias_linear": True, **saved}
+PARALLEL_KEYS = ("tensor", "pipeline")  # layout() entries a torch_dist checkpoint may change
 
 
-def _agree(problem: str | None, grid) -> str | None:
-    """Collective: the first rank's problem (in rank order), the same on every rank."""
-    return next((p for p in grid.comm.gather_objects(problem) if p), None)
+def _diff(theirs: dict, ours: dict, keys) -> list[str]:
+    return [f"{k} {theirs.get(k)} != {ours[k]}" for k in keys if theirs.get(k) != ours[k]]
+
+
+def check_layout(theirs: dict, cfg: Config, grid, what: str, resharding: bool) -> None:
+    """One-line CheckpointError when a saved layout holds another model (or, when it cannot be
+    resharded, another parallel layout) than this run's."""
+    ours = layout(cfg, grid)
+    keys = [k for k in ours if not (resharding and k in PARALLEL_KEYS)]
+    diff = _diff(legacy_layout(theirs), ours, keys)
+    if not diff:
+        return
+    fix = "use matching flags"
+    if not resharding and not _diff(legacy_layout(theirs), ours,
+                                    [k for k in ours if k not in PARALLEL_KEYS]):
+        fix += (", or convert it with tools/checkpoint_convert.py to-dist to load it into any "
+                "layout")
+    raise CheckpointError(f"checkpoint {what} was saved for another model "
+                          f"{'' if resharding else 'or layout '}({', '.join(diff)}): {fix}")
 
 
 def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: str
@@ -79,113 +99,105 @@ def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: s
     return None
 
 
-def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True,
-                    keep_last: int = 0, hooks: FaultHooks = NO_FAULTS) -> str:
-    """Collective over all ranks: every stage of replica 0 writes its file and its checksum,
-    then rank 0 moves `latest` forward and prunes old iterations (keep_last > 0)."""
+def common_state(engine, cfg: Config, grid) -> dict:
+    """What every checkpoint records beside the tensors, at the engine's current iteration."""
     t = engine.iteration
-    path = os.path.join(rank_dir(save_dir, t, grid.tp_rank, grid.stage, grid.pipeline), FILENAME)
+    return {"iteration": t, "consumed_samples": t * cfg.batch.global_batch_size,
+            "schedule": cfg.schedule, "scaler": engine.stepper.scaler.state_dict(),
+            "skipped": engine.skipped_iterations, "layout": layout(cfg, grid),
+            "parallel": common_parallel(cfg, grid), "config": cfg.to_dict()}
+
+
+def _state_to_save(save_dir: str, engine, grid, everyone: bool) -> dict | None:
+    """Collective: the engine state, after every rank agreed that the iteration is newer than
+    `latest` and the weights are finite (else the same error everywhere, nothing written)."""
+    t = engine.iteration
     current = latest_iteration(save_dir)
     if current is not None and t <= current:  # every rank reads the same `latest`
         raise CheckpointError(not_newer(save_dir, t, current))
-    sharded = engine.weights.sharded
-    state = engine.state_dict() if (grid.dp_rank == 0 or sharded) else None
-    bad = _agree(_nonfinite(state, engine.weights.slots[0].dtype, grid, t, save_dir), grid)
+    sharded = engine.weights.sharded  # a distributed optimizer: every replica saves its shard
+    state = engine.state_dict() if (everyone or grid.dp_rank == 0 or sharded) else None
+    bad = agree(_nonfinite(state, engine.weights.slots[0].dtype, grid, t, save_dir), grid)
     if bad:
         raise NumericsError(bad)
-    problem, written = None, []
-    if state is not None:
-        writes = _files_to_write(path, state, t, cfg, grid, save_optim, sharded)
-        hooks.during_save(grid, t, path)
-        try:
-            for target, payload in writes:
-                written.append(target)
-                write_with_checksum(target, lambda f, payload=payload: torch.save(payload, f))
-        except CheckpointError as e:
-            kept = f"iteration {current}" if current is not None else "none"
-            problem = f"{e}; the previous checkpoint ({kept}) in {save_dir} is intact"
-    problem = _agree(problem, grid)
-    if problem is None and grid.rank == 0:
+    return state
+
+
+def start_checkpoint(save_dir: str, engine, cfg: Config, grid, view, save_optim: bool = True,
+                     keep_last: int = 0, hooks: FaultHooks = NO_FAULTS,
+                     asynchronous: bool = False):
+    """Collective: begin a torch_dist save of the current iteration (ckpt/save.py); the caller
+    calls `.finish()` (collective) to publish it. `view`: ckpt.load.stage_boxes(engine, ...)."""
+    from .ckpt.save import start_save, tmp_dir
+    if grid.rank == 0 and os.path.exists(tmp_dir(save_dir, engine.iteration)):
+        shutil.rmtree(tmp_dir(save_dir, engine.iteration))  # a failed save of this iteration
+    state = _state_to_save(save_dir, engine, grid, everyone=True)
+    return start_save(save_dir, engine, grid, view, common_state(engine, cfg, grid), save_optim,
+                      keep_last, hooks, asynchronous, state=state)
+
+
+def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True,
+                    keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, view=None) -> str:
+    """Collective, synchronous: save the current iteration in --ckpt-format, move `latest`
+    forward and prune old iterations (keep_last > 0); returns this rank's file or directory."""
+    if cfg.train.ckpt_format == "torch_dist":
+        if view is None:
+            from .ckpt.load import stage_boxes
+            view = stage_boxes(engine, cfg, grid)
+        return start_checkpoint(save_dir, engine, cfg, grid, view, save_optim, keep_last,
+                                hooks).finish()
+    from .ckpt.torch_format import remove_stage_files, save_torch
+    t = engine.iteration
+    state = _state_to_save(save_dir, engine, grid, everyone=False)
+    payload = dict(common_state(engine, cfg, grid), rng={"cpu": torch.get_rng_state()})
+    current = latest_iteration(save_dir)
+    kept = f"iteration {current}" if current is not None else "none"
+    try:
+        path = save_torch(save_dir, state, payload, grid, hooks, save_optim,
+                          engine.weights.sharded)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; the previous checkpoint ({kept}) in {save_dir} is intact"
+                              ) from None
+    problem = None
+    if grid.rank == 0:
         try:
             write_latest(save_dir, t)
             if keep_last:
                 prune(save_dir, keep_last)
         except CheckpointError as e:
             problem = str(e)
-    problem = _agree(problem, grid)
+    problem = agree(problem, grid)
     if problem:
-        if written and latest_iteration(save_dir) != t:
-            _remove_stage_files(written)  # leave no half of an iteration behind
+        if state is not None and latest_iteration(save_dir) != t:  # no half of an iteration
+            remove_stage_files([path, os.path.join(os.path.dirname(path),
+                                                   optimizer_shard_name(grid.dp_rank))])
         raise CheckpointError(problem)
     return path
 
 
-def _files_to_write(path: str, state: dict, t: int, cfg: Config, grid, save_optim: bool,
-                    sharded: bool) -> list[tuple[str, dict]]:
-    """(file, payload) this rank writes: replica 0 the stage file, and with the distributed
-    optimizer every data-parallel rank its optimizer shard."""
-    optimizer = state.pop("optimizer")
-    out = []
-    if grid.dp_rank == 0:
-        engine_state = dict(state, optimizer=optimizer) if (save_optim and not sharded) \
-            else state
-        payload = {"engine": engine_state, "iteration": t,
-                   "consumed_samples": t * cfg.batch.global_batch_size,
-                   "layout": layout(cfg, grid), "config": cfg.to_dict(),
-                   "rng": {"cpu": torch.get_rng_state()}}
-        if sharded and save_optim:
-            payload["optimizer_shards"] = grid.data
-        out.append((path, payload))
-    if sharded and save_optim:
-        shard = os.path.join(os.path.dirname(path), optimizer_shard_name(grid.dp_rank))
-        out.append((shard, {"optimizer": optimizer, "iteration": t,
-                            "layout": layout(cfg, grid)}))
-    return out
-
-
-def _remove_stage_files(paths: list[str]) -> None:
-    for path in paths:
-        for p in (path, path + ".sha256"):
-            if os.path.exists(p):
-                os.unlink(p)
-    path = paths[0]
-    for d in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
-        try:
-            os.rmdir(d)  # only when empty: other stages may still be removing theirs
-        except OSError:
-            pass
-
-
 def _read(path: str, t: int, cfg: Config, grid) -> dict:
-    payload = _load_file(path, t)
-    theirs, ours = legacy_layout(payload.get("layout", {})), layout(cfg, grid)
-    diff = [f"{k} {theirs.get(k)} != {ours[k]}" for k in ours if theirs.get(k) != ours[k]]
-    if diff:
-        raise CheckpointError(f"checkpoint {path} was saved for another model or layout "
-                              f"({', '.join(diff)}): use matching flags")
+    """A torch-format stage file for this run's model and layout (one-line error otherwise)."""
+    from .ckpt.torch_format import read_torch
+    payload = read_torch(path, t)
+    check_layout(payload["layout"], cfg, grid, path, resharding=False)
     return payload
 
 
-def _load_file(path: str, t: int) -> dict:
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint at iteration "
-                              f"{t} is incomplete or was written with another parallel layout")
-    verify_checksum(path)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
-                              "truncated or corrupted; load an earlier iteration") from None
-    return payload
+def _read_dist(directory: str, engine, cfg: Config, grid, load_optim: bool) -> dict:
+    from .ckpt.load import read_common, read_engine_state, stage_boxes
+    check_layout(read_common(directory)["layout"], cfg, grid, directory, resharding=True)
+    return read_engine_state(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
+                             load_optim)
 
 
 def _optimizer_shards(path: str, t: int, count: int, engine, grid):
     """The distributed-optimizer state saved by `count` data-parallel ranks, as this engine
     loads it: its own shard when it runs sharded over as many ranks, else all of them."""
+    from .ckpt.torch_format import read_torch
     directory = os.path.dirname(path)
     own = engine.weights.sharded and grid.data == count
     ranks = [grid.dp_rank] if own else range(count)
-    shards = [_load_file(os.path.join(directory, optimizer_shard_name(r)), t)["optimizer"]
+    shards = [read_torch(os.path.join(directory, optimizer_shard_name(r)), t)["optimizer"]
               for r in ranks]
     return shards[0] if own else shards
 
@@ -198,22 +210,28 @@ def _loss_scaling(precision: dict) -> tuple:
 
 def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool = True,
                     finetune: bool = False, log=None) -> int:
-    """Load this rank's stage state; returns the iteration to continue from (0 if none).
+    """Load this rank's stage state from the newest checkpoint in `load_dir`, in either format
+    (a torch_dist one from any layout); returns the iteration to continue from (0 if none).
     A checkpoint saved with another precision or loss-scaling mode loads with a fresh loss
     scaler (log says so): fp16's scale means nothing to fp32/bf16 and vice versa."""
+    from .ckpt.load import is_dist_checkpoint
+    from .ckpt.torch_format import stage_file
     t = latest_iteration(load_dir)
     if t is None:
         return 0
-    path = os.path.join(rank_dir(load_dir, t, grid.tp_rank, grid.stage, grid.pipeline), FILENAME)
+    directory = iteration_dir(load_dir, t)
+    dist = is_dist_checkpoint(directory)
+    where = directory if dist else stage_file(load_dir, t, grid)
     payload, problem = None, None
     try:
-        payload = _read(path, t, cfg, grid)
-        shards = payload.get("optimizer_shards")
+        payload = _read_dist(directory, engine, cfg, grid, load_optim and not finetune) if dist \
+            else _read(where, t, cfg, grid)
+        shards = None if dist else payload.get("optimizer_shards")
         if shards and load_optim and not finetune:
-            payload["engine"]["optimizer"] = _optimizer_shards(path, t, shards, engine, grid)
+            payload["engine"]["optimizer"] = _optimizer_shards(where, t, shards, engine, grid)
     except CheckpointError as e:
         problem = str(e)
-    first = _agree(problem, grid)  # every rank reports the same first error
+    first = agree(problem, grid)  # every rank reports the same first error
     if first:
         raise CheckpointError(first)
     state = payload["engine"]
@@ -232,8 +250,28 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     try:
         engine.load_state_dict(state)
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: {e}") from None
+        raise CheckpointError(f"checkpoint {where}: {e}") from None
+    if dist and not finetune:
+        _restore_rng(payload, cfg, grid, engine.device)
     return engine.iteration
+
+
+def _restore_rng(payload: dict, cfg: Config, grid, device) -> None:
+    """This rank's RNG state, when the checkpoint was saved by the same layout (on another,
+    the rank's coordinates mean another rank; dropout masks are a function of the seed, the
+    stage and the microbatch anyway: engine._seed_microbatch)."""
+    rng = payload.get("rng")
+    saved = payload["common"].get("parallel", {})
+    if rng is None or saved != common_parallel(cfg, grid):
+        return
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], torch.device(device))
+
+
+def common_parallel(cfg: Config, grid) -> dict:
+    return {"tensor": grid.tensor, "pipeline": grid.pipeline, "data": grid.data,
+            "world": grid.world_size, "schedule": cfg.schedule}
 
 
 def _scaling_name(scaling: tuple) -> str:

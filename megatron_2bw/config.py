@@ -30,6 +30,7 @@ RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+CKPT_FORMATS = ("torch_dist", "torch")  # checkpointing.py; Megatron's names, its default first
 
 
 class ConfigError(ValueError):
@@ -202,6 +203,8 @@ class TrainConfig:
     keep_last: int = 0                # > 0: delete all but the newest N checkpoints
     save_optim: bool = True
     load_optim: bool = True
+    ckpt_format: str = "torch_dist"   # torch_dist: layout-free (ckpt/); torch: Megatron's layout
+    async_save: bool = False          # torch_dist: write in the background while training
     finetune: bool = False
     exit_interval: int = 0
     exit_duration_in_mins: float = 0.0
@@ -435,6 +438,14 @@ class Config:
             _fail(f"--eval-iters must be >= 1 with --eval-interval, got {tr.eval_iters}")
         if tr.save_interval and not tr.save:
             _fail("--save-interval needs --save DIR: say where checkpoints go")
+        if tr.ckpt_format not in CKPT_FORMATS:
+            _fail(f"unknown --ckpt-format {tr.ckpt_format!r}: use one of "
+                  f"{', '.join(CKPT_FORMATS)}")
+        if tr.async_save and tr.ckpt_format != "torch_dist":
+            _fail(f"--async-save needs --ckpt-format torch_dist (the {tr.ckpt_format} format is "
+                  "written synchronously): drop one of them")
+        if tr.async_save and not tr.save:
+            _fail("--async-save needs --save DIR: say where checkpoints go")
         _check_observability(tr, world_size)
         if o.name not in OPTIMIZERS:
             _fail(f"unknown optimizer {o.name!r}: use one of {', '.join(OPTIMIZERS)}")

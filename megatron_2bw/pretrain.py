@@ -3,8 +3,9 @@
 Order matters: watch the launcher (a worker never outlives it), parse flags, build the tokenizer
 (the config needs its vocabulary), build and validate the typed config once
 (`config_pipeline.build_config`: flags, DeepSpeed JSON, planner), check the checkpoint
-directories, then the data (every bad input is a one-line error, exit 2), and only then start the
-process group and train. The process group starts in the order clusters need
+directories and what resuming changes (a new layout, e.g. from --auto-plan on a new allocation:
+the log says what changed; ckpt/resume.py), then the data (every bad input is a one-line error,
+exit 2), and only then start the process group and train. The process group starts in the order clusters need
 (distributed.start_process_group): the rank's device from LOCAL_RANK or SLURM_LOCALID made
 current, `init_process_group(device_id=...)`, then the grid's groups. How a run ends:
 
@@ -87,7 +88,11 @@ def parse(family: str, argv=None) -> Parsed:
         built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner)
         cfg = built.config
         from .checkpointing import preflight
+        from .ckpt.resume import resume_note
         preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
+        note = resume_note(cfg, world_size, planned=args.auto_plan)  # or a one-line error
+        if note and rank == 0:
+            print(note, flush=True)
         from .log_writers import check_tensorboard
         check_tensorboard(cfg.train)
         t, gbs = cfg.train, cfg.batch.global_batch_size

@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .checkpointing import check_iterations, load_checkpoint, save_checkpoint
+from .checkpointing import check_iterations, load_checkpoint
 from .config import Config
 from .data.bert_mock import BertBatches, MockBertDataset
 from .data.mock import GPTBatches, MockGPTDataset
@@ -19,7 +19,7 @@ from .models.gpt import gpt_layer_specs, gpt_partition, make_gpt_loss
 from .parallel.grid import ProcessGrid
 from .pipeline.engine import PipelineEngine
 from .profiling import StepProfiler
-from .reliability import NO_FAULTS, FaultHooks, Preemption, check_numerics
+from .reliability import NO_FAULTS, FaultHooks, NumericsError, Preemption, check_numerics
 from .tensor_parallel import TPGroup
 
 FAMILIES = {
@@ -118,8 +118,10 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if t.trace:
         engine.enable_trace()
     preemption = Preemption() if t.save else None
-    save = lambda: save_checkpoint(t.save, engine, cfg, grid, t.save_optim,  # noqa: E731
-                                   t.keep_last, hooks)
+    saver = None
+    if t.save:
+        from .ckpt.saver import Checkpointer
+        saver = Checkpointer(cfg, grid, engine, hooks, log if reporter else None)
     pending, losses, saved_at = [], [], None
     last_good = f"iteration {start} in {t.load}" if start else None
 
@@ -128,14 +130,21 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         batch before the newest, read without waiting (pipeline/flags.py), or of the newest
         (before a checkpoint or the end: never save a diverged step)."""
         if t.check_for_nan_in_loss_and_grad:
-            check_numerics(engine.stepper.flags.numerics(newest), grid, cfg.precision.dtype,
-                           last_good)
+            try:
+                check_numerics(engine.stepper.flags.numerics(newest), grid, cfg.precision.dtype,
+                               last_good)
+            except NumericsError:
+                if saver is not None:  # every rank stops here: publish the save in flight
+                    saver.wait()
+                raise
 
     started = time.time()
     profiler.step(start)
     for it in range(start + 1, t.train_iters + 1):
         pending.append(engine.train_batch(data).detach().clone())
         hooks.after_iteration(grid, it)
+        if saver is not None:
+            saver.poll()  # publishes an --async-save once every rank has written it
         profiler.step(it)
         logger.step(it)
         check_nan()
@@ -154,7 +163,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         if saving or stop or it == t.train_iters:
             check_nan(newest=True)
         if saving:
-            save()
+            saver.save(wait=preempted or stop)  # a preemption waits for the save in flight
             saved_at, last_good = it, f"iteration {it} in {t.save}"
         if preempted:
             if reporter:
@@ -173,6 +182,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if t.trace:
         engine.save_trace(f"{t.trace}.rank{grid.rank}.json")
     if t.save and saved_at is None and engine.iteration > start:
-        save()
+        saver.save()
+    if saver is not None:
+        saver.wait()
     logger.finish()
     return losses

@@ -127,6 +127,17 @@ def test_overhead_tiny(tmp_path):
     assert "where the engine's fixed costs go" in out
 
 
+def test_async_save_tiny(tmp_path):
+    out = _run(["bench/async_save.py", "--tiny", "--json", tmp_path / "a.json"])
+    data = json.loads((tmp_path / "a.json").read_text())
+    res, rounds = data["results"], data["rounds"]
+    assert set(rounds) == {"none", "sync", "async"}
+    assert [len(r["stalls_s"]) for v in ("sync", "async") for r in rounds[v]] == [1, 1]
+    assert rounds["none"][0]["stalls_s"] == [] and res["checkpoint_bytes"] > 0
+    assert res["save_s"] > 0 and res["iteration_s"] > 0 and res["hidden"] is not None
+    assert "async hides" in out and "a save takes" in out and "| async" in out
+
+
 def test_plan_accuracy_tiny():
     out = _run(["bench/plan_accuracy.py", "--num-layers", "2", "--hidden-size", "32",
                 "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",

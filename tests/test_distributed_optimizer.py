@@ -56,7 +56,7 @@ def test_full_matrix(schedule, t, d, w):
 # -- checkpoints ------------------------------------------------------------------------------
 BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 3e-3 "
-        "--log-interval 1 --use-distributed-optimizer").split()
+        "--log-interval 1 --use-distributed-optimizer --ckpt-format torch").split()  # shard files
 
 
 def make_cfg(argv, world):
@@ -99,6 +99,20 @@ def resume_is_bitwise(extra, d, w):
 def test_resume_is_bitwise_identical(precision):
     resume_is_bitwise(["--pipeline-schedule", "2bw"] + (["--bf16"] if precision == "bf16"
                                                         else []), 1, 2)
+
+
+def test_resume_from_a_torch_dist_checkpoint_is_bitwise_identical():
+    """The layout-free format holds the shards' pieces as boxes of global tensors (ckpt/shards.py):
+    a run with the distributed optimizer resumes from it exactly."""
+    flags = ["--pipeline-schedule", "2bw", "--global-batch-size", "8", "--ckpt-format",
+             "torch_dist"]
+    with tempfile.TemporaryDirectory() as tmp:
+        full = _run(make_cfg(flags + ["--train-iters", "4"], 2), 2, f"{tmp}/full")
+        first = _run(make_cfg(flags + ["--train-iters", "4", "--save", f"{tmp}/b",
+                                       "--exit-interval", "2"], 2), 2, f"{tmp}/first")
+        rest = _run(make_cfg(flags + ["--train-iters", "4", "--load", f"{tmp}/b"], 2), 2,
+                    f"{tmp}/rest")
+        assert first + rest == full, (first, rest, full)
 
 
 @pytest.mark.slow

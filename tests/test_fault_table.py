@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.checkpoint_files import LATEST, TMP_PREFIX, rank_dir, temporary_files
+from megatron_2bw.checkpoint_files import LATEST, TMP_PREFIX, temporary_files
+from megatron_2bw.ckpt.load import read_full
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "tests" / "fault_entry.py")
@@ -151,13 +152,14 @@ def test_load_typo_is_an_error_and_the_checkpoints_stay_byte_identical(checkpoin
     assert digest(ck) == before
 
 
-def _front_door(argv, monkeypatch, capsys):
-    """pretrain.parse on rank 0 of 2 (no process group): (exit code, stdout, stderr lines)."""
+def _front_door(argv, monkeypatch, capsys, world=2, base=TINY):
+    """pretrain.parse on rank 0 of `world` (no process group): (exit code, stdout, stderr
+    lines)."""
     from megatron_2bw.pretrain import parse
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     try:
-        parse("gpt", TINY + [str(a) for a in argv])
+        parse("gpt", base + [str(a) for a in argv])
         code = 0
     except SystemExit as e:
         code = e.code
@@ -215,9 +217,10 @@ def test_diverged_fp16_run_ends_with_one_line_and_writes_no_nonfinite_checkpoint
     lines = errors(proc)
     assert lines and all("are not finite in torch.float16" in x and
                                    "no checkpoint written" in x for x in lines), lines
-    for f in ck.rglob("model_optim_rng.pt"):
-        state = torch.load(f, weights_only=True)["engine"]
-        assert torch.isfinite(state["newest"]).all() and torch.isfinite(state["previous"]).all()
+    for directory in ck.glob("iter_*"):  # torch_dist: both 2BW versions of every tensor
+        for prefix in ("model.", "model_previous."):
+            tensors = read_full(str(directory), prefix)
+            assert tensors and all(torch.isfinite(t).all() for t in tensors.values()), prefix
     assert not (ck / LATEST).exists() or latest(ck) < 40
     # without --save the skip limit ends the run: 27 skips in a row are allowed by default
     proc = torchrun("--fp16", "--lr", "1e6", "--train-iters", "40")
@@ -246,7 +249,7 @@ def test_kill_during_save_leaves_temporary_files_the_next_start_removes(tmp_path
 
 def test_corrupted_checkpoint_is_one_line_per_rank_without_traceback(checkpoints, tmp_path):
     ck = copy_of(checkpoints, tmp_path)
-    path = Path(rank_dir(str(ck), 10, 0, 1, 2)) / "model_optim_rng.pt"
+    path = ck / "iter_0000010" / "__1_0.distcp"  # the second stage's shards (torch_dist)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -288,7 +291,8 @@ def test_disk_full_during_a_save_names_enospc_and_keeps_the_previous_checkpoint(
                                    in x for x in lines), lines
     files = tail[2:]
     assert all(f.startswith("./iter_0000002/") for f in files if f != f"./{LATEST}"), files
-    assert len(files) == 5, "iteration 2 (two stages, each with its checksum) and latest"
+    assert len(files) == 6, "iteration 2 (torch_dist: .metadata, two ranks' shards, common.pt, " \
+        "checksums.sha256) and latest"
 
 
 # -- resume with another precision ----------------------------------------------------------------

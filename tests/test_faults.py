@@ -14,7 +14,7 @@ import pytest
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from fault_hooks import InjectedFault
-from megatron_2bw.checkpointing import LATEST, rank_dir
+from megatron_2bw.checkpointing import LATEST
 from megatron_2bw.launch import free_port, spawn
 from test_resume import _worker, make_cfg, run
 
@@ -150,7 +150,7 @@ def test_ctrl_c_without_save_is_one_line_and_exit_130(tmp_path):
 def test_corrupted_shard_is_a_clear_error(tmp_path):
     d = str(tmp_path)
     run(make_cfg(["--train-iters", "2", "--save", d]), f"{d}/x")
-    path = os.path.join(rank_dir(d, 2, 0, 1, 2), "model_optim_rng.pt")
+    path = os.path.join(d, "iter_0000002", "__1_0.distcp")  # stage 1's shards (torch_dist)
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))

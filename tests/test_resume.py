@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from megatron_2bw.config_pipeline import build_config
+from megatron_2bw.checkpoint_files import iteration_dir
 from megatron_2bw.checkpointing import LATEST, CheckpointError, rank_dir
+from megatron_2bw.ckpt.load import is_dist_checkpoint, read_common, read_full
 from megatron_2bw.launch import spawn
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.reliability import NO_FAULTS
@@ -44,14 +46,24 @@ def run(cfg, out, hooks=NO_FAULTS, log=None):
 
 
 def newest_weights(save_dir):
+    """[{"iteration", "newest", "previous"?}] of the newest checkpoint, in either format."""
     it = int(open(os.path.join(save_dir, LATEST)).read())
-    return [torch.load(os.path.join(rank_dir(save_dir, it, 0, s, 2), "model_optim_rng.pt"),
-                       weights_only=True)["engine"] for s in range(2)]
+    directory = iteration_dir(save_dir, it)
+    if not is_dist_checkpoint(directory):
+        return [torch.load(os.path.join(rank_dir(save_dir, it, 0, s, 2), "model_optim_rng.pt"),
+                           weights_only=True)["engine"] for s in range(2)]
+    out = {"iteration": read_common(directory)["iteration"]}
+    for key, prefix in (("newest", "model."), ("previous", "model_previous.")):
+        tensors = read_full(directory, prefix)
+        if tensors:
+            out[key] = torch.cat([tensors[n].flatten() for n in sorted(tensors)])
+    return [out]
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
-def test_resume_is_bitwise_identical(schedule):
-    sched = ["--pipeline-schedule", schedule]
+@pytest.mark.parametrize("schedule,fmt", [("2bw", "torch_dist"), ("flush", "torch_dist"),
+                                          ("gpipe", "torch_dist"), ("2bw", "torch")])
+def test_resume_is_bitwise_identical(schedule, fmt):
+    sched = ["--pipeline-schedule", schedule, "--ckpt-format", fmt]
     with tempfile.TemporaryDirectory() as d:
         full = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/a"]), f"{d}/full")
         first = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/b",
@@ -64,6 +76,7 @@ def test_resume_is_bitwise_identical(schedule):
         for a, b in zip(newest_weights(f"{d}/a"), newest_weights(f"{d}/b")):
             assert a["iteration"] == b["iteration"] == 6
             assert torch.equal(a["newest"], b["newest"])
+            assert ("previous" in a) == (schedule == "2bw")
             if "previous" in a:
                 assert torch.equal(a["previous"], b["previous"])
 

@@ -3,6 +3,7 @@
     python tools/checkpoint_convert.py export --load CHECKPOINT_DIR --save HF_DIR
     python tools/checkpoint_convert.py import --load HF_DIR --save CHECKPOINT_DIR \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+    python tools/checkpoint_convert.py to-dist --load TORCH_FORMAT_DIR --save NEW_DIR
 
 export: a checkpoint of any layout (t, d, any schedule; under 2BW the newest weights) becomes
 `config.json` + `model.safetensors` of a GPT2LMHeadModel (the classic shape) or a
@@ -10,7 +11,10 @@ LlamaForCausalLM (RoPE, RMSNorm, SwiGLU), loadable with `AutoModelForCausalLM.fr
 the recorded sentencepiece tokenizer comes along. import: a HuggingFace GPT-2 or Llama directory
 becomes iteration 0 of a checkpoint for the given layout; `--load DIR` (plus `--finetune` to start
 a new run's schedule and optimizer) trains from it with the printed model flags. Anything that
-cannot be converted exactly is refused in one line that names the reason (exit 2).
+cannot be converted exactly is refused in one line that names the reason (exit 2). to-dist: a
+checkpoint in Megatron's layout (`--ckpt-format torch`, one file per stage and tensor rank, any
+version of this code) becomes the layout-free torch_dist format with its whole training state
+(ckpt/convert.py), so that any layout and schedule resumes from it.
 """
 from __future__ import annotations
 
@@ -38,6 +42,10 @@ def build_parser() -> FlagParser:
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     i.add_argument("--pipeline-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
     i.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    c = sub.add_parser("to-dist", help="torch-format checkpoint -> torch_dist (layout-free)")
+    c.add_argument("--load", required=True, help="a torch-format checkpoint directory")
+    c.add_argument("--save", required=True, help="new checkpoint directory")
+    c.add_argument("--iteration", type=int, default=None, help="default: the newest")
     return p
 
 
@@ -96,10 +104,17 @@ def import_(args) -> str:
             f"with pretrain_gpt.py {' '.join(flags)} --seq-length S [--finetune]")
 
 
+def to_dist(args) -> str:
+    from ..ckpt.convert import torch_to_dist
+    it = torch_to_dist(args.load, args.save, args.iteration)
+    return (f"wrote iteration {it} of {args.load} as a torch_dist checkpoint in {args.save}; "
+            f"resume from it with --load {args.save} and any parallel layout")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    print(exit_on_config_error(lambda: export(args) if args.direction == "export"
-                               else import_(args)), flush=True)
+    run = {"export": export, "import": import_, "to-dist": to_dist}[args.direction]
+    print(exit_on_config_error(lambda: run(args)), flush=True)
     return 0
 
 

@@ -24,9 +24,11 @@ from types import SimpleNamespace
 
 import torch
 
-from ..checkpoint_files import (FILENAME, CheckpointError, latest_iteration, rank_dir,
-                                verify_checksum, write_latest, write_with_checksum)
+from ..checkpoint_files import (FILENAME, CheckpointError, iteration_dir, latest_iteration,
+                                rank_dir, verify_checksum, write_latest, write_with_checksum)
 from ..checkpointing import layout
+from ..ckpt.load import MODEL, is_dist_checkpoint, read_common, read_full
+from ..ckpt.torch_format import first_stage_file, legacy_names
 from ..config import (BatchConfig, Config, ModelConfig, OptimizerConfig, ParallelConfig,
                       PrecisionConfig, TrainConfig)
 from ..optim.loss_scale import make_loss_scaler
@@ -83,6 +85,12 @@ def _renames(stage_tied: dict[str, str], tied_names: dict[str, str]) -> dict[str
     return {name: tied_names[key] for key, name in stage_tied.items()}
 
 
+def one_process_names(cfg: Config, module: StageModule) -> dict[str, str]:
+    """A stage's parameter names that differ in the one-process model (its tied copies) -> the
+    one-process names; every other name is global already."""
+    return _renames(module.tied_parameter_names(), _canonical(cfg)[1])
+
+
 # -- read ------------------------------------------------------------------------------------------
 def _load(path: str) -> dict:
     if not os.path.exists(path):
@@ -104,9 +112,9 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> FullModel:
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint (no "
                               "latest_checkpointed_iteration.txt): pass the --save directory")
-    one_stage = os.path.join(rank_dir(load_dir, it, 0, 0, 1), FILENAME)
-    first = _load(one_stage if os.path.exists(one_stage) else
-                  os.path.join(rank_dir(load_dir, it, 0, 0, 2), FILENAME))
+    if is_dist_checkpoint(iteration_dir(load_dir, it)):
+        return _read_dist(iteration_dir(load_dir, it), it)
+    first = _load(first_stage_file(load_dir, it))
     t, d = first["layout"]["tensor"], first["layout"]["pipeline"]
     cfg = config_from_dict(first["config"])
     from ..verify import Report, merge_tensor_shards
@@ -133,9 +141,21 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> FullModel:
     return FullModel(cfg, {n: state[n] for n in shapes}, it)
 
 
+def _read_dist(directory: str, it: int) -> FullModel:
+    """A torch_dist checkpoint's newest weights: its tensors are whole and named globally."""
+    cfg = config_from_dict(read_common(directory)["config"])
+    tensors = read_full(directory, MODEL)
+    shapes, _ = _canonical(cfg)
+    missing = sorted(set(shapes) - set(tensors))
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} lacks {missing[0]}: it was written by "
+                              "another version of the model code")
+    return FullModel(cfg, {n: tensors[n].float() for n in shapes}, it)
+
+
 def _unflatten(engine: dict, module: StageModule, stage: int, tp_rank: int) -> dict:
     params = dict(module.named_parameters())
-    names = list(engine["names"])
+    names = legacy_names(list(engine["names"]))
     if sorted(names) != sorted(params):
         extra = sorted(set(names) ^ set(params))
         raise CheckpointError(f"stage {stage} of the checkpoint does not match the model its "

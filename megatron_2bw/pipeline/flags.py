@@ -1,5 +1,6 @@
-"""Control flags: yes/no requests of single ranks (a preemption signal, the exit duration) that
-every rank must act on at the same iteration boundary. They ride in the per-batch reductions that
+"""Control flags: yes/no requests of single ranks (a preemption signal, the exit duration, an
+asynchronous checkpoint write still in flight) that every rank must act on at the same iteration
+boundary. They ride in the per-batch reductions that
 already exist; no collective of their own.
 
 Layout: the tail of every gradient buffer (weights.py) is [loss, *FLAGS]. At R(t) each rank
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-FLAGS = ("preempt", "exit_duration")
+FLAGS = ("preempt", "exit_duration", "save_busy")
 
 
 class ControlFlags:

@@ -27,6 +27,21 @@ def set_partition_attrs(param: nn.Parameter, partition_dim: int | None) -> nn.Pa
     return param
 
 
+def shard_box(local_shape, partition_dim: int | None, rank: int, size: int
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(full shape, offsets of the shard in it) of tensor rank `rank`'s shard of `size`: the
+    rank-th of `size` equal contiguous chunks along `partition_dim` (what sharded_normal draws,
+    what torch.cat along partition_dim undoes); a replicated parameter (None) is the whole."""
+    shape = tuple(int(s) for s in local_shape)
+    offsets = [0] * len(shape)
+    if partition_dim is None:
+        return shape, tuple(offsets)
+    full = list(shape)
+    full[partition_dim] *= size
+    offsets[partition_dim] = rank * shape[partition_dim]
+    return tuple(full), tuple(offsets)
+
+
 def mark_sequence_parallel(*modules: nn.Module) -> None:
     """Tag the parameters of `modules` as living in the sequence-parallel region."""
     for module in modules:

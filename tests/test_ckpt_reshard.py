@@ -1,0 +1,153 @@
+"""torch_dist checkpoints move between layouts and schedules (issue 18): saved at (t=2, d=2, w=1)
+with 2bw and loaded at (1, 2, 2) flush and at (1, 4, 1) 2bw, the merged fp32 weights, the 2BW
+previous version and the Adam moments are bitwise equal to the saved ones, and the next
+iterations equal the single-process reference started from the merged state (rtol 1e-5).
+
+Merging here goes through the engine's own per-stage names, `verify.merge_tensor_shards` and the
+tied renames, not through the checkpoint's boxes (ckpt/shards.py), so a wrong box fails it.
+The distributed optimizer (issue 17) adds one more saved layout to this test once it exists: its
+state is another sharding of the same global tensors (ckpt/shards.py, the pieces form; tested
+without processes in test_ckpt_shards.py)."""
+import os
+
+import pytest
+import torch
+
+from megatron_2bw.checkpointing import load_checkpoint, save_checkpoint
+from megatron_2bw.config_pipeline import build_config
+from megatron_2bw.convert.native import one_process_names
+from megatron_2bw.launch import spawn
+from megatron_2bw.pretrain import build_parser
+from megatron_2bw.reference import build_sequential, reference_train
+from megatron_2bw.training import build_engine, build_grid, mock_batches, model_parts
+from megatron_2bw.verify import Report, compare, merge_tensor_shards
+
+BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 1 --global-batch-size 8 --lr 3e-3 --vocab-size 128").split()
+SAVED_AT, MORE = 3, 2
+KINDS = ("newest", "previous", "exp_avg", "exp_avg_sq")
+
+
+def layout_cfg(t, d, w, schedule, extra=()):
+    argv = BASE + ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size",
+                   str(d), "--pipeline-schedule", schedule, "--train-iters",
+                   str(SAVED_AT + MORE), *extra]
+    return build_config(build_parser("gpt").parse_args(argv), "gpt", t * d * w).config
+
+
+def _dump(engine, cfg, grid) -> dict:
+    """This rank's state by its stage's parameter names (the engine's own view)."""
+    state, w = engine.state_dict(), engine.weights
+    named = {"newest": w.named_tensors(state["newest"]),
+             "previous": w.named_tensors(state["previous"]) if "previous" in state else None}
+    for key in ("exp_avg", "exp_avg_sq"):
+        named[key] = w.named_tensors(state["optimizer"][key])
+    return {**{k: {n: v.clone() for n, v in t.items()} if t else None for k, t in named.items()},
+            "steps": state["optimizer"]["steps"], "iteration": engine.iteration,
+            "partition_dims": dict(zip(w.names, w.partition_dims)),
+            "renames": one_process_names(cfg, w.modules[0]),
+            "stage": grid.stage, "dp": grid.dp_rank, "tp": grid.tp_rank}
+
+
+def _save_worker(rank, world, cfg, ckpt, out):
+    grid = build_grid(cfg, rank, world)
+    engine = build_engine(cfg, grid, "cpu")
+    data = mock_batches(cfg, grid.data, grid.dp_rank)
+    for _ in range(SAVED_AT):
+        engine.train_batch(data)
+    save_checkpoint(ckpt, engine, cfg, grid)
+    torch.save(_dump(engine, cfg, grid), f"{out}.{rank}")
+
+
+def _load_worker(rank, world, cfg, ckpt, out):
+    grid = build_grid(cfg, rank, world)
+    engine = build_engine(cfg, grid, "cpu")
+    assert load_checkpoint(ckpt, engine, cfg, grid) == SAVED_AT
+    loaded = _dump(engine, cfg, grid)
+    data = mock_batches(cfg, grid.data, grid.dp_rank, start_batch=SAVED_AT)
+    losses, norms = [], []
+    for _ in range(MORE):
+        losses.append(float(engine.train_batch(data)))
+        norms.append(float(engine.last_grad_norm))
+    torch.save({"loaded": loaded, "params": {k: v.clone() for k, v in
+                                              engine.fp32_state().items()},
+                "tied": engine.weights.modules[0].tied_parameter_names(),
+                "partition_dims": loaded["partition_dims"], "stage": grid.stage,
+                "dp": grid.dp_rank, "tp": grid.tp_rank, "losses": losses, "grad_norms": norms,
+                "eval_losses": []}, f"{out}.{rank}")
+
+
+def merged(dumps: list[dict], kind: str) -> dict[str, torch.Tensor]:
+    """One full tensor per one-process name, from every stage's tensor shards of replica 0."""
+    rep = Report()
+    shards = [{"params": d[kind], "partition_dims": d["partition_dims"], "stage": d["stage"],
+               "dp": d["dp"], "tp": d["tp"], "renames": d["renames"]}
+              for d in dumps if d["dp"] == 0]
+    out = {}
+    for stage in merge_tensor_shards(shards, rep):
+        for name, value in stage["params"].items():
+            out.setdefault(stage["renames"].get(name, name), value)
+    assert not rep.problems, rep.problems
+    return out
+
+
+def _assert_bitwise(a: dict, b: dict, what: str) -> None:
+    assert set(a) == set(b), (what, set(a) ^ set(b))
+    bad = [n for n in a if not torch.equal(a[n], b[n])]
+    assert not bad, f"{what} differs in {bad}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reshard")
+    cfg = layout_cfg(2, 2, 1, "2bw")
+    spawn(_save_worker, 4, args=(cfg, str(d / "ckpt"), str(d / "saved")), timeout_minutes=2)
+    dumps = [torch.load(f"{d}/saved.{r}") for r in range(4)]
+    return str(d / "ckpt"), {k: merged(dumps, k) for k in KINDS}, d
+
+
+@pytest.mark.parametrize("t,d,w,schedule", [(1, 2, 2, "flush"), (1, 4, 1, "2bw")])
+def test_a_2bw_checkpoint_of_t2_d2_loads_into_another_layout_and_schedule(saved, t, d, w,
+                                                                           schedule):
+    ckpt, before, tmp = saved
+    cfg = layout_cfg(t, d, w, schedule)
+    out = str(tmp / f"loaded_{t}{d}{w}{schedule}")
+    spawn(_load_worker, t * d * w, args=(cfg, ckpt, out), timeout_minutes=2)
+    results = [torch.load(f"{out}.{r}") for r in range(t * d * w)]
+    dumps = [r["loaded"] for r in results]
+    assert {x["iteration"] for x in dumps} == {SAVED_AT} and {x["steps"] for x in dumps} == {3}
+    for kind in ("newest", "exp_avg", "exp_avg_sq"):
+        _assert_bitwise(merged(dumps, kind), before[kind], kind)
+    if schedule == "2bw":  # W(t-1) carries over; flush keeps the newest version only
+        _assert_bitwise(merged(dumps, "previous"), before["previous"], "previous")
+    else:
+        assert all(x["previous"] is None for x in dumps)
+    for kind in ("newest", "exp_avg", "exp_avg_sq"):  # the replicas loaded the same
+        for x in dumps:
+            for name, value in x[kind].items():
+                twin = next(y for y in dumps if (y["stage"], y["tp"]) == (x["stage"], x["tp"]))
+                assert torch.equal(value, twin[kind][name])
+
+    specs, loss_fn, _ = model_parts(cfg)
+    start = {"iteration": SAVED_AT, "newest": before["newest"],
+             "previous": before["previous"] if schedule == "2bw" else None,
+             "optimizer": {"steps": SAVED_AT, "exp_avg": before["exp_avg"],
+                           "exp_avg_sq": before["exp_avg_sq"]}}
+    ref_params, ref_losses, _ = reference_train(
+        cfg, specs, loss_fn, lambda r: mock_batches(cfg, w, r, start_batch=SAVED_AT), MORE,
+        start=start)
+    ref_tied = build_sequential(cfg, specs).tied_parameter_names()
+    rep = compare(cfg, results, ref_params, ref_losses, ref_tied)
+    assert rep.passed(1e-5), rep
+
+
+def test_the_checkpoint_reads_with_dcp_alone_as_full_tensors(saved, tmp_path):
+    """The files are DCP's own: its converter gives every tensor whole, equal to the merge."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    ckpt, before, _ = saved
+    dcp_to_torch_save(os.path.join(ckpt, f"iter_{SAVED_AT:07d}"), tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    _assert_bitwise({n[len("model."):]: v for n, v in full.items() if n.startswith("model.")},
+                    before["newest"], "newest")
+    _assert_bitwise({n[len("optimizer.exp_avg."):]: v for n, v in full.items()
+                     if n.startswith("optimizer.exp_avg.")}, before["exp_avg"], "exp_avg")
