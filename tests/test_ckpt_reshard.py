@@ -5,9 +5,12 @@ iterations equal the single-process reference started from the merged state (rto
 
 Merging here goes through the engine's own per-stage names, `verify.merge_tensor_shards` and the
 tied renames, not through the checkpoint's boxes (ckpt/shards.py), so a wrong box fails it.
-The distributed optimizer (issue 17) adds one more saved layout to this test once it exists: its
-state is another sharding of the same global tensors (ckpt/shards.py, the pieces form; tested
-without processes in test_ckpt_shards.py)."""
+The same holds from a distributed-optimizer checkpoint (--use-distributed-optimizer, saved at
+(1, 2, 2) 2bw, each data-parallel rank writing its pieces of the moments: ckpt/shards.py, the
+pieces form) loaded without it at (1, 2, 1) flush and with it at (2, 1, 2) 2bw, whose pieces
+cover other parameters; the dumps' pieces are joined by `optim.distributed.full_state`."""
+import copy
+import functools
 import os
 
 import pytest
@@ -17,6 +20,7 @@ from megatron_2bw.checkpointing import load_checkpoint, save_checkpoint
 from megatron_2bw.config_pipeline import build_config
 from megatron_2bw.convert.native import one_process_names
 from megatron_2bw.launch import spawn
+from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.reference import build_sequential, reference_train
 from megatron_2bw.training import build_engine, build_grid, mock_batches, model_parts
@@ -35,18 +39,44 @@ def layout_cfg(t, d, w, schedule, extra=()):
     return build_config(build_parser("gpt").parse_args(argv), "gpt", t * d * w).config
 
 
+def _split(names, shapes, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A state buffer (the stage's parameters back to back, no padding) by parameter name."""
+    out, o = {}, 0
+    for name, shape in zip(names, shapes):
+        out[name] = packed[o:o + shape.numel()].view(shape).clone()
+        o += shape.numel()
+    return out
+
+
 def _dump(engine, cfg, grid) -> dict:
-    """This rank's state by its stage's parameter names (the engine's own view)."""
+    """This rank's state by its stage's parameter names (the engine's own view). A distributed
+    optimizer's moments are this rank's pieces only ("pieces", copied: they are views of the
+    live buffers): `unshard` fills them in."""
     state, w = engine.state_dict(), engine.weights
-    named = {"newest": w.named_tensors(state["newest"]),
-             "previous": w.named_tensors(state["previous"]) if "previous" in state else None}
+    split = functools.partial(_split, w.names, w.shapes)
+    optimizer = state["optimizer"]
+    named = {"newest": split(state["newest"]),
+             "previous": split(state["previous"]) if "previous" in state else None,
+             "pieces": copy.deepcopy(optimizer) if "pieces" in optimizer else None,
+             "names": list(w.names), "shapes": list(w.shapes)}
     for key in ("exp_avg", "exp_avg_sq"):
-        named[key] = w.named_tensors(state["optimizer"][key])
-    return {**{k: {n: v.clone() for n, v in t.items()} if t else None for k, t in named.items()},
-            "steps": state["optimizer"]["steps"], "iteration": engine.iteration,
+        named[key] = None if named["pieces"] else split(optimizer[key])
+    return {**named, "steps": optimizer["steps"], "iteration": engine.iteration,
             "partition_dims": dict(zip(w.names, w.partition_dims)),
             "renames": one_process_names(cfg, w.modules[0]),
             "stage": grid.stage, "dp": grid.dp_rank, "tp": grid.tp_rank}
+
+
+def unshard(dumps: list[dict]) -> list[dict]:
+    """Every rank's full moments of its stage from the pieces of its data-parallel group
+    (`optim.distributed.full_state`), so that dumps of any run merge alike."""
+    for x in dumps:
+        if x["pieces"] is not None:
+            group = [y["pieces"] for y in dumps if (y["stage"], y["tp"]) == (x["stage"], x["tp"])]
+            full = full_state(group)
+            for key in ("exp_avg", "exp_avg_sq"):
+                x[key] = _split(x["names"], x["shapes"], full[key])
+    return dumps
 
 
 def _save_worker(rank, world, cfg, ckpt, out):
@@ -97,24 +127,32 @@ def _assert_bitwise(a: dict, b: dict, what: str) -> None:
     assert not bad, f"{what} differs in {bad}"
 
 
+def _save(tmp_path_factory, t, d, w, extra=()):
+    """(checkpoint dir, the saved state merged by kind, tmp dir, the ranks' dumps) of a 2bw run
+    at (t, d, w) saved after SAVED_AT iterations."""
+    tmp = tmp_path_factory.mktemp("reshard")
+    cfg, world = layout_cfg(t, d, w, "2bw", extra), t * d * w
+    spawn(_save_worker, world, args=(cfg, str(tmp / "ckpt"), str(tmp / "saved")),
+          timeout_minutes=2)
+    dumps = unshard([torch.load(f"{tmp}/saved.{r}") for r in range(world)])
+    return str(tmp / "ckpt"), {k: merged(dumps, k) for k in KINDS}, tmp, dumps
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    d = tmp_path_factory.mktemp("reshard")
-    cfg = layout_cfg(2, 2, 1, "2bw")
-    spawn(_save_worker, 4, args=(cfg, str(d / "ckpt"), str(d / "saved")), timeout_minutes=2)
-    dumps = [torch.load(f"{d}/saved.{r}") for r in range(4)]
-    return str(d / "ckpt"), {k: merged(dumps, k) for k in KINDS}, d
+    return _save(tmp_path_factory, 2, 2, 1)
 
 
-@pytest.mark.parametrize("t,d,w,schedule", [(1, 2, 2, "flush"), (1, 4, 1, "2bw")])
-def test_a_2bw_checkpoint_of_t2_d2_loads_into_another_layout_and_schedule(saved, t, d, w,
-                                                                           schedule):
-    ckpt, before, tmp = saved
-    cfg = layout_cfg(t, d, w, schedule)
+def check_load(saved, t, d, w, schedule, extra=()) -> list[dict]:
+    """Load `saved` at (t, d, w) with `schedule`: the merged state is bitwise the saved one and
+    the next MORE iterations equal the single-process reference from it (rtol 1e-5). Returns
+    the loaded ranks' dumps."""
+    ckpt, before, tmp, _ = saved
+    cfg = layout_cfg(t, d, w, schedule, extra)
     out = str(tmp / f"loaded_{t}{d}{w}{schedule}")
     spawn(_load_worker, t * d * w, args=(cfg, ckpt, out), timeout_minutes=2)
     results = [torch.load(f"{out}.{r}") for r in range(t * d * w)]
-    dumps = [r["loaded"] for r in results]
+    dumps = unshard([r["loaded"] for r in results])
     assert {x["iteration"] for x in dumps} == {SAVED_AT} and {x["steps"] for x in dumps} == {3}
     for kind in ("newest", "exp_avg", "exp_avg_sq"):
         _assert_bitwise(merged(dumps, kind), before[kind], kind)
@@ -139,12 +177,42 @@ def test_a_2bw_checkpoint_of_t2_d2_loads_into_another_layout_and_schedule(saved,
     ref_tied = build_sequential(cfg, specs).tied_parameter_names()
     rep = compare(cfg, results, ref_params, ref_losses, ref_tied)
     assert rep.passed(1e-5), rep
+    return dumps
+
+
+@pytest.mark.parametrize("t,d,w,schedule", [(1, 2, 2, "flush"), (1, 4, 1, "2bw")])
+def test_a_2bw_checkpoint_of_t2_d2_loads_into_another_layout_and_schedule(saved, t, d, w,
+                                                                           schedule):
+    check_load(saved, t, d, w, schedule)
+
+
+DISTRIBUTED = ("--use-distributed-optimizer",)
+
+
+@pytest.fixture(scope="module")
+def saved_distributed(tmp_path_factory):
+    """A distributed-optimizer checkpoint: each data-parallel rank saves its own pieces of the
+    moments (ckpt/shards.py, the pieces form)."""
+    saved = _save(tmp_path_factory, 1, 2, 2, DISTRIBUTED)
+    assert all(x["pieces"]["sharded"]["count"] == 2 for x in saved[3])
+    return saved
+
+
+@pytest.mark.parametrize("t,d,w,schedule,extra", [(1, 2, 1, "flush", ()),
+                                                  (2, 1, 2, "2bw", DISTRIBUTED)],
+                         ids=["t1d2w1-flush", "t2d1w2-2bw-distributed"])
+def test_a_distributed_optimizer_checkpoint_loads_into_another_layout_and_sharding(
+        saved_distributed, t, d, w, schedule, extra):
+    """Saved at (1, 2, 2) 2bw with --use-distributed-optimizer: loads without it at (1, 2, 1)
+    flush, and with it at (2, 1, 2) 2bw, where every rank's pieces cover other parameters."""
+    dumps = check_load(saved_distributed, t, d, w, schedule, extra)
+    assert all((x["pieces"] is not None) == bool(extra) for x in dumps)
 
 
 def test_the_checkpoint_reads_with_dcp_alone_as_full_tensors(saved, tmp_path):
     """The files are DCP's own: its converter gives every tensor whole, equal to the merge."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    ckpt, before, _ = saved
+    ckpt, before, _, _ = saved
     dcp_to_torch_save(os.path.join(ckpt, f"iter_{SAVED_AT:07d}"), tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=False)
     _assert_bitwise({n[len("model."):]: v for n, v in full.items() if n.startswith("model.")},
