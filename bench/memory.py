@@ -18,6 +18,9 @@ d fresh gloo processes for a few batches and reports, per stage:
 - the planner's prediction for the same layout (`planner.cost_model`: state_bytes with the
   schedule kind's num_slots, activation_bytes x the kind's in_flight), and measured / predicted.
 
+A run is a schedule, optionally with a 2BW compensation after a `+` (`--schedules 2bw,2bw+predict`:
+fp32 `predict` keeps the real weights in one more stage-sized buffer, the `master` column).
+
 Targets (reported, not asserted): 2BW's stage-0 stash peaks at <= d microbatches; 2BW's stage
 memory (buffers + stash) <= 0.6 x GPipe's at m = 8 without recomputation.
 """
@@ -31,14 +34,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+from megatron_2bw.pipeline.compensation import (NONE, compensation_error,  # noqa: E402
+                                                method_names)
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
+COMPENSATIONS = [m for m in method_names() if m != NONE]
 SUBJECT = "2bw"     # the targets are about this schedule
 BASELINE = "gpipe"  # ... compared with this one
 
 
-def make_config(spec: dict, schedule: str, m: int):
+def split_run(run: str) -> tuple[str, str]:
+    """"2bw+predict" -> ("2bw", "predict"); "gpipe" -> ("gpipe", "none")."""
+    schedule, _, method = run.partition("+")
+    return schedule, method or NONE
+
+
+def make_config(spec: dict, run: str, m: int):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
                                      ParallelConfig, TrainConfig)
     b = spec["micro"]
@@ -47,7 +59,9 @@ def make_config(spec: dict, schedule: str, m: int):
                         vocab_size=spec["vocab"], init_method_std=0.02,
                         recompute_method="uniform" if spec["recompute"] else None,
                         recompute_num_layers=1 if spec["recompute"] else 0)
-    return Config(model=model, schedule=schedule, parallel=ParallelConfig(pipeline=spec["d"]),
+    schedule, compensation = split_run(run)
+    return Config(model=model, schedule=schedule, compensation=compensation,
+                  parallel=ParallelConfig(pipeline=spec["d"]),
                   batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m),
                   optimizer=OptimizerConfig(lr=1e-4),
                   train=TrainConfig(train_iters=spec["batches"], seed=1234)).validate(spec["d"])
@@ -141,11 +155,11 @@ def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list) -> dict
     from megatron_2bw.models.flops import layer_costs
     from megatron_2bw.planner.cost_model import activation_bytes, stage_params, state_bytes
     cfg = make_config(spec, schedule, m)
-    kind = schedule_kind(schedule)
+    kind = schedule_kind(cfg.schedule)
     costs = layer_costs(cfg.model, spec["micro"], 1, "fp32", "gpt")
     lo, hi = bounds
     params = stage_params(costs, lo, hi)
-    mem = state_bytes(params, kind.num_slots, "fp32", "adam")
+    mem = state_bytes(params, kind.num_slots, "fp32", "adam", cfg.compensation)
     per_mb, extra = activation_bytes(costs, lo, hi, spec["recompute"], stage == spec["d"] - 1)
     peak = kind.in_flight(spec["d"], m, stage)
     mem["stash"] = peak * per_mb + extra
@@ -160,7 +174,8 @@ def measure(spec: dict, schedules, ms, timeout=600, log=print) -> list:
     rows = []
     for m in ms:
         for schedule in schedules:
-            error = schedule_kind(schedule).microbatch_error(spec["d"], m, "skipped")
+            error = schedule_kind(split_run(schedule)[0]).microbatch_error(spec["d"], m,
+                                                                           "skipped")
             if error:
                 log(f"  {error}")
                 continue
@@ -207,17 +222,17 @@ def targets(spec: dict, rows: list) -> list:
 
 
 def format_rows(spec: dict, rows: list) -> str:
-    headers = ["schedule", "m", "stage", "versions", "weights", "grads", "optimizer",
+    headers = ["schedule", "m", "stage", "versions", "weights", "master", "grads", "optimizer",
                "stash peak (mb)", "total", "model total", "meas/model", "peak RSS+"]
     out = []
     for r in rows:
         if "stages" not in r:
-            out.append([r["schedule"], r["m"], "-", r["error"]] + ["-"] * 8)
+            out.append([r["schedule"], r["m"], "-", r["error"]] + ["-"] * 9)
             continue
         for s in r["stages"]:
             mdl = s["model"]
             out.append([r["schedule"], r["m"], s["stage"], s["versions"], C.mb(s["weights"]),
-                        C.mb(s["grads"]), C.mb(s["optimizer"]),
+                        C.mb(s["master"]), C.mb(s["grads"]), C.mb(s["optimizer"]),
                         f"{C.mb(s['stash_peak'])} ({s['in_flight_peak']})", C.mb(s["total"]),
                         f"{C.mb(mdl['total'])} ({mdl['in_flight']})",
                         f"{s['total'] / mdl['total']:.2f}" if mdl["total"] else "-",
@@ -256,9 +271,11 @@ def parse(argv=None):
     args = p.parse_args(argv)
     args.ms = [int(x) for x in args.num_microbatches.split(",") if x.strip()]
     args.scheds = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    bad = [s for s in args.scheds if s not in SCHEDULES]
+    bad = [s for s in args.scheds if split_run(s)[0] not in SCHEDULES
+           or compensation_error(split_run(s)[1], split_run(s)[0], "adam", 0.9)]
     if bad:
-        p.error(f"unknown schedule(s) {', '.join(bad)}: use {', '.join(SCHEDULES)}")
+        p.error(f"unknown schedule(s) {', '.join(bad)}: use {', '.join(SCHEDULES)}, 2BW "
+                f"with a compensation after '+' ({', '.join(COMPENSATIONS)})")
     if args.num_layers < args.pipeline_stages:
         p.error("--num-layers must be >= --pipeline-stages")
     return args

@@ -8,6 +8,8 @@ Runs (each on d fresh gloo processes, one thread each, forked from a server that
 once; the reference on one):
 
     ours-2bw, ours-flush, ours-gpipe   megatron_2bw.pipeline.engine.PipelineEngine
+    ours-2bw+predict                   the same with --2bw-compensation predict (its losses are
+                                       checked on batches 0, 1: batch 2 runs on a prediction)
     deepspeed-1f1b                     deepspeed.pipe.PipelineModule + DeepSpeed's PipelineEngine
                                        (its TrainSchedule: 1F1B with a flush)
     torch-gpipe, torch-1f1b            torch.distributed.pipelining ScheduleGPipe / Schedule1F1B
@@ -45,7 +47,9 @@ from peer_runs import runner, unavailable_reason  # noqa: E402
 
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
-OURS = tuple(f"ours-{s}" for s in schedule_names())
+# ours-2bw+predict: 2BW with --2bw-compensation predict (pipeline/compensation.py)
+OURS = tuple(f"ours-{s}" for s in schedule_names()) + tuple(
+    f"ours-{s}+predict" for s in schedule_names() if schedule_kind(s).delay == 1)
 PEERS = ("deepspeed-1f1b", "torch-gpipe", "torch-1f1b")
 BOUNDS = ("single", "no-comm")
 ALL = OURS + PEERS + BOUNDS
@@ -58,9 +62,11 @@ CHECKED_BATCHES = 3
 def check_losses(name: str, losses: list, ref: dict, rtol: float) -> tuple[bool, str]:
     """Compare the first losses of a run with the single-process reference (the delayed-update
     one for a schedule whose batches run on older weights)."""
-    delayed = name in OURS and schedule_kind(name[len("ours-"):]).delay > 0
+    schedule, _, method = name[len("ours-"):].partition("+")
+    delayed = name in OURS and schedule_kind(schedule).delay > 0
     want = ref["losses_2bw"] if delayed else ref["losses"]
-    n = min(CHECKED_BATCHES, len(losses), len(want))
+    checked = 2 if method else CHECKED_BATCHES  # compensated: batch 2 runs on a prediction
+    n = min(checked, len(losses), len(want))
     worst = 0.0
     for t in range(n):
         if losses[t] is None:

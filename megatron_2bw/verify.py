@@ -197,7 +197,8 @@ def report(cfg: Config, rep: Report, rtol: float) -> int:
     """Print the verdict of a run; 0 if it passed, 1 if not."""
     p = cfg.parallel
     ok = rep.passed(rtol)
-    print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "
+    print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} "
+          f"compensation={cfg.compensation} t={p.tensor} d={p.pipeline} w={p.data} "
           f"m={cfg.num_microbatches} iters={cfg.train.train_iters} "
           f"optimizer={cfg.optimizer.name} precision={cfg.precision.dtype}")
     if cfg.optimizer.clip_grad > 0:

@@ -1,5 +1,5 @@
 """Checkpoint and resume: losses after a resume are bitwise identical to an uninterrupted run
-(2bw, flush, gpipe; d=2, dropout on), including resuming into another --save-interval."""
+(2bw plain and compensated, flush, gpipe; d=2, dropout on), including resuming into another --save-interval."""
 import os
 import tempfile
 
@@ -49,9 +49,11 @@ def newest_weights(save_dir):
                        weights_only=True)["engine"] for s in range(2)]
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "2bw+predict", "2bw+spike", "flush", "gpipe"])
 def test_resume_is_bitwise_identical(schedule):
-    sched = ["--pipeline-schedule", schedule]
+    """2bw+M: with --2bw-compensation M (the slot of the next batch holds a prediction)."""
+    name, _, method = schedule.partition("+")
+    sched = ["--pipeline-schedule", name, "--2bw-compensation", method or "none"]
     with tempfile.TemporaryDirectory() as d:
         full = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/a"]), f"{d}/full")
         first = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/b",

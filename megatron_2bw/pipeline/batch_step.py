@@ -11,7 +11,8 @@ N(t)  wait for the data-parallel reduction (and, on the first stage, the tied on
       flag slots end as world-wide sums).
 S(t)  wait for everything, hand the flag sums to the host without blocking, clip by the global
       norm, unscale (fp16), step the optimizer from the version the schedule names into the slot it
-      names, zero the buffer.
+      names (through the master when there is one), let the 2BW compensation write what the
+      slot's next batch runs on (compensation.py), zero the buffer.
 
 Every collective goes through the grid's Comm (parallel/comm.py). Nothing here synchronizes with
 the host except fp16's overflow check (one read per batch). A skipped fp16 step is counted; more
@@ -26,6 +27,7 @@ from ..config import Config
 from ..optim import LRSchedule, make_loss_scaler, make_optimizer
 from ..parallel.grid import ProcessGrid
 from ..reliability import NumericsError, describe
+from .compensation import Compensator
 from .flags import ControlFlags
 from .weights import VersionedWeights
 
@@ -44,6 +46,7 @@ class BatchStepper:
         self.optimizer = make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
         self.scaler = make_loss_scaler(cfg.precision)
         self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters)
+        self.compensation = Compensator(cfg.compensation, self.optimizer, weights, self.lr)
         self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
         self.pending: dict[int, dict] = {}
         self.skipped = 0
@@ -134,7 +137,7 @@ class BatchStepper:
                 self.skipped_in_a_row += 1
                 self._check_skips(batch, scale)
                 if w.master is not None:
-                    w.slots[dst_slot].copy_(w.master)
+                    self.compensation.publish(batch + 1, dst_slot)
                 elif dst_slot != src_slot:
                     w.slots[dst_slot].copy_(w.slots[src_slot])
                 buf.zero_()
@@ -150,10 +153,10 @@ class BatchStepper:
         dst = w.slots[dst_slot]
         if w.master is not None:
             self.optimizer.step(w.master, grad, w.master, lr)
-            dst.copy_(w.master)
         else:
             src = dst if src_slot == dst_slot else w.slots[src_slot]
             self.optimizer.step(src, grad, dst, lr)
+        self.compensation.after_step(batch, grad, dst_slot)
         buf.zero_()
 
     def _check_skips(self, batch: int, scale: float) -> None:

@@ -29,6 +29,7 @@ from ..parallel.grid import ProcessGrid
 from ..parallel.p2p import P2P
 from . import actions as A
 from .batch_step import BatchStepper
+from .compensation import compensation_method
 from .host_memory import keep_freed_memory
 from .module import LayerSpec, StageModule
 from .registry import schedule_kind
@@ -63,8 +64,9 @@ class PipelineEngine:
                              recompute_method=cfg.model.recompute_method,
                              recompute_num_layers=cfg.model.recompute_num_layers)
         self.kind = schedule_kind(cfg.schedule)
-        self.weights = VersionedWeights(module, self.kind.num_slots, cfg.precision.dtype,
-                                        self.device, tied=module.tied)
+        self.weights = VersionedWeights(
+            module, self.kind.num_slots, cfg.precision.dtype, self.device, tied=module.tied,
+            separate_master=compensation_method(cfg.compensation).separate_weights)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
@@ -93,6 +95,7 @@ class PipelineEngine:
         if s is None or self.iteration >= s.first_batch + s.num_batches:
             self.start()
         check_schedule(self.schedule)
+        self.stepper.compensation.resume(self.iteration, self._newest_slot())
         self._data = data_iter
         self._run(self.schedule.window(self.stage, self.iteration))
         self._data = None
@@ -142,9 +145,9 @@ class PipelineEngine:
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything needed to continue exactly at the current iteration boundary: the newest
-        weights (fp32), the version the next batch runs on (2BW: W(t-1)), optimizer and loss
-        scaler state. In-flight microbatches of the next batch are not saved: a resumed run
-        redoes them from the same data."""
+        weights (fp32), the version the next batch runs on (2BW: W(t-1), or its compensation's
+        prediction of W(t)), optimizer and loss scaler state. In-flight microbatches of the next
+        batch are not saved: a resumed run redoes them from the same data."""
         w, t, kind = self.weights, self.iteration, self.kind
         state = {"iteration": t, "schedule": self.cfg.schedule, "names": list(w.names),
                  "newest": w.fp32_weights(self._newest_slot()).clone(),
@@ -171,6 +174,7 @@ class PipelineEngine:
             for g in w.grads:
                 g.zero_()
         self.stepper.optimizer.load_state_dict(state["optimizer"])
+        self.stepper.compensation.publish(t, self.kind.newest_slot(t))  # what batch t+1 runs on
         self.stepper.scaler.load_state_dict(state["scaler"])
         self.stepper.skipped = int(state["skipped"])
         self._clear_stash()
@@ -179,8 +183,11 @@ class PipelineEngine:
 
     @property
     def module(self) -> StageModule:
-        """The stage module holding the newest weights."""
-        return self.weights.modules[self._newest_slot()]
+        """The stage module holding the newest weights (under 2BW's `predict` compensation its
+        slot holds them until the next train_batch puts the prediction back)."""
+        slot = self._newest_slot()
+        self.stepper.compensation.show_newest(slot)
+        return self.weights.modules[slot]
 
     def fp32_state(self) -> dict[str, torch.Tensor]:
         """Newest weights in fp32 by global parameter name."""

@@ -13,6 +13,12 @@ its own replica of the stage module whose parameters are views into that slot (`
 switching versions is choosing a module: nothing is copied per microbatch. The two replicas share
 every non-parameter object; building the second one copies no weights.
 
+Master: bf16/fp16 runs keep the fp32 weights the optimizer steps in `master` and copy them into a
+slot after each step. fp32 runs have none: the optimizer steps from one slot into the other,
+unless the slots hold something other than the weights (`separate_master=True`: 2BW's `predict`
+compensation writes a prediction there, pipeline/compensation.py); then `master` is one more
+stage-sized fp32 buffer holding the real weights, the only extra memory of that method.
+
 Gradients: fp32 runs accumulate straight into `grads[k]` (the parameters' `.grad` are views of
 it). bf16/fp16 runs accumulate one microbatch in the low-precision `model_grad` buffer and the
 engine folds it into the fp32 `grads[k]` after each backward (one flat add, no per-parameter work).
@@ -43,7 +49,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class VersionedWeights:
     def __init__(self, module: nn.Module, num_slots: int, dtype: str, device,
-                 tied: dict[str, nn.Parameter] | None = None):
+                 tied: dict[str, nn.Parameter] | None = None, separate_master: bool = False):
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.num_slots = num_slots
@@ -64,7 +70,7 @@ class VersionedWeights:
         init = torch.cat([p.detach().reshape(-1).float() for p in params]).to(self.device) \
             if params else torch.zeros(0, device=self.device)
         mixed = self.dtype != torch.float32
-        self.master = init.clone() if mixed else None
+        self.master = init.clone() if (mixed or separate_master) else None
         self.slots = [init.to(self.dtype).clone() for _ in range(num_slots)]
         self.grads = [torch.zeros(n + TAIL, dtype=torch.float32, device=self.device)
                       for _ in range(num_slots)]
@@ -105,7 +111,7 @@ class VersionedWeights:
 
     # -- views ------------------------------------------------------------------------------------
     def fp32_weights(self, slot: int | None = None) -> torch.Tensor:
-        """The newest fp32 weights (master, or the given slot in fp32 runs)."""
+        """The newest fp32 weights (master, or the given slot in fp32 runs without one)."""
         if self.master is not None:
             return self.master
         return self.slots[slot if slot is not None else 0]

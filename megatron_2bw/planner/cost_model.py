@@ -18,7 +18,8 @@ turns it into a `StagePlan`:
   forward in 2BW, nothing in flush/gpipe); S is the
   local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce.
 - memory: exactly the engine's buffers (`pipeline/weights.py`, `optim/optimizer.py`): weight
-  versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16), fp32
+  versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16, and
+  fp32 with a 2BW compensation whose slots hold predictions: `compensation.keeps_master`), fp32
   gradient buffer per version slot (+1 element carrying the loss), the low-precision gradient
   buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies); plus stashed activations per
   in-flight microbatch (the kind's `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m);
@@ -33,6 +34,7 @@ from ..config import ModelConfig
 from ..pipeline.weights import TAIL
 from ..models.flops import DTYPE_BYTES, layer_costs
 from ..parallel.grid import ProcessGrid
+from ..pipeline.compensation import NONE as NO_COMPENSATION, keeps_master
 from ..pipeline.registry import ScheduleKind, schedule_kind
 from .partition import partition
 
@@ -75,17 +77,19 @@ class Setup:
     optimizer: str = "adam"
     arch: str = "gpt"
     flash: bool = True
+    compensation: str = NO_COMPENSATION  # --2bw-compensation (memory: `state_bytes`)
 
 
 # ---- memory ----------------------------------------------------------------------------------
 
 
-def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam") -> dict:
+def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam",
+                compensation: str = NO_COMPENSATION) -> dict:
     """Bytes of the engine's per-stage weight, gradient and optimizer buffers."""
     p = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
     return {"weights": num_slots * params * p,
-            "master": params * 4 if mixed else 0,
+            "master": params * 4 if keeps_master(dtype, compensation) else 0,
             "grads": num_slots * (params + TAIL) * 4,   # + loss and control flags
             "model_grad": params * p if mixed else 0,
             "optimizer": OPTIMIZER_COPIES[optimizer] * params * 4}
@@ -124,12 +128,13 @@ def _kept(cost, recompute: bool) -> float:
 
 
 def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, stage: int,
-                 dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None
-                 ) -> tuple[dict, int]:
+                 dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
+                 compensation: str = NO_COMPENSATION) -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
     "activations", "total"), peak in-flight microbatches)."""
     kind = schedule_kind(schedule)
-    mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer)
+    mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
+                      compensation)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix)
     peak = kind.in_flight(d, m, stage)
     mem["activations"] = peak * per_mb + extra
@@ -290,7 +295,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)
         params = stage_params(costs, lo, hi, P)
         mem, peak = stage_memory(costs, lo, hi, L.schedule, d, m, s, setup.dtype,
-                                 setup.optimizer, L.recompute, P)
+                                 setup.optimizer, L.recompute, P, setup.compensation)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)

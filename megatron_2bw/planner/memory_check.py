@@ -53,7 +53,8 @@ def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
                         cfg.precision.dtype, cfg.model.family)
     recompute = cfg.model.recompute_method is not None
     return [stage_memory(costs, bounds[s], bounds[s + 1], cfg.schedule, d, m, s,
-                         cfg.precision.dtype, cfg.optimizer.name, recompute)[0]
+                         cfg.precision.dtype, cfg.optimizer.name, recompute,
+                         compensation=cfg.compensation)[0]
             for s in range(d)]
 
 
