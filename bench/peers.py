@@ -8,7 +8,7 @@ Runs (each on d fresh gloo processes, one thread each, forked from a server that
 once; the reference on one):
 
     ours-2bw, ours-flush, ours-gpipe   megatron_2bw.pipeline.engine.PipelineEngine
-    ours-2bw+predict                   the same with --2bw-compensation predict (its losses are
+    ours-2bw+predict, ...+predict-spike  the same with --2bw-compensation (their losses are
                                        checked on batches 0, 1: batch 2 runs on a prediction)
     deepspeed-1f1b                     deepspeed.pipe.PipelineModule + DeepSpeed's PipelineEngine
                                        (its TrainSchedule: 1F1B with a flush)
@@ -45,11 +45,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from peer_runs import runner, unavailable_reason  # noqa: E402
 
+from megatron_2bw.pipeline.compensation import NONE, method_names  # noqa: E402
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
 # ours-2bw+predict: 2BW with --2bw-compensation predict (pipeline/compensation.py)
 OURS = tuple(f"ours-{s}" for s in schedule_names()) + tuple(
-    f"ours-{s}+predict" for s in schedule_names() if schedule_kind(s).delay == 1)
+    f"ours-{s}+{m}" for s in schedule_names() if schedule_kind(s).delay == 1
+    for m in method_names() if m != NONE)
 PEERS = ("deepspeed-1f1b", "torch-gpipe", "torch-1f1b")
 BOUNDS = ("single", "no-comm")
 ALL = OURS + PEERS + BOUNDS
@@ -266,7 +268,7 @@ def parse(argv=None):
     if args.pipeline_stages < 1 or args.num_layers < args.pipeline_stages:
         p.error("--num-layers must be >= --pipeline-stages >= 1")
     for name in set(args.names) & set(OURS):
-        error = schedule_kind(name[len("ours-"):]).microbatch_error(
+        error = schedule_kind(name[len("ours-"):].partition("+")[0]).microbatch_error(
             args.pipeline_stages, args.num_microbatches, "raise --num-microbatches")
         if error:
             p.error(error)

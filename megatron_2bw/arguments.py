@@ -120,8 +120,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="2BW staleness compensation: predict = each batch runs forward and "
                         "backward on the optimizer's prediction of the weights it would run on "
                         "synchronously (bf16/fp16: no extra memory; fp32: one stage-sized "
-                        "buffer); spike = spike compensation of Adam's momentum; predict-spike = "
-                        "both; none = plain "
+                        "buffer); predict-spike = predict plus spike compensation of Adam's "
+                        "momentum (closest to GPipe in bench/README.md); none = plain "
                         "2BW (docs/ARCHITECTURE.md section 1)")
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)

@@ -13,11 +13,10 @@ schedule kind's `weight_of_batch(t)` (pipeline/registry.py).
              W(k) * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps) with the bias corrections of
              k steps; SGD: W(k) - lr * momentum_buffer. V(0) = V(1) = W(0) (no state yet). The
              gradient g_t(P(t)) steps the real W(t); P(t) never enters the trajectory otherwise.
-    spike    V(t) = W(max(t-1, 0)); after torch.optim.AdamW's step t, every parameter also moves
-             by -lr * (1 - b1) / (1 - b1^(t+1)) * (grad - m) / (sqrt(v_hat) + eps) (m, v after
-             the step): the momentum term weighs b1 * m and the late gradient gets its missed
-             share (1 - b1) at once.
-    predict-spike  both: the spike after each step, the prediction made from the spiked W.
+    predict-spike  after torch.optim.AdamW's step t, every parameter also moves by
+             -lr * (1 - b1) / (1 - b1^(t+1)) * (grad - m) / (sqrt(v_hat) + eps) (m, v after
+             the step: the spike; the momentum term weighs b1 * m and the late gradient gets
+             its missed share (1 - b1) at once); V(t) is `predict`'s, made from the spiked W.
 The predictions and the spike are computed here from torch.optim's state, not by the engine's code.
 """
 from __future__ import annotations

@@ -127,14 +127,14 @@ def test_fp32_predict_adds_one_stage_buffer_and_mixed_precision_none():
     sep = VersionedWeights(copy.deepcopy(m), 2, "fp32", "cpu", tied=m.tied,
                            separate_master=keeps_master("fp32", "predict"))
     assert plain.master is None and sep.master.numel() == sep.numel
-    assert not keeps_master("fp32", "spike") and not keeps_master("fp32", "none")
+    assert keeps_master("fp32", "predict-spike") and not keeps_master("fp32", "none")
     n = 1000
     for dtype in ("bf16", "fp16"):
         assert state_bytes(n, 2, dtype, "adam", "predict") == state_bytes(n, 2, dtype, "adam")
     extra = {k: state_bytes(n, 2, "fp32", "adam", "predict")[k] - v
              for k, v in state_bytes(n, 2, "fp32", "adam").items()}
     assert extra == {"weights": 0, "master": 4 * n, "grads": 0, "model_grad": 0, "optimizer": 0}
-    assert state_bytes(n, 2, "fp32", "adam", "spike") == state_bytes(n, 2, "fp32", "adam")
+    assert state_bytes(n, 2, "fp32", "adam", "none") == state_bytes(n, 2, "fp32", "adam")
 
 
 # -- one-line errors ------------------------------------------------------------------------------
@@ -142,8 +142,8 @@ def test_fp32_predict_adds_one_stage_buffer_and_mixed_precision_none():
     (["--pipeline-schedule", "flush", "--2bw-compensation", "predict"],
      r"^--2bw-compensation predict compensates one-step-stale weights, which "
      r"--pipeline-schedule flush does not have: use --pipeline-schedule 2bw"),
-    (["--2bw-compensation", "spike", "--optimizer", "sgd"],
-     r"^--2bw-compensation spike is defined for --optimizer adam, not sgd"),
+    (["--2bw-compensation", "predict-spike", "--optimizer", "sgd"],
+     r"^--2bw-compensation predict-spike is defined for --optimizer adam, not sgd"),
     (["--2bw-compensation", "predict", "--optimizer", "sgd", "--sgd-momentum", "0"],
      r"^--2bw-compensation predict with SGD predicts from the momentum buffer: set "
      r"--sgd-momentum > 0"),

@@ -49,7 +49,7 @@ def newest_weights(save_dir):
                        weights_only=True)["engine"] for s in range(2)]
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "2bw+predict", "2bw+spike", "flush", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "2bw+predict", "2bw+predict-spike", "flush", "gpipe"])
 def test_resume_is_bitwise_identical(schedule):
     """2bw+M: with --2bw-compensation M (the slot of the next batch holds a prediction)."""
     name, _, method = schedule.partition("+")

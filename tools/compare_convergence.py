@@ -60,7 +60,7 @@ from megatron_2bw.pipeline.compensation import (NONE, compensation_error,  # noq
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
-DEFAULT_RUNS = "2bw,2bw+predict,flush,gpipe"
+DEFAULT_RUNS = "2bw,2bw+predict,2bw+predict-spike,flush,gpipe"
 DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
                  "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4",
                  "--global-batch-size", "32", "--init-method-std", "0.1",
@@ -171,7 +171,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--schedules", default=DEFAULT_RUNS,
-                   help="runs: schedules, a 2BW compensation after '+' (2bw+predict, 2bw+spike)")
+                   help="runs: schedules, a 2BW compensation after '+' (2bw+predict, 2bw+predict-spike)")
     p.add_argument("--train-iters", type=int, default=300)
     p.add_argument("--eval-interval", type=int, default=None,
                    help="iterations between validation points (default: --train-iters / 15)")

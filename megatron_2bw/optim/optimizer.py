@@ -34,8 +34,8 @@ class FlatAdamW:
         b1, b2 = c.adam_beta1, c.adam_beta2
         self.exp_avg.lerp_(grad, 1 - b1)
         self.exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(c.adam_eps)
+        bias1 = 1 - b1 ** self.steps
+        denom = self._denom()
         if dst is not src:
             dst.copy_(src)
         if c.weight_decay and self.decay_end:
@@ -45,7 +45,7 @@ class FlatAdamW:
     def _denom(self) -> torch.Tensor:
         """sqrt(v / bias2) + eps of the current state (a new fp32 buffer)."""
         bias2 = 1 - self.cfg.adam_beta2 ** self.steps
-        return (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.cfg.adam_eps)
+        return self.exp_avg_sq.sqrt().div_(math.sqrt(bias2)).add_(self.cfg.adam_eps)
 
     def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
         """dst = src after the step the current moments imply at `lr`: src * (1 - lr * wd) on the

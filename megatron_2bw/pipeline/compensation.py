@@ -12,11 +12,14 @@ batch t+2 runs on (the kind's `step_writes_slot(t)`), while batch t+1 already ru
              runs forward and backward on P(t+2) ~ W(t+2), so its gradient is nearly the
              synchronous one; S(t+2) applies it to the real W(t+2), never to the prediction:
              W(t+3) = step(W(t+2), g_{t+2}(P(t+2))).
-    spike    Adam only: after S(t), W(t+1) gets the spike compensation for a delay of one step
-             (the momentum term weighs b1 * m(t+1), the late gradient gets its missed (1 - b1) at
-             once); the slot gets W(t+1). For SGD this is Nesterov momentum.
-    predict-spike  Adam only: both, in this order: the spike corrects W(t+1), the slot gets
-             the prediction made from the corrected W(t+1).
+    predict-spike  Adam only: after S(t), W(t+1) first gets the spike compensation for a delay
+             of one step (`optimizer.spike`: the momentum term weighs b1 * m(t+1) and the late
+             gradient gets the (1 - b1) share it missed at once), then the slot gets the
+             prediction made from the corrected W(t+1), as in `predict`.
+
+Measured (bench/README.md, "2BW staleness compensation"): predict-spike comes closest to GPipe,
+predict next; the spike alone (V(t) = W(t-1)) was tried and did no better than predict, so it is
+not offered.
 
 Batches 0 and 1 run on W(0) with every method: no step has been taken to predict from. After a
 skipped fp16 step, W(t+1) = W(t) and the prediction is made from the unchanged state.
@@ -25,7 +28,8 @@ Memory. The slots hold the versions the batches run on; the optimizer reads the 
 bf16/fp16 keep them anyway (`weights.master`, fp32): the prediction is written where the
 low-precision W would have been, at no extra memory. fp32 runs have no master: `predict` adds one
 stage-sized fp32 buffer for the real W (`weights.master`; `separate_weights`), counted by the
-planner's memory model (`planner.cost_model.state_bytes`) and bench/memory.py. `spike` adds none.
+planner's memory model (`planner.cost_model.state_bytes`) and bench/memory.py. Both methods use
+one transient stage-sized fp32 buffer inside the step (as the Adam step itself does).
 
 Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
 for evaluation and for whoever asks the engine for its newest module; `resume` writes the
@@ -33,9 +37,10 @@ prediction back before the next batch runs: bitwise the same, since it is a pure
 master, optimizer state and lr. Checkpoints save the master as the newest weights and the slot of
 the next batch (its prediction) as the previous version; loading recomputes the newest slot's.
 
-Distributed optimizer (master and state sharded over data-parallel ranks): `predict` and `spike`
-are elementwise, so each rank computes its shard and the shards are gathered into the slot as the
-new weights are: `Compensator.publish` is the one place that writes a slot from the master.
+Distributed optimizer (master and state sharded over data-parallel ranks; not on this branch):
+`predict` and `spike` are elementwise, so each rank can compute its shard and gather the shards
+into the slot as it gathers the new weights: `Compensator.publish` is the one place that writes a
+slot from the master.
 """
 from __future__ import annotations
 
@@ -63,12 +68,6 @@ class Predict(Method):
     needs_momentum = True
 
 
-class Spike(Method):
-    name = "spike"
-    spikes = True
-    optimizers = ("adam",)
-
-
 class PredictSpike(Method):
     name = "predict-spike"
     predicts = True
@@ -77,7 +76,7 @@ class PredictSpike(Method):
     optimizers = ("adam",)
 
 
-_METHODS = {m.name: m for m in (Method(), Predict(), Spike(), PredictSpike())}
+_METHODS = {m.name: m for m in (Method(), Predict(), PredictSpike())}
 
 
 def method_names() -> tuple:
