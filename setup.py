@@ -9,10 +9,13 @@ setup(
     packages=find_packages(include=["megatron_2bw", "megatron_2bw.*"]),
     python_requires=">=3.10",
     # a range for cluster users; development pins the CPU build in requirements-dev.txt
-    install_requires=["torch>=2.3", "numpy", "sentencepiece>=0.2,<0.3"],
+    # tqdm: the progress bar on a terminal (logger.py)
+    install_requires=["torch>=2.3", "numpy", "sentencepiece>=0.2,<0.3", "tqdm>=4.60"],
     # matplotlib: tools/compare_convergence.py and tools/plot_schedule.py draw PNGs (Agg)
     # hf: tools/checkpoint_convert.py (HuggingFace export/import), generate.py on HF directories
-    extras_require={"test": ["pytest>=7", "wandb>=0.17", "matplotlib>=3.7"],
+    # tensorboard: --tensorboard-dir (torch.utils.tensorboard writes, tests read events back)
+    extras_require={"test": ["pytest>=7", "wandb>=0.17", "matplotlib>=3.7", "tensorboard>=2.14"],
                     "wandb": ["wandb>=0.17"], "plots": ["matplotlib>=3.7"],
+                    "tensorboard": ["tensorboard>=2.14"],
                     "hf": ["transformers>=4.40", "safetensors>=0.4"]},
 )

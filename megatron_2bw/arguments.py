@@ -180,6 +180,36 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default=None, metavar="FILE",
                    help="record every action's start/end; each rank writes FILE.rank<r>.json "
                         "(tools/plot_schedule.py --trace FILE draws it)")
+    add_observability_args(p)
+
+
+def add_observability_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging, profiling and numerics (Megatron's flags)")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write the logged scalars as TensorBoard events here (last stage)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="add the per-action wall-clock breakdown to TensorBoard")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler trace (Chrome/Perfetto JSON) of the iterations after "
+                        "--profile-step-start up to --profile-step-end, per rank of "
+                        "--profile-ranks, into {tensorboard-dir or save or .}/profile")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="accepted for Megatron scripts: --profile always uses torch.profiler")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--log-straggler", action="store_true",
+                   help="report every rank's compute and wait time per log interval and name "
+                        "the slowest rank when above --straggler-threshold")
+    g.add_argument("--straggler-threshold", type=float, default=20.0, metavar="PERCENT",
+                   help="name a rank whose compute time is this many percent above the median")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="(default) stop at a non-finite loss or gradient norm (fp32/bf16; fp16 "
+                        "skips such steps), naming the iteration and the stages")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
 
 
 def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
@@ -241,7 +271,13 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
         wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown,
-        trace=args.trace)
+        trace=args.trace, tensorboard_dir=args.tensorboard_dir,
+        tensorboard_queue_size=args.tensorboard_queue_size,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard, profile=args.profile,
+        profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
+        profile_ranks=tuple(args.profile_ranks), log_straggler=args.log_straggler,
+        straggler_threshold=args.straggler_threshold,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=args.pipeline_schedule,
                   compensation=getattr(args, "compensation", NO_COMPENSATION))

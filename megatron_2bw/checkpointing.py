@@ -21,6 +21,7 @@ from .checkpoint_files import (FILENAME, LATEST, CheckpointError, latest_iterati
                                prune, rank_dir, remove_temporary_files, verify_checksum,
                                write_latest, write_with_checksum)
 from .config import Config, TrainConfig
+from .paths import check_writable_dir
 from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe
 
 __all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteration",
@@ -237,16 +238,7 @@ def preflight(train: TrainConfig, rank: int = 0, log=print) -> int:
 
 
 def _check_save_dir(save: str) -> None:
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise CheckpointError(f"--save {save} is a file, not a directory: choose a directory")
-    try:
-        os.makedirs(save, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"--save {save} cannot be created ({e.strerror}): choose a "
-                              "directory you can write") from None
-    if not os.access(save, os.W_OK | os.X_OK):
-        raise CheckpointError(f"--save {save} is not writable: choose a directory you can "
-                              "write")
+    check_writable_dir(save, "--save", CheckpointError)
 
 
 def check_iterations(train_iters: int, start: int, load: str | None) -> None:

@@ -191,6 +191,22 @@ class TrainConfig:
     wandb_save_dir: str | None = None
     wall_clock_breakdown: bool = False
     trace: str | None = None          # write per-rank action traces to {trace}.rank{r}.json
+    # observability (logger.py, profiling.py, straggler.py; Megatron's flag names)
+    tensorboard_dir: str | None = None
+    tensorboard_queue_size: int = 1000
+    log_timers_to_tensorboard: bool = False
+    profile: bool = False             # torch.profiler over iterations (start, end] of these ranks
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: tuple[int, ...] = (0,)
+    log_straggler: bool = False
+    straggler_threshold: float = 20.0  # percent above the median compute time that names a rank
+    check_for_nan_in_loss_and_grad: bool = True
+
+    @property
+    def times_actions(self) -> bool:
+        """The engine times its actions (pipeline/timers.py) for one of the readers that need it."""
+        return self.wall_clock_breakdown or self.log_timers_to_tensorboard or self.log_straggler
 
 
 @dataclass(frozen=True)
@@ -388,6 +404,7 @@ class Config:
             _fail(f"--eval-iters must be >= 1 with --eval-interval, got {tr.eval_iters}")
         if tr.save_interval and not tr.save:
             _fail("--save-interval needs --save DIR: say where checkpoints go")
+        _check_observability(tr, world_size)
         if o.name not in OPTIMIZERS:
             _fail(f"unknown optimizer {o.name!r}: use one of {', '.join(OPTIMIZERS)}")
         if o.lr < 0 or o.min_lr < 0:
@@ -419,6 +436,26 @@ class Config:
 
 def _fail(message: str):
     raise ConfigError(message)
+
+
+def _check_observability(tr: TrainConfig, world_size: int | None) -> None:
+    """The rules of the logging, profiling and straggler flags (one-line errors)."""
+    if tr.log_timers_to_tensorboard and not tr.tensorboard_dir:
+        _fail("--log-timers-to-tensorboard needs --tensorboard-dir DIR: say where events go")
+    if tr.tensorboard_queue_size < 1:
+        _fail(f"--tensorboard-queue-size must be >= 1, got {tr.tensorboard_queue_size}")
+    if tr.profile:
+        if not 0 <= tr.profile_step_start < tr.profile_step_end:
+            _fail(f"--profile-step-start {tr.profile_step_start} / --profile-step-end "
+                  f"{tr.profile_step_end}: need 0 <= start < end (the iterations after start up "
+                  "to end are profiled)")
+        bad = [r for r in tr.profile_ranks if r < 0 or (world_size and r >= world_size)]
+        if bad or not tr.profile_ranks:
+            _fail(f"--profile-ranks {' '.join(map(str, tr.profile_ranks))}: each must be a rank "
+                  f"of the world (0..{(world_size or 1) - 1})")
+    if not tr.straggler_threshold > 0:
+        _fail(f"--straggler-threshold must be > 0 (percent above the median), got "
+              f"{tr.straggler_threshold}")
 
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")

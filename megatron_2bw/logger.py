@@ -1,65 +1,85 @@
-"""Training logs: one console line per log interval from the last pipeline stage, the same
-numbers to wandb (offline unless WANDB_MODE says otherwise), and memory per stage."""
+"""Training logs: one console line per log interval from the last pipeline stage, the same numbers
+to wandb and TensorBoard (log_writers.py), a progress bar on a terminal (progress.py).
+
+A line is `iteration   N/T | key value | key value ...`: numbers as written by `TrainLogger.log`
+(lr in scientific notation, other floats to 4 significant digits, per-stage lists in brackets),
+text as is (the ETA); `parse_line` reads it back. What a training interval logs is assembled in
+`interval_log.py`.
+"""
 from __future__ import annotations
 
-import os
 import re
-import resource
 
-import torch
-
-
-def memory_gb(device) -> float:
-    """Peak memory of this process: CUDA allocator peak on a GPU, peak RSS on the CPU."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KB on Linux
-
-
-def memory_per_stage(grid, device) -> list[float]:
-    """Collective: the peak memory of each pipeline stage (max over its tensor/data ranks)."""
-    values = [0.0] * grid.world_size
-    values[grid.rank] = memory_gb(device)
-    values = grid.comm.reduce_floats(values) if grid.world_size > 1 else values
-    per_stage = [0.0] * grid.pipeline
-    for r in range(grid.world_size):
-        s = grid.coords(r)[1]
-        per_stage[s] = max(per_stage[s], float(values[r]))
-    return per_stage
+from .log_writers import TensorBoardWriter, WandbWriter, scalars
 
 
 class TrainLogger:
-    def __init__(self, cfg, grid, reporter: bool, print_fn=print):
-        self.cfg, self.reporter, self.print = cfg, reporter, print_fn
-        self.wandb = None
-        if reporter and cfg.train.wandb_project:
-            os.environ.setdefault("WANDB_MODE", "offline")
-            import wandb
-            save_dir = cfg.train.wandb_save_dir or os.path.join(cfg.train.save or ".", "wandb")
-            os.makedirs(save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=cfg.train.wandb_project,
-                                    name=cfg.train.wandb_exp_name, dir=save_dir,
-                                    config=cfg.to_dict())
+    """Prints and writes on the reporting rank (`reporter`); every other rank's calls return at
+    once. `progress` is a stream (a terminal) for the progress bar, or None for plain lines;
+    `start` is the iteration the run starts from."""
 
-    def log(self, iteration: int, metrics: dict) -> None:
+    def __init__(self, cfg, grid, reporter: bool, print_fn=print, progress=None, start: int = 0):
+        self.cfg, self.reporter, self.print = cfg, reporter, print_fn
+        self.writers, self.bar = [], None
+        if not reporter:
+            return
+        t = cfg.train
+        if t.wandb_project:
+            self.writers.append(WandbWriter(cfg))
+        if t.tensorboard_dir:
+            self.writers.append(TensorBoardWriter(cfg))
+        if progress is not None:
+            from .progress import ProgressBar
+            self.bar = ProgressBar(progress, start, t.train_iters)
+
+    def step(self, iteration: int) -> None:
+        """After every iteration: move the progress bar (host only, rate-limited by tqdm)."""
+        if self.bar is not None:
+            self.bar.step(iteration)
+
+    def log(self, iteration: int, metrics: dict, tensorboard_only: dict | None = None) -> None:
+        """One line of `metrics`, and their scalars to the writers; TensorBoard also gets
+        `tensorboard_only`'s (--log-timers-to-tensorboard without --wall-clock-breakdown)."""
         if not self.reporter:
             return
-        fields = [f"iteration {iteration:6d}/{self.cfg.train.train_iters}"]
-        for key, value in metrics.items():
-            if isinstance(value, float):
-                value = f"{value:.3e}" if key == "lr" else f"{value:.4g}"
-            elif isinstance(value, list):
-                value = "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
-            fields.append(f"{key} {value}")
-        self.print(" | ".join(fields))
-        if self.wandb is not None:
-            self.wandb.log({k.replace(" ", "_"): v for k, v in metrics.items()
-                            if not isinstance(v, list)}, step=iteration)
+        if self.bar is not None:
+            self.bar.show(metrics)
+        self._emit(format_line(iteration, self.cfg.train.train_iters, metrics))
+        values = scalars(metrics)
+        for writer in self.writers:
+            extra = scalars(tensorboard_only or {}) if isinstance(writer, TensorBoardWriter) \
+                else {}
+            writer.write(iteration, {**values, **extra})
+
+    def note(self, line: str) -> None:
+        """A line of its own (a straggler, a warning) on the reporting rank."""
+        if self.reporter:
+            self._emit(line)
+
+    def _emit(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(self.print, line)  # above the bar
+        else:
+            self.print(line)
 
     def finish(self) -> None:
-        if self.wandb is not None:
-            self.wandb.finish()
-            self.wandb = None
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def format_line(iteration: int, train_iters: int, metrics: dict) -> str:
+    fields = [f"iteration {iteration:6d}/{train_iters}"]
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            value = f"{value:.3e}" if key == "lr" else f"{value:.4g}"
+        elif isinstance(value, list):
+            value = "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
+        fields.append(f"{key} {value}")
+    return " | ".join(fields)
 
 
 def parse_line(line: str) -> tuple[int, dict] | None:

@@ -88,6 +88,8 @@ def parse(family: str, argv=None) -> Parsed:
         cfg = built.config
         from .checkpointing import preflight
         preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
+        from .log_writers import check_tensorboard
+        check_tensorboard(cfg.train)
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)
@@ -165,7 +167,8 @@ def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None) -> None
           make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
           make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))
           if data.valid is not None else None,
-          log=lambda line: print(line, flush=True), hooks=hooks)
+          log=lambda line: print(line, flush=True), hooks=hooks,
+          progress=sys.stdout if sys.stdout.isatty() else None)  # a bar on a terminal only
 
 
 if __name__ == "__main__":

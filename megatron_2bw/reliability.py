@@ -1,5 +1,5 @@
 """Failure handling of a training run: the launcher watch, preemption signals, failures named by
-rank and stage, non-finite losses, and the fault-injection hooks tests pass in.
+rank and stage, non-finite losses and gradients, and the fault-injection hooks tests pass in.
 
 - Launcher watch: a worker that a launcher started (torchrun, srun, mpirun, torch
   multiprocessing) exits within about a second of that launcher's death (`kill -9` of torchrun,
@@ -13,6 +13,12 @@ rank and stage, non-finite losses, and the fault-injection hooks tests pass in.
   tensor coordinates, and the process exits non-zero, so the launcher (torchrun, srun
   --kill-on-bad-exit, torch.multiprocessing) stops the others; ranks blocked on a dead peer fail
   within the collective timeout (--distributed-timeout-minutes) with the peer named.
+- Non-finite values (--check-for-nan-in-loss-and-grad, on by default): every rank reads the
+  loss and the per-stage finiteness bits of the batch before the newest after each iteration
+  (pipeline/flags.py: carried with the control flags, no extra collective, no wait for the batch
+  just queued), and those of the newest before a checkpoint and at the end, so no checkpoint of a
+  diverged step is written; `check_numerics` stops fp32/bf16 runs naming the iteration and the
+  stages. fp16 skips such steps instead.
 - Fault injection: `FaultHooks` is the set of points where tests inject faults. Production code
   calls the no-op defaults; tests pass their own object to `training.train(..., hooks=)` or
   `pretrain.main(family, argv, hooks=)`. Nothing here reads the environment to inject a fault.
@@ -32,9 +38,12 @@ class NumericsError(RuntimeError):
     skipped fp16 steps, or non-finite weights at a checkpoint."""
 
 
-def describe(grid) -> str:
-    return (f"rank {grid.rank} (stage {grid.stage}/{grid.pipeline}, data-parallel replica "
-            f"{grid.dp_rank}, tensor rank {grid.tp_rank})")
+def describe(grid, rank: int | None = None) -> str:
+    """"rank R (stage S/D, data-parallel replica W, tensor rank T)" of this rank or `rank`."""
+    r = grid.rank if rank is None else rank
+    tp, stage, dp = grid.coords(r)
+    return (f"rank {r} (stage {stage}/{grid.pipeline}, data-parallel replica {dp}, tensor rank "
+            f"{tp})")
 
 
 class FaultHooks:
@@ -43,6 +52,9 @@ class FaultHooks:
     after_iteration(grid, iteration)     after each training iteration (1-based), on every rank
     during_save(grid, iteration, path)   on each writing rank, before it writes `path`
     wrap_loss(loss_fn, engine)           once per engine: the loss function the engine uses
+    on_engine(engine)                    once per engine, before training: tests register torch
+                                         module or gradient hooks on `engine.weights.modules`
+                                         (a stage that sleeps, a gradient made non-finite)
     """
 
     def after_iteration(self, grid, iteration: int) -> None:
@@ -53,6 +65,9 @@ class FaultHooks:
 
     def wrap_loss(self, loss_fn: Callable, engine) -> Callable:
         return loss_fn
+
+    def on_engine(self, engine) -> None:
+        pass
 
 
 NO_FAULTS = FaultHooks()
@@ -127,13 +142,23 @@ class Preemption:
             signal.signal(sig, handler)
 
 
-def check_finite(values: list[float], first_iteration: int, grid, dtype: str) -> None:
-    """Collective: raise NumericsError naming the first bad iteration and the stages whose
-    gradients were not finite (fp16 skips such steps instead, so it never gets here)."""
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-    if not bad:
+def check_numerics(numerics: tuple[int, float, list[int]] | None, grid, dtype: str,
+                   last_checkpoint: str | None = None) -> None:
+    """Raise NumericsError when the batch `numerics` describes (ControlFlags.numerics: the batch,
+    its loss, the stages whose gradients were not finite) diverged, naming its iteration and
+    those stages. Every rank reads the same values, so all raise at the same iteration (no
+    hang). fp16 skips such steps instead (BatchStepper), so it is never checked here."""
+    if numerics is None or dtype == "fp16":
         return
-    it = first_iteration + bad[0]
-    raise NumericsError(f"loss is {values[bad[0]]} at iteration {it} on {describe(grid)} with "
-                        f"{dtype}: lower --lr, add --clip-grad, use --fp16 loss scaling, or "
-                        "resume from the last checkpoint")
+    batch, loss, stages = numerics
+    if not stages and math.isfinite(loss):
+        return
+    names = ", ".join(map(str, stages))
+    where = (f"the gradients of stage{'s' if len(stages) > 1 else ''} {names} (of "
+             f"{grid.pipeline}) are not finite" if stages else "the gradients are finite")
+    what = f"loss is {loss}" if not math.isfinite(loss) else "gradient norm is not finite"
+    resume = f"resume from {last_checkpoint}" if last_checkpoint else \
+        "resume from the last checkpoint"
+    raise NumericsError(f"{what} at iteration {batch + 1} on {describe(grid)} with {dtype}: "
+                        f"{where}; lower --lr, add --clip-grad, use --fp16 loss scaling, or "
+                        f"{resume}")

@@ -11,12 +11,14 @@ from .config import Config
 from .data.bert_mock import BertBatches, MockBertDataset
 from .data.mock import GPTBatches, MockGPTDataset
 from .data.prefetch import close_pipelines, input_pipeline
-from .logger import TrainLogger, memory_per_stage
+from .interval_log import IntervalLog
+from .logger import TrainLogger
 from .models.bert import bert_layer_specs, bert_partition, make_bert_loss
 from .models.gpt import gpt_layer_specs, gpt_partition, make_gpt_loss
 from .parallel.grid import ProcessGrid
 from .pipeline.engine import PipelineEngine
-from .reliability import NO_FAULTS, FaultHooks, Preemption, check_finite
+from .profiling import StepProfiler
+from .reliability import NO_FAULTS, FaultHooks, Preemption, check_numerics
 from .tensor_parallel import TPGroup
 
 FAMILIES = {
@@ -68,15 +70,6 @@ def mock_batches(cfg: Config, data_parallel_size: int, dp_rank: int, start_batch
     return batches(cfg, mock_dataset(cfg), data_parallel_size, dp_rank, start_batch)
 
 
-def _flops_per_sample(cfg: Config) -> float:
-    try:
-        from .models.flops import model_flops_per_sample
-        return float(model_flops_per_sample(cfg.model,
-                                            recompute=cfg.model.recompute_method is not None))
-    except Exception:  # noqa: BLE001 - logging must not fail on an estimate
-        return 0.0
-
-
 def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool:
     """--exit-interval (the same iteration everywhere) / --exit-duration-in-mins: each rank
     raises its own clock's verdict into the next batch's reductions and every rank reads the
@@ -93,16 +86,18 @@ def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool
 
 def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
           make_eval_data: Callable[[], Iterator] | None = None, log=print,
-          hooks: FaultHooks = NO_FAULTS, lr_schedule=None) -> list[float]:
+          hooks: FaultHooks = NO_FAULTS, lr_schedule=None, progress=None) -> list[float]:
     """Train to cfg.train.train_iters (resuming from --load), evaluating, saving and logging as
     configured. make_data(start_batch) gives this replica's training microbatches; lr_schedule
     (iteration -> lr, e.g. a DeepSpeed JSON's) replaces the Config's. Returns the losses of the
-    iterations run (read on the host only at log intervals). `hooks` injects faults (tests only:
+    iterations run (read on the host only at log intervals). `progress`: a terminal stream for
+    the progress bar (None: plain lines). `hooks` injects faults (tests only:
     reliability.FaultHooks)."""
     t = cfg.train
     reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
     engine = build_engine(cfg, grid, device, lr_schedule=lr_schedule)
     engine.loss_fn = hooks.wrap_loss(engine.loss_fn, engine)
+    hooks.on_engine(engine)
     start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune,
                             log=log if reporter else None) if t.load else 0
     check_iterations(t.train_iters, start, t.load)
@@ -112,9 +107,9 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     data = input_pipeline(make_data(start), "train data", grid, device)
     eval_data = input_pipeline(make_eval_data(), "validation data", grid, device) \
         if (make_eval_data and t.eval_interval) else None
-    logger = TrainLogger(cfg, grid, reporter, log)
-    flops = _flops_per_sample(cfg)
-    B, seq = cfg.batch.global_batch_size, cfg.model.seq_length
+    logger = TrainLogger(cfg, grid, reporter, log, progress, start)
+    report = IntervalLog(cfg, grid, device, engine, logger)
+    profiler = StepProfiler(t, grid, engine, start)
     if start < t.train_iters:
         engine.start(t.train_iters - start)
     if t.trace:
@@ -123,44 +118,41 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     save = lambda: save_checkpoint(t.save, engine, cfg, grid, t.save_optim,  # noqa: E731
                                    t.keep_last, hooks)
     pending, losses, saved_at = [], [], None
-    started = tick = time.time()
-    since = 0
+    last_good = f"iteration {start} in {t.load}" if start else None
+
+    def check_nan(newest: bool = False) -> None:
+        """--check-for-nan-in-loss-and-grad: the loss and per-stage gradient finiteness of the
+        batch before the newest, read without waiting (pipeline/flags.py), or of the newest
+        (before a checkpoint or the end: never save a diverged step)."""
+        if t.check_for_nan_in_loss_and_grad:
+            check_numerics(engine.stepper.flags.numerics(newest), grid, cfg.precision.dtype,
+                           last_good)
+
+    started = time.time()
+    profiler.step(start)
     for it in range(start + 1, t.train_iters + 1):
         pending.append(engine.train_batch(data).detach().clone())
         hooks.after_iteration(grid, it)
-        since += 1
+        profiler.step(it)
+        logger.step(it)
+        check_nan()
         if it % t.log_interval == 0 or it == t.train_iters:
-            values = torch.stack(pending).tolist()  # the only host read: once per log interval
-            if cfg.precision.dtype != "fp16":
-                check_finite(values, it - len(values) + 1, grid, cfg.precision.dtype)
+            values = torch.stack(pending).tolist()  # the only loss read: once per log interval
             losses += values
             pending.clear()
-            elapsed = time.time() - tick
-            rate = B * since / max(elapsed, 1e-9)
-            metrics = {"consumed samples": B * it, "lr": engine.stepper.last_lr,
-                       "loss": values[-1], "grad norm": float(engine.last_grad_norm),
-                       "loss scale": engine.stepper.scaler.scale,
-                       "skipped": engine.skipped_iterations, "samples/s": rate,
-                       "tokens/s": rate * seq,
-                       "TFLOP/s/device": rate * flops / grid.world_size / 1e12,
-                       "memory GB per stage": memory_per_stage(grid, device)}
-            if t.wall_clock_breakdown:
-                metrics.update({f"ms {k}": 1e3 * v / since for k, v in engine.timers.items()})
-                engine.timers.clear()
-            logger.log(it, metrics)
-            tick, since = time.time(), 0
+            report.interval(it, values)
         if eval_data is not None and it % t.eval_interval == 0:
             total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
-            logger.log(it, {"validation loss": total / t.eval_iters})
+            report.validation(it, total / t.eval_iters)
         stop = _stop_requested(cfg, started, it, engine)
         preempted = preemption is not None and preemption.agreed(engine)
-        if t.save and ((t.save_interval and it % t.save_interval == 0) or stop or preempted
-                       or it == t.train_iters):
-            if pending and cfg.precision.dtype != "fp16":  # never checkpoint garbage
-                check_finite(torch.stack(pending).tolist(), it - len(pending) + 1, grid,
-                             cfg.precision.dtype)
+        saving = t.save and ((t.save_interval and it % t.save_interval == 0) or stop
+                             or preempted or it == t.train_iters)
+        if saving or stop or it == t.train_iters:
+            check_nan(newest=True)
+        if saving:
             save()
-            saved_at = it
+            saved_at, last_good = it, f"iteration {it} in {t.save}"
         if preempted:
             if reporter:
                 log(f"{preemption.signal_name or 'a preemption signal to another rank'}: saved "
@@ -169,6 +161,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
             stop = True
         if stop:
             break
+    profiler.close()
     if preemption is not None:
         preemption.restore()
     if pending:

@@ -4,11 +4,13 @@ launcher tests, through tests/fault_entry.py (--inject KIND:RANK:ITERATION).
 
 Kinds: kill (SIGKILL itself after that iteration), sigterm / sigint (signal itself there),
 raise (a RuntimeError there), kill-in-save (die halfway through writing that iteration's
-checkpoint, leaving a temporary file), nan (poison the loss from that iteration on the last stage)."""
+checkpoint, leaving a temporary file), nan (poison the loss from that iteration on the last stage).
+SlowStage and PoisonGradient (below) make a straggler and a non-finite gradient on one stage."""
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 from megatron_2bw.checkpoint_files import TMP_PREFIX
 from megatron_2bw.reliability import FaultHooks
@@ -55,3 +57,41 @@ class InjectedFault(FaultHooks):
             loss = loss_fn(out, labels)
             return loss * float("nan") if engine.iteration + 1 >= target else loss
         return poisoned
+
+
+class SlowStage(FaultHooks):
+    """Rank `rank` sleeps `seconds` in every forward from iteration `iteration` on: a straggler
+    (a forward pre-hook on each of the stage's weight-version modules)."""
+
+    def __init__(self, rank: int, iteration: int, seconds: float):
+        self.rank, self.iteration, self.seconds = rank, iteration, seconds
+
+    def on_engine(self, engine):
+        if engine.grid.rank != self.rank:
+            return
+
+        def sleep(module, args):  # engine.iteration: optimizer steps done in this window
+            if engine.iteration + 1 >= self.iteration:
+                time.sleep(self.seconds)
+        for module in engine.weights.modules:
+            module.register_forward_pre_hook(sleep)
+
+
+class PoisonGradient(FaultHooks):
+    """Rank `rank`'s gradient of batch `iteration` (1-based) gets `value` in its last element
+    (a parameter of its own stage, never the tied embedding) just before R starts reducing it: a
+    non-finite gradient on one stage, whatever the schedule runs in that iteration's window."""
+
+    def __init__(self, rank: int, iteration: int, value: float = float("nan")):
+        self.rank, self.iteration, self.value = rank, iteration, value
+
+    def on_engine(self, engine):
+        if engine.grid.rank != self.rank:
+            return
+        stepper, reduce = engine.stepper, engine.stepper.reduce
+
+        def poisoned(batch, slot):
+            if batch + 1 == self.iteration:
+                engine.weights.grads[slot][engine.weights.numel - 1] = self.value
+            reduce(batch, slot)
+        stepper.reduce = poisoned

@@ -119,6 +119,20 @@ BAD = [
      ["--optimizer", "lamb"]),
     ("bad-int-value", ["--mock-data", "--num-layers", "four"], None, ["--num-layers", "four"]),
     ("missing-value", ["--mock-data", "--lr"], None, ["--lr"]),
+    ("profile-end-not-after-start", ["--mock-data", "--profile", "--profile-step-start", "5",
+                                     "--profile-step-end", "5"], None,
+     ["--profile-step-start 5", "--profile-step-end 5", "start < end"]),
+    ("profile-rank-outside-world", ["--mock-data", "--profile", "--profile-ranks", "0", "2"], 2,
+     ["--profile-ranks 0 2", "0..1"]),
+    ("straggler-threshold-zero", ["--mock-data", "--log-straggler", "--straggler-threshold",
+                                  "0"], None, ["--straggler-threshold", "> 0"]),
+    ("timers-to-tensorboard-without-dir", ["--mock-data", "--log-timers-to-tensorboard"], None,
+     ["--log-timers-to-tensorboard", "--tensorboard-dir"]),
+    ("tensorboard-dir-is-a-file", ["--mock-data", "--tensorboard-dir", "README.md"], None,
+     ["--tensorboard-dir README.md is a file"]),
+    ("tensorboard-queue-size-zero", ["--mock-data", "--tensorboard-dir", "/tmp/tb",
+                                     "--tensorboard-queue-size", "0"], None,
+     ["--tensorboard-queue-size"]),
 ]
 
 

@@ -23,11 +23,12 @@ def test_flags_are_read_one_batch_behind():
     flags.write(tail)
     assert tail.tolist() == [0.0, 1.0]
     assert flags.agreed() == {"preempt": False, "exit_duration": False}   # nothing carried yet
-    flags.carried(0, torch.tensor([0.0, 0.5]))
+    # carried: [loss, *flag sums, *one finiteness bit per stage] (one stage here)
+    flags.carried(0, torch.tensor([5.0, 0.0, 0.5, 0.0]))
     assert flags.agreed() == {"preempt": False, "exit_duration": False}   # batch -1: none
-    flags.carried(1, torch.tensor([2.0, 0.0]))
+    flags.carried(1, torch.tensor([4.0, 2.0, 0.0, 0.0]))
     assert flags.agreed() == {"preempt": False, "exit_duration": True}    # batch 0's sums
-    flags.carried(2, torch.tensor([0.0, 0.0]))
+    flags.carried(2, torch.tensor([3.0, 0.0, 0.0, 0.0]))
     assert flags.agreed() == {"preempt": True, "exit_duration": False}    # batch 1's sums
     flags.raise_flag("exit_duration", False)
     tail.zero_()
@@ -37,13 +38,27 @@ def test_flags_are_read_one_batch_behind():
         flags.raise_flag("stop")
 
 
+def test_numerics_name_the_nonfinite_stages_one_batch_behind_or_newest():
+    flags = ControlFlags("cpu", num_stages=3)
+    assert flags.numerics() is None and flags.numerics(newest=True) is None
+    flags.carried(0, torch.tensor([2.5, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    assert flags.numerics() is None and flags.numerics(newest=True) == (0, 2.5, [])
+    flags.carried(1, torch.tensor([float("nan"), 0.0, 0.0, 1.0, 0.0, 2.0]))
+    assert flags.numerics() == (0, 2.5, [])
+    batch, loss, stages = flags.numerics(newest=True)
+    assert batch == 1 and loss != loss and stages == [0, 2]
+    flags.carried(2, torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0]))
+    assert flags.numerics()[2] == [0, 2] and flags.numerics(newest=True)[2] == [1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flags_on_a_gpu_go_through_pinned_memory_without_a_host_sync():
     flags = ControlFlags("cuda")
     for batch, sums in enumerate([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]]):
-        flags.carried(batch, torch.tensor(sums, device="cuda"))
+        flags.carried(batch, torch.tensor([1.0, *sums, float(batch == 2)], device="cuda"))
         expected = [[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]][batch]
         assert flags.agreed() == dict(zip(FLAGS, [v > 0 for v in expected]))
+    assert flags.numerics() == (1, 1.0, []) and flags.numerics(newest=True) == (2, 1.0, [0])
     assert all(host.is_pinned() for host in flags._host)
 
 

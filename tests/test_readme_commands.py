@@ -28,15 +28,20 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| loss ([0-9.]+) ")
 
 
-def readme_block(heading: str) -> list[list[str]]:
-    """The commands (as argv) of the first bash block under '## {heading}'."""
+def readme_blocks(heading: str) -> list[list[list[str]]]:
+    """The commands (as argv) of each bash block under '## {heading}'."""
     text = (ROOT / "README.md").read_text()
     section = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## )", text, re.S | re.M)
     assert section, f"README.md has no '## {heading}' section"
-    block = re.search(r"```bash\n(.*?)```", section.group(1), re.S)
-    assert block, f"no bash block in README.md's {heading} section"
-    lines = block.group(1).replace("\\\n", " ").splitlines()
-    return [shlex.split(line) for line in lines if line.strip()]
+    blocks = re.findall(r"```bash\n(.*?)```", section.group(1), re.S)
+    assert blocks, f"no bash block in README.md's {heading} section"
+    return [[shlex.split(line) for line in block.replace("\\\n", " ").splitlines()
+             if line.strip()] for block in blocks]
+
+
+def readme_block(heading: str) -> list[list[str]]:
+    """The commands (as argv) of the first bash block under '## {heading}'."""
+    return readme_blocks(heading)[0]
 
 
 def resolve(argv: list[str]) -> list[str]:
@@ -46,6 +51,8 @@ def resolve(argv: list[str]) -> list[str]:
         launcher = [shutil.which("torchrun")] if shutil.which("torchrun") else \
             [sys.executable, "-m", "torch.distributed.run"]
         return launcher + argv[1:]
+    if argv[0] == "tensorboard":
+        return [sys.executable, "-m", "tensorboard.main", *argv[1:]]
     raise AssertionError(f"unexpected command in the README: {argv[0]}")
 
 
@@ -110,3 +117,53 @@ def test_readme_training_command_as_written(prepared):
     losses = [float(m.group(2)) for m in map(LOSS.match, proc.stdout.splitlines()) if m]
     assert len(losses) == 10, proc.stdout
     assert losses[0] - losses[-1] > 0.5, losses  # about 6.85 (iterations 1-20) -> 5.97
+
+
+WATCHING = "Watching a run: TensorBoard, profiles, stragglers, non-finite values"
+
+
+def test_readme_tensorboard_recipe_writes_what_tensorboard_reads(tmp_path):
+    """The recipe's run (shortened), then its `tensorboard --logdir` asked to --inspect the
+    events it would serve."""
+    pytest.importorskip("tensorboard")
+    (train, board), _ = readme_blocks(WATCHING)
+    assert train[0] == "torchrun" and board[:2] == ["tensorboard", "--logdir"]
+    assert train[train.index("--tensorboard-dir") + 1] == board[2]
+    (tmp_path / "pretrain_gpt.py").symlink_to(ROOT / "pretrain_gpt.py")
+    run(train + ["--train-iters", "4", "--log-interval", "2", "--eval-interval", "2"], tmp_path,
+        timeout=180)
+    shown = run(board + ["--inspect"], tmp_path, timeout=120).stdout
+    for tag in ("loss", "lr", "grad_norm", "ms/iteration", "memory_GB_per_stage/stage1",
+                "validation_loss", "validation_ppl", "ms_forward"):
+        assert re.search(rf"^\s+{re.escape(tag)}$", shown, re.M), (tag, shown)
+
+
+def test_readme_profile_recipe_names_the_files_it_writes():
+    from megatron_2bw.config_pipeline import build_config
+    from megatron_2bw.pretrain import build_parser
+    from megatron_2bw.profiling import profile_path
+    _, (profile,) = readme_blocks(WATCHING)
+    assert profile[0] == "torchrun" and profile[4] == "pretrain_gpt.py"
+    cfg = build_config(build_parser("gpt").parse_args(profile[5:]), "gpt", 2).config
+    t = cfg.train
+    assert t.profile and t.profile_ranks == (0, 1)
+    readme = (ROOT / "README.md").read_text()
+    first = t.profile_step_start + 1
+    assert f"`{profile_path(t, 0, first, t.profile_step_end)}`" in readme
+    assert f"iterations {first}-{t.profile_step_end} on" in readme
+
+
+@pytest.mark.slow
+def test_readme_profile_recipe_writes_a_trace_per_rank(tmp_path):
+    from megatron_2bw.config_pipeline import build_config
+    from megatron_2bw.pretrain import build_parser
+    from megatron_2bw.profiling import profile_path
+    _, (profile,) = readme_blocks(WATCHING)
+    (tmp_path / "pretrain_gpt.py").symlink_to(ROOT / "pretrain_gpt.py")
+    t = build_config(build_parser("gpt").parse_args(profile[5:]), "gpt", 2).config.train
+    run(profile + ["--train-iters", str(t.profile_step_end)], tmp_path, timeout=300)
+    for rank in t.profile_ranks:
+        trace = json.loads((tmp_path / profile_path(t, rank, t.profile_step_start + 1,
+                                                    t.profile_step_end)).read_text())
+        names = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"}
+        assert {"S10", "S11"} <= names, sorted(names)[:40]

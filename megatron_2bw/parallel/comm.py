@@ -12,8 +12,8 @@ the device wanted, the fix) before torch sees it. NCCL itself rejects a CPU tens
 cluster; this check makes the same mistake fail on a CPU-only machine as soon as the device a
 careless tensor lands on differs from the backend's (tests/test_comm_device_rule.py).
 
-Value calls (barrier, gather_objects, reduce_floats) take Python values and build their tensors on
-`comm.device` themselves, so callers never create a tensor for a collective.
+Value calls (barrier, gather_objects, reduce_floats, gather_floats) take Python values and build
+their tensors on `comm.device` themselves, so callers never create a tensor for a collective.
 
 Groups are torch group handles created by `new_group` (the ProcessGrid owns them); `group=None`
 is the world. Reduce ops are named: "sum" or "max".
@@ -146,6 +146,17 @@ class Comm:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         self.all_reduce(t, group=group, op=op)
         return t.cpu().tolist()
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values` (the same length everywhere), in rank order, on every rank: one
+        all-gather of a float64 tensor this call creates on `device`; a host sync, so for log
+        intervals, not the per-batch path."""
+        if not self.distributed or self.world_size == 1:
+            return [list(values)]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        self.all_gather(parts, t)
+        return torch.stack(parts).cpu().tolist()
 
     # -- groups ---------------------------------------------------------------------------------
     def new_group(self, ranks: list[int]):

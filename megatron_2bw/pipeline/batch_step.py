@@ -7,12 +7,13 @@ R(t)  mark this rank's raised control flags in the buffer's tail (flags.py), sca
       averaged across replicas in one collective).
 N(t)  wait for the data-parallel reduction (and, on the first stage, the tied one), compute this
       stage's share of the squared global gradient norm, and start the model-parallel all-reduce of
-      [norm^2, loss, *flags] (the last stage contributes the loss, so every rank learns it; the
-      flag slots end as world-wide sums).
-S(t)  wait for everything, hand the flag sums to the host without blocking, clip by the global
-      norm, unscale (fp16), step the optimizer from the version the schedule names into the slot it
-      names (through the master when there is one), let the 2BW compensation write what the
-      slot's next batch runs on (compensation.py), zero the buffer.
+      [norm^2, loss, *flags, *stage_nonfinite] (the last stage contributes the loss, so every rank
+      learns it; the flag slots end as world-wide sums; slot s of the d stage slots is 1 on the
+      ranks of stage s whose share of the norm is not finite: flags.py, "Numerics").
+S(t)  wait for everything, hand [loss, *flags, *stage bits] to the host without blocking, clip
+      by the global norm, unscale (fp16), step the optimizer from the version the schedule names
+      into the slot it names (through the master when there is one), let the 2BW compensation
+      write what the slot's next batch runs on (compensation.py), zero the buffer.
 
 Every collective goes through the grid's Comm (parallel/comm.py). Nothing here synchronizes with
 the host except fp16's overflow check (one read per batch). A skipped fp16 step is counted; more
@@ -41,7 +42,9 @@ class BatchStepper:
         self.device = device
         self.comm = grid.comm
         self.comm.expect_device(device, "the pipeline engine")
-        self.flags = ControlFlags(device)
+        self.flags = ControlFlags(device, grid.pipeline)
+        self._stage_slot = torch.zeros(grid.pipeline, device=device)  # one-hot: this stage
+        self._stage_slot[grid.stage] = 1.0
         self.dp_size = grid.data
         self.optimizer = make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
         self.scaler = make_loss_scaler(cfg.precision)
@@ -81,7 +84,9 @@ class BatchStepper:
         if self.grid.is_first_stage:
             _wait(works.pop("tied"), "tied-embedding all-reduce (first and last stage)")
         buf, n = self.w.grads[slot], self.w.numel
-        stats = torch.cat([self._norm_sq(buf).reshape(1), buf[n:]])  # norm^2, loss, *flags
+        norm_sq = self._norm_sq(buf)
+        nonfinite = self._stage_slot * torch.isfinite(norm_sq).logical_not()  # no host sync
+        stats = torch.cat([norm_sq.reshape(1), buf[n:], nonfinite])  # norm^2, loss, *flags, *bits
         if self.grid.tp_rank != 0:  # tensor ranks repeat the loss; count it once
             stats[1] = 0
         group = self.grid.group("mp")
@@ -121,7 +126,7 @@ class BatchStepper:
         _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)")
         _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)")
         stats = works["stats"]
-        self.flags.carried(batch, stats[2:])
+        self.flags.carried(batch, stats[1:])
         scale = self.scaler.scale
         buf, n = self.w.grads[grad_slot], self.w.numel
         norm_sq, loss = stats[0], stats[1]

@@ -15,8 +15,10 @@ touch): `train_batch`, `eval_batch`, `start`, `state_dict`/`load_state_dict`, `m
 module holding the newest weights, asked on every access), `fp32_state`, `optimizer` (state_dict /
 load_state_dict), `lr_schedule` (iteration -> lr, a constructor argument) and `lr` (the next
 step's), `iteration`, `skipped_iterations`, `last_grad_norm`, `timers` (seconds per action kind
-with --wall-clock-breakdown; the reader clears it), `kind` (the schedule kind) and, read-only,
-`weights` (the flat-buffer layout: names, shapes, offsets; read by DeepSpeed-layout checkpoints).
+with --wall-clock-breakdown, --log-timers-to-tensorboard or --log-straggler; the reader clears it),
+`profile_actions` (actions as profiler ranges, for --profile), `kind` (the schedule kind) and,
+read-only, `weights` (the flat-buffer layout: names, shapes, offsets; read by DeepSpeed-layout
+checkpoints).
 """
 from __future__ import annotations
 
@@ -73,11 +75,12 @@ class PipelineEngine:
                                if sp.tracker is not None}.values())
         self.iteration = 0            # optimizer steps done == index of the next batch
         self.schedule = None
-        self._handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
-                          A.REDUCE: self._reduce, A.NORM: self._norm, A.STEP: self._step}
+        self._plain_handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
+                                A.REDUCE: self._reduce, A.NORM: self._norm, A.STEP: self._step}
+        self._handlers = self._plain_handlers
         self._clear_stash()
         self._clock = ActionClock(self.device)  # no host syncs: CUDA events on a GPU
-        self._timed = cfg.train.wall_clock_breakdown
+        self._timed = cfg.train.times_actions
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
@@ -239,7 +242,7 @@ class PipelineEngine:
     @property
     def timers(self) -> ActionClock:
         """Seconds per kind of action (forward, backward, p2p, all-reduce, optimizer) since the
-        last `timers.clear()`, with --wall-clock-breakdown; reading waits for the device once."""
+        last `timers.clear()`, when `cfg.train.times_actions`; reading waits for the device once."""
         return self._clock
 
     @property
@@ -258,6 +261,25 @@ class PipelineEngine:
             json.dump({"stage": self.stage, "rank": self.grid.rank, "dp": self.grid.dp_rank,
                        "tp": self.grid.tp_rank, "schedule": self.cfg.schedule,
                        "num_stages": self.num_stages, "events": self.trace or []}, f)
+
+    def profile_actions(self, on: bool) -> None:
+        """Name every action a `torch.profiler` range (on) or stop (off; the default, and free):
+        F3v0, B3v0, R2, N2, S2 and p2p groups as "sa3 rg1" (the --trace labels), so a profile's
+        kernels appear inside the action that launched them. Wraps the dispatch targets; `_run`
+        itself is unchanged."""
+        self.__dict__.pop("_communicate", None)  # the method again
+        self._handlers = self._plain_handlers
+        if on:
+            from torch.profiler import record_function
+
+            def ranged(fn, label):
+                def run(arg):
+                    with record_function(label(arg)):
+                        fn(arg)
+                return run
+            self._handlers = {k: ranged(fn, str) for k, fn in self._plain_handlers.items()}
+            self._communicate = ranged(self._communicate,
+                                       lambda group: " ".join(map(str, group)))
 
     def _clear_stash(self) -> None:
         self.inputs: dict[int, tuple] = {}      # received activations (leaves needing grad)
