@@ -3,26 +3,32 @@
 
     python bench/memory.py                               # GPT, d=2, m = 2 4 8 16
     python bench/memory.py --num-microbatches 4,8 --json memory.json
+    python bench/memory.py --schedules 2bw -m 4 --data-parallel-size 4 --bf16 \
+        --distributed-optimizer both                     # bytes per parameter, w=4, ZeRO-1 or not
 
-For every (schedule, m) it trains a small GPT (megatron_2bw.models.gpt, mock data, fp32, Adam) on
-d fresh gloo processes for a few batches and reports, per stage:
+For every (schedule, m, distributed optimizer) it trains a small GPT (megatron_2bw.models.gpt,
+mock data, Adam) on d x w fresh gloo processes for a few batches and reports, per stage:
 
 - the engine's own buffers: weight versions (`engine.weights.slots`), fp32 gradient buffers
-  (one per version slot), master weights (bf16/fp16 only), optimizer state
-  (`engine.stepper.optimizer.state_dict()`);
+  (one per version slot), the low-precision gradient buffer and master weights (bf16/fp16),
+  optimizer state (the flat optimizer's, or every piece's of the distributed optimizer), and the
+  same in bytes per parameter of the stage;
 - the peak activation stash: the bytes autograd saves for the backward during each forward
   (counted with `torch.autograd.graph.saved_tensors_hooks` in a `PipelineEngine` subclass,
   unique storages, parameters excluded) plus the received input and the stage output kept per
   in-flight microbatch, summed over the microbatches in flight, and the peak count of those;
 - the process's peak RSS above its RSS after imports and data;
 - the planner's prediction for the same layout (`planner.cost_model`: state_bytes with the
-  schedule kind's num_slots, activation_bytes x the kind's in_flight), and measured / predicted.
+  schedule kind's num_slots and the distributed optimizer's shards, activation_bytes x the kind's
+  in_flight), and measured / predicted.
 
 A run is a schedule, optionally with a 2BW compensation after a `+` (`--schedules 2bw,2bw+predict`:
 fp32 `predict` keeps the real weights in one more stage-sized buffer, the `master` column).
 
 Targets (reported, not asserted): 2BW's stage-0 stash peaks at <= d microbatches; 2BW's stage
-memory (buffers + stash) <= 0.6 x GPipe's at m = 8 without recomputation.
+memory (buffers + stash) <= 0.6 x GPipe's at m = 8 without recomputation; with the distributed
+optimizer, master weights plus optimizer state per rank are 1/w of the run without it (up to the
+padding to a multiple of w) and equal the memory model's bytes exactly.
 """
 from __future__ import annotations
 
@@ -50,10 +56,16 @@ def split_run(run: str) -> tuple[str, str]:
     return schedule, method or NONE
 
 
-def make_config(spec: dict, run: str, m: int):
+def run_error(spec: dict, run: str, dist: bool) -> str | None:
+    """The config's one-line error for `run` (with the distributed optimizer when `dist`)."""
+    schedule, method = split_run(run)
+    return compensation_error(method, schedule, "adam", 0.9, dist, spec["w"])
+
+
+def make_config(spec: dict, run: str, m: int, dist: bool = False):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-                                     ParallelConfig, TrainConfig)
-    b = spec["micro"]
+                                     ParallelConfig, PrecisionConfig, TrainConfig)
+    b, d, w = spec["micro"], spec["d"], spec["w"]
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
                         vocab_size=spec["vocab"], init_method_std=0.02,
@@ -61,10 +73,10 @@ def make_config(spec: dict, run: str, m: int):
                         recompute_num_layers=1 if spec["recompute"] else 0)
     schedule, compensation = split_run(run)
     return Config(model=model, schedule=schedule, compensation=compensation,
-                  parallel=ParallelConfig(pipeline=spec["d"]),
-                  batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m),
-                  optimizer=OptimizerConfig(lr=1e-4),
-                  train=TrainConfig(train_iters=spec["batches"], seed=1234)).validate(spec["d"])
+                  parallel=ParallelConfig(pipeline=d, data=w, distributed_optimizer=dist),
+                  batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m * w),
+                  optimizer=OptimizerConfig(lr=1e-4), precision=PrecisionConfig(spec["dtype"]),
+                  train=TrainConfig(train_iters=spec["batches"], seed=1234)).validate(d * w)
 
 
 def metered_engine_class():
@@ -118,28 +130,33 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def run_stage(rank, world, spec, schedule, m):
+def optimizer_buffers(optimizer) -> list:
+    """The state tensors an optimizer allocated: the flat optimizer's, or every piece's inner
+    optimizer's with the distributed optimizer (padding included: what the memory holds)."""
     import torch
-    from megatron_2bw.parallel.grid import ProcessGrid
+    inner = getattr(optimizer, "inner", [optimizer])
+    return [v for opt in inner for v in opt.state_dict().values() if isinstance(v, torch.Tensor)]
+
+
+def run_stage(rank, world, spec, schedule, m, dist):
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training import mock_batches, model_parts
-    cfg = make_config(spec, schedule, m)
-    data = list(_take(mock_batches(cfg, 1, 0), (spec["batches"] + 1) * m))
+    from megatron_2bw.training import build_grid, mock_batches, model_parts
+    cfg = make_config(spec, schedule, m, dist)
+    grid = build_grid(cfg, rank, world)
+    data = list(_take(mock_batches(cfg, grid.data, grid.dp_rank), (spec["batches"] + 1) * m))
     C.framework_warmup()
     probe = C.MemoryProbe()
-    grid = ProcessGrid(1, world, 1, rank=rank).init_groups()
     specs, loss_fn, bounds = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
     engine = metered_engine_class()(cfg, grid, specs, loss_fn, bounds, "cpu")
     it = iter(data)
     for _ in range(spec["batches"]):
         engine.train_batch(it)
-    w = engine.weights
-    opt = [v for v in engine.stepper.optimizer.state_dict().values()
-           if isinstance(v, torch.Tensor)]
-    return {"stage": rank, "bounds": bounds[rank:rank + 2], "params": w.numel,
-            "versions": w.num_slots,
+    w, s = engine.weights, grid.stage
+    return {"stage": s, "dp": grid.dp_rank, "bounds": bounds[s:s + 2],
+            "params": w.layout.real_numel, "versions": w.num_slots,
             "weights": _nbytes(w.slots), "master": _nbytes([w.master]),
-            "grads": _nbytes(w.grads) + _nbytes([w.model_grad]), "optimizer": _nbytes(opt),
+            "grads": _nbytes(w.grads), "model_grad": _nbytes([w.model_grad]),
+            "optimizer": _nbytes(optimizer_buffers(engine.optimizer)),
             "stash_peak": engine.peak_bytes, "in_flight_peak": engine.peak_count,
             "stash_per_microbatch": max(engine.per_microbatch) if engine.per_microbatch else 0,
             "memory": probe.result()}
@@ -150,27 +167,33 @@ def _take(it, n):
         yield next(it)
 
 
-def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list) -> dict:
+STATE = ("weights", "master", "grads", "model_grad", "optimizer")  # the engine's buffers
+
+
+def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list, dist: bool) -> dict:
     """The planner's memory model for this stage (planner/cost_model.py)."""
     from megatron_2bw.models.flops import layer_costs
-    from megatron_2bw.planner.cost_model import activation_bytes, stage_params, state_bytes
-    cfg = make_config(spec, schedule, m)
+    from megatron_2bw.planner.cost_model import (activation_bytes, stage_params, stage_tied,
+                                                 state_bytes)
+    cfg = make_config(spec, schedule, m, dist)
     kind = schedule_kind(cfg.schedule)
-    costs = layer_costs(cfg.model, spec["micro"], 1, "fp32", "gpt")
+    costs = layer_costs(cfg.model, spec["micro"], 1, spec["dtype"], "gpt")
     lo, hi = bounds
     params = stage_params(costs, lo, hi)
-    mem = state_bytes(params, kind.num_slots, "fp32", "adam", cfg.compensation)
+    mem = state_bytes(params, kind.num_slots, spec["dtype"], "adam",
+                      spec["w"] if dist else 1, stage_tied(costs, lo, hi, spec["d"]),
+                      cfg.compensation)
+    mem["params"] = params
     per_mb, extra = activation_bytes(costs, lo, hi, spec["recompute"], stage == spec["d"] - 1)
     peak = kind.in_flight(spec["d"], m, stage)
     mem["stash"] = peak * per_mb + extra
     mem["in_flight"] = peak
     mem["stash_per_microbatch"] = per_mb
-    mem["total"] = sum(v for k, v in mem.items()
-                       if k in ("weights", "master", "grads", "model_grad", "optimizer", "stash"))
+    mem["total"] = sum(v for k, v in mem.items() if k in STATE + ("stash",))
     return mem
 
 
-def measure(spec: dict, schedules, ms, timeout=600, log=print) -> list:
+def measure(spec: dict, schedules, ms, timeout=600, log=print, dists=(False,)) -> list:
     rows = []
     for m in ms:
         for schedule in schedules:
@@ -179,26 +202,45 @@ def measure(spec: dict, schedules, ms, timeout=600, log=print) -> list:
             if error:
                 log(f"  {error}")
                 continue
-            try:
-                res = C.run_spawned(functools.partial(run_stage, schedule=schedule, m=m),
-                                    spec["d"], (spec,), timeout=timeout)
-            except C.RunError as e:
-                log(f"  {schedule} m={m}: FAILED {e}")
-                rows.append({"schedule": schedule, "m": m, "error": str(e)})
-                continue
-            for r in res:
-                r["total"] = r["weights"] + r["master"] + r["grads"] + r["optimizer"] + \
-                    r["stash_peak"]
-                r["model"] = predict(spec, schedule, m, r["stage"], r["bounds"])
-            rows.append({"schedule": schedule, "m": m, "stages": res})
-            log(f"  {schedule} m={m}: done")
+            for dist in dists:
+                name = f"{schedule} m={m}{' distributed optimizer' if dist else ''}"
+                if run_error(spec, schedule, dist):
+                    log(f"  {name}: skipped: {run_error(spec, schedule, dist)}")
+                    continue
+                row = {"schedule": schedule, "m": m, "distributed_optimizer": dist}
+                try:
+                    res = C.run_spawned(
+                        functools.partial(run_stage, schedule=schedule, m=m, dist=dist),
+                        spec["d"] * spec["w"], (spec,), timeout=timeout)
+                except C.RunError as e:
+                    log(f"  {name}: FAILED {e}")
+                    rows.append(dict(row, error=str(e)))
+                    continue
+                for r in res:
+                    r["total"] = sum(r[k] for k in STATE) + r["stash_peak"]
+                    r["model"] = predict(spec, schedule, m, r["stage"], r["bounds"], dist)
+                # every data-parallel rank of a stage holds the same buffers; report replica 0
+                rows.append(dict(row, stages=sorted((r for r in res if r["dp"] == 0),
+                                                    key=lambda r: r["stage"]),
+                                 replicas_alike=all(
+                                     all(r[k] == q[k] for k in STATE)
+                                     for r in res for q in res if q["stage"] == r["stage"])))
+                log(f"  {name}: done")
     return rows
+
+
+def per_parameter(stage: dict) -> dict:
+    """Bytes per parameter of the stage's buffers (STATE keys, "state" their sum)."""
+    out = {k: stage[k] / stage["params"] for k in STATE}
+    out["state"] = sum(out.values())
+    return out
 
 
 def targets(spec: dict, rows: list) -> list:
     d = spec["d"]
-    by = {(r["schedule"], r["m"]): r for r in rows if "stages" in r}
-    res = []
+    res = _sharding_targets(spec, rows)
+    by = {(r["schedule"], r["m"]): r for r in rows
+          if "stages" in r and not r["distributed_optimizer"]}
     for (sched, m), r in sorted(by.items()):
         if sched != SUBJECT:
             continue
@@ -221,30 +263,75 @@ def targets(spec: dict, rows: list) -> list:
     return res
 
 
+def _sharding_targets(spec: dict, rows: list) -> list:
+    """Per (schedule, m, stage) run with and without the distributed optimizer: its master
+    weights + optimizer state are 1/w of the other's (up to padding) and equal the model's."""
+    w, res = spec["w"], []
+    by = {(r["schedule"], r["m"], r["distributed_optimizer"]): r for r in rows if "stages" in r}
+    for (sched, m, dist), r in sorted(by.items()):
+        other = by.get((sched, m, False))
+        if not dist or other is None:
+            continue
+        for a, b in zip(r["stages"], other["stages"]):
+            mine, full = a["master"] + a["optimizer"], b["master"] + b["optimizer"]
+            model = a["model"]["master"] + a["model"]["optimizer"]
+            padding = -(-b["params"] // w) * w - b["params"] + w  # at most w - 1 per region
+            met = mine == model and abs(mine * w - full) <= padding * full / b["params"]
+            res.append((f"{sched} m={m} stage {a['stage']}: distributed optimizer's master + "
+                        f"optimizer bytes = 1/{w} of without it, = the memory model's",
+                        f"{mine} B vs {full} B (x{mine / full:.4f}); model {model} B; "
+                        f"replicas alike: {r['replicas_alike']}", met and r["replicas_alike"]))
+    return res
+
+
+def format_bytes_per_parameter(rows: list) -> str:
+    """Bytes per parameter of every stage's buffers, measured and modelled."""
+    headers = ["schedule", "m", "stage", "params", "dist. opt.", "weights", "master", "grads",
+               "low-prec. grad", "optimizer", "B/param", "model B/param", "equal"]
+    out = []
+    for r in rows:
+        for s in r.get("stages", ()):
+            me, mdl = per_parameter(s), per_parameter(s["model"])
+            out.append([r["schedule"], r["m"], s["stage"], s["params"],
+                        "yes" if r["distributed_optimizer"] else "no"]
+                       + [f"{me[k]:.3f}" for k in STATE + ("state",)]
+                       + [f"{mdl['state']:.3f}",
+                          "yes" if all(s[k] == s["model"][k] for k in STATE) else "NO"])
+    return C.table(headers, out)
+
+
 def format_rows(spec: dict, rows: list) -> str:
-    headers = ["schedule", "m", "stage", "versions", "weights", "master", "grads", "optimizer",
+    headers = ["schedule", "m", "do", "stage", "versions", "weights", "master", "grads",
+               "optimizer",
                "stash peak (mb)", "total", "model total", "meas/model", "peak RSS+"]
     out = []
     for r in rows:
+        do = "yes" if r["distributed_optimizer"] else "no"
         if "stages" not in r:
-            out.append([r["schedule"], r["m"], "-", r["error"]] + ["-"] * 9)
+            out.append([r["schedule"], r["m"], do, "-", r["error"]] + ["-"] * 9)
             continue
         for s in r["stages"]:
             mdl = s["model"]
-            out.append([r["schedule"], r["m"], s["stage"], s["versions"], C.mb(s["weights"]),
-                        C.mb(s["master"]), C.mb(s["grads"]), C.mb(s["optimizer"]),
+            out.append([r["schedule"], r["m"], do, s["stage"], s["versions"], C.mb(s["weights"]),
+                        C.mb(s["master"]), C.mb(s["grads"] + s["model_grad"]),
+                        C.mb(s["optimizer"]),
                         f"{C.mb(s['stash_peak'])} ({s['in_flight_peak']})", C.mb(s["total"]),
                         f"{C.mb(mdl['total'])} ({mdl['in_flight']})",
                         f"{s['total'] / mdl['total']:.2f}" if mdl["total"] else "-",
                         C.mb(s["memory"]["peak_above_baseline"])])
     text = [f"GPT layers={spec['layers']} hidden={spec['hidden']} heads={spec['heads']} "
             f"seq={spec['seq']} vocab={spec['vocab']} micro-batch={spec['micro']} d={spec['d']} "
-            f"fp32 Adam{' recompute' if spec['recompute'] else ''}; MB = 2^20 bytes",
+            f"w={spec['w']} {spec['dtype']} Adam{' recompute' if spec['recompute'] else ''}; "
+            "MB = 2^20 bytes",
             C.table(headers, out),
-            "stash peak (mb): peak bytes saved for backward + kept inputs/outputs over the "
-            "microbatches in flight (their peak count); model total (in flight): the planner's "
-            "state_bytes + activation_bytes x in_flight; peak RSS+: process peak RSS above its "
-            "RSS after imports and data"]
+            "do: distributed optimizer; master: fp32 master weights (bf16/fp16, or the real "
+            "weights of a 2BW compensation that predicts); grads: fp32 buffers + the "
+            "low-precision one; optimizer: its state; stash peak (mb): peak bytes saved for "
+            "backward + kept inputs/outputs over the microbatches in flight (their peak count); model total (in "
+            "flight): the planner's state_bytes + activation_bytes x in_flight; peak RSS+: "
+            "process peak RSS above its RSS after imports and data",
+            "", "Bytes per parameter of each stage (replica 0; every data-parallel rank alike):",
+            format_bytes_per_parameter(rows)]
     for name, value, met in targets(spec, rows):
         text.append(f"target: {name}: {value} -> {'met' if met else 'MISSED'}")
     return "\n".join(text)
@@ -265,6 +352,11 @@ def parse(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--batches", type=int, default=3, help="batches trained per run")
     p.add_argument("--recompute", action="store_true", help="recompute transformer layers")
+    p.add_argument("--data-parallel-size", "-w", type=int, default=1)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--distributed-optimizer", choices=("off", "on", "both"), default="off",
+                   help="both: every run with and without --use-distributed-optimizer")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", default=None)
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tests)")
@@ -278,6 +370,8 @@ def parse(argv=None):
                 f"with a compensation after '+' ({', '.join(COMPENSATIONS)})")
     if args.num_layers < args.pipeline_stages:
         p.error("--num-layers must be >= --pipeline-stages")
+    if args.bf16 and args.fp16:
+        p.error("--bf16 and --fp16 exclude each other: pick one")
     return args
 
 
@@ -285,14 +379,17 @@ def main(argv=None) -> int:
     args = parse(argv)
     spec = dict(d=args.pipeline_stages, layers=args.num_layers, hidden=args.hidden_size,
                 heads=args.num_attention_heads, seq=args.seq_length, vocab=args.vocab_size,
-                micro=args.micro_batch_size, batches=args.batches, recompute=args.recompute)
+                micro=args.micro_batch_size, batches=args.batches, recompute=args.recompute,
+                w=args.data_parallel_size,
+                dtype="bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"))
     ms = args.ms
     if args.tiny:
         spec.update(layers=2, hidden=16, heads=2, seq=8, vocab=64, micro=2, batches=2)
         ms = [2]
+    dists = {"off": (False,), "on": (True,), "both": (False, True)}[args.distributed_optimizer]
     print(f"# bench/memory.py  {C.stamp()}\n# {C.command_line()}", flush=True)
     rows = measure(spec, args.scheds, ms, args.timeout,
-                   log=lambda s: print(s, file=sys.stderr, flush=True))
+                   log=lambda s: print(s, file=sys.stderr, flush=True), dists=dists)
     print(format_rows(spec, rows), flush=True)
     if args.json:
         C.write_json(args.json, {"date": C.stamp(), "command": C.command_line(), "spec": spec,

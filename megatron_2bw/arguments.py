@@ -6,7 +6,8 @@ import difflib
 import sys
 from dataclasses import replace
 
-from .config import (LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS, SCHEDULES, BatchConfig, Config,
+from .config import (LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS, RECOMPUTE_GRANULARITIES, SCHEDULES,
+                     BatchConfig, Config,
                      ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                      TrainConfig)
 from .models.flavours import FLAVOURS, flavour_architecture, flavour_shape
@@ -52,11 +53,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--recompute-activations", action="store_true",
-                   help="recompute every transformer layer in backward (same as "
-                        "--recompute-granularity full --recompute-method uniform "
-                        "--recompute-num-layers 1)")
-    g.add_argument("--recompute-granularity", choices=("full",), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+                   help="selective recomputation, as in Megatron: recompute core attention "
+                        "(softmax and dropout over the scores) in backward, keep the rest. "
+                        "CHANGED: it used to mean full recomputation of every layer; for that "
+                        "give --recompute-granularity full --recompute-method uniform "
+                        "--recompute-num-layers 1")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="selective: core attention (= --recompute-activations); full: whole "
+                        "transformer layers, chosen by --recompute-method and "
+                        "--recompute-num-layers")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="full recomputation: uniform (chunks of N layers) or block (the first N "
+                        "layers of each stage)")
     g.add_argument("--recompute-num-layers", type=int, default=None)
     add_architecture_args(p)
 
@@ -126,6 +134,14 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and optimizer state across the data-parallel "
+                        "ranks of each stage (gradients reduce-scattered, new weights "
+                        "all-gathered)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-model-parallel-size > 1: split norms, dropout and "
+                        "residuals along the sequence (all-reduces become all-gather + "
+                        "reduce-scatter; stage-to-stage messages shrink by t)")
 
 
 def add_training_args(p: argparse.ArgumentParser) -> None:
@@ -226,16 +242,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
             shape[key] = getattr(args, key)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive: pick one")
-    method, num = args.recompute_method, args.recompute_num_layers
-    if args.recompute_activations:
-        method, num = method or "uniform", num or 1
-    elif args.recompute_granularity == "full":
-        if method is None or num is None:
-            raise ConfigError("--recompute-granularity full needs --recompute-method "
-                              "{uniform,block} and --recompute-num-layers N")
-    elif method is not None or num is not None:
-        raise ConfigError("--recompute-method/--recompute-num-layers need "
-                          "--recompute-granularity full")
+    method, num, granularity = recompute_from_args(args)
     model = ModelConfig(
         family=family, bert_binary_head=not getattr(args, "bert_no_binary_head", False), num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
         num_attention_heads=shape["num_attention_heads"], ffn_hidden_size=args.ffn_hidden_size,
@@ -243,12 +250,15 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        recompute_method=method, recompute_num_layers=num or 0)
+        recompute_method=method, recompute_num_layers=num or 0,
+        recompute_granularity=granularity)
     model = apply_architecture_args(model, args)
     parallel = ParallelConfig(
         tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
         data=args.data_parallel_size, rank_order=args.rank_order,
-        backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes)
+        backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
+        distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        sequence_parallel=getattr(args, "sequence_parallel", False))
     batch = BatchConfig(micro_batch_size=args.micro_batch_size,
                         global_batch_size=args.global_batch_size)
     optimizer = OptimizerConfig(
@@ -281,6 +291,26 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=args.pipeline_schedule,
                   compensation=getattr(args, "compensation", NO_COMPENSATION))
+
+
+def recompute_from_args(args) -> tuple:
+    """(recompute_method, recompute_num_layers, recompute_granularity) of the recompute flags,
+    with Megatron's meanings: --recompute-activations is selective recomputation."""
+    method, num = args.recompute_method, args.recompute_num_layers
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise ConfigError("--recompute-activations means selective recomputation (core "
+                              "attention), --recompute-granularity full whole layers: give one")
+        granularity = "selective"
+    if granularity == "full":
+        if method is None or num is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method "
+                              "{uniform,block} and --recompute-num-layers N")
+    elif method is not None or num is not None:
+        raise ConfigError("--recompute-method/--recompute-num-layers need "
+                          "--recompute-granularity full")
+    return method, num, granularity
 
 
 def exit_on_config_error(fn):

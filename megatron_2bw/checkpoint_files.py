@@ -3,6 +3,9 @@
     {dir}/latest_checkpointed_iteration.txt             the newest complete iteration
     {dir}/iter_0000100/mp_rank_00/model_optim_rng.pt    one stage's state (+ .sha256 beside it)
     {dir}/iter_0000100/mp_rank_00_001/...               tensor rank 0, stage 1 (d > 1)
+    {dir}/iter_0000100/mp_rank_00/distrib_optim_dp002.pt  data-parallel rank 2's optimizer shard
+                                                        (--use-distributed-optimizer; the
+                                                        stage file then holds no optimizer)
     {dir}/.../.tmp-XXXXXX                               a write in progress (TMP_PREFIX)
 
 - Every file is written to a `.tmp-` name next to it, fsynced and renamed over the target, so a
@@ -26,6 +29,13 @@ from .config import ConfigError
 
 LATEST = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
+
+
+def optimizer_shard_name(dp_rank: int) -> str:
+    """The file of a data-parallel rank's distributed-optimizer shard, next to FILENAME."""
+    return f"distrib_optim_dp{dp_rank:03d}.pt"
+
+
 TMP_PREFIX = ".tmp-"
 
 

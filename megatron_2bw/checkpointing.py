@@ -3,6 +3,10 @@
 Each stage file holds the stage's engine state at an iteration boundary (newest fp32 weights, the
 2BW version the next batch runs on, optimizer, loss scaler), the iteration, the consumed samples,
 the config and the parallel layout. Data-parallel replicas are identical, so replica 0 writes.
+With the distributed optimizer each data-parallel rank also writes its optimizer shard
+(`optimizer_shard_name`, optim/distributed.py's state) and the stage file records how many there
+are ("optimizer_shards"); a run with the same data-parallel size reads its own shard, any other
+run (another w, or no distributed optimizer) reads all of them and re-cuts them.
 
 A save is collective and all-or-nothing. Every rank first agrees that the iteration is newer
 than `latest` and that every stage's weights are finite (else nobody writes); then each stage
@@ -18,8 +22,8 @@ import os
 import torch
 
 from .checkpoint_files import (FILENAME, LATEST, CheckpointError, latest_iteration, not_newer,
-                               prune, rank_dir, remove_temporary_files, verify_checksum,
-                               write_latest, write_with_checksum)
+                               optimizer_shard_name, prune, rank_dir, remove_temporary_files,
+                               verify_checksum, write_latest, write_with_checksum)
 from .config import Config, TrainConfig
 from .paths import check_writable_dir
 from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe
@@ -84,21 +88,19 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
     current = latest_iteration(save_dir)
     if current is not None and t <= current:  # every rank reads the same `latest`
         raise CheckpointError(not_newer(save_dir, t, current))
-    state = engine.state_dict() if grid.dp_rank == 0 else None
+    sharded = engine.weights.sharded
+    state = engine.state_dict() if (grid.dp_rank == 0 or sharded) else None
     bad = _agree(_nonfinite(state, engine.weights.slots[0].dtype, grid, t, save_dir), grid)
     if bad:
         raise NumericsError(bad)
-    problem = None
+    problem, written = None, []
     if state is not None:
-        if not save_optim:
-            state.pop("optimizer")
-        payload = {"engine": state, "iteration": t,
-                   "consumed_samples": t * cfg.batch.global_batch_size,
-                   "layout": layout(cfg, grid), "config": cfg.to_dict(),
-                   "rng": {"cpu": torch.get_rng_state()}}
+        writes = _files_to_write(path, state, t, cfg, grid, save_optim, sharded)
         hooks.during_save(grid, t, path)
         try:
-            write_with_checksum(path, lambda f: torch.save(payload, f))
+            for target, payload in writes:
+                written.append(target)
+                write_with_checksum(target, lambda f, payload=payload: torch.save(payload, f))
         except CheckpointError as e:
             kept = f"iteration {current}" if current is not None else "none"
             problem = f"{e}; the previous checkpoint ({kept}) in {save_dir} is intact"
@@ -112,16 +114,41 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
             problem = str(e)
     problem = _agree(problem, grid)
     if problem:
-        if state is not None and latest_iteration(save_dir) != t:
-            _remove_stage_files(path)  # leave no half of an iteration behind
+        if written and latest_iteration(save_dir) != t:
+            _remove_stage_files(written)  # leave no half of an iteration behind
         raise CheckpointError(problem)
     return path
 
 
-def _remove_stage_files(path: str) -> None:
-    for p in (path, path + ".sha256"):
-        if os.path.exists(p):
-            os.unlink(p)
+def _files_to_write(path: str, state: dict, t: int, cfg: Config, grid, save_optim: bool,
+                    sharded: bool) -> list[tuple[str, dict]]:
+    """(file, payload) this rank writes: replica 0 the stage file, and with the distributed
+    optimizer every data-parallel rank its optimizer shard."""
+    optimizer = state.pop("optimizer")
+    out = []
+    if grid.dp_rank == 0:
+        engine_state = dict(state, optimizer=optimizer) if (save_optim and not sharded) \
+            else state
+        payload = {"engine": engine_state, "iteration": t,
+                   "consumed_samples": t * cfg.batch.global_batch_size,
+                   "layout": layout(cfg, grid), "config": cfg.to_dict(),
+                   "rng": {"cpu": torch.get_rng_state()}}
+        if sharded and save_optim:
+            payload["optimizer_shards"] = grid.data
+        out.append((path, payload))
+    if sharded and save_optim:
+        shard = os.path.join(os.path.dirname(path), optimizer_shard_name(grid.dp_rank))
+        out.append((shard, {"optimizer": optimizer, "iteration": t,
+                            "layout": layout(cfg, grid)}))
+    return out
+
+
+def _remove_stage_files(paths: list[str]) -> None:
+    for path in paths:
+        for p in (path, path + ".sha256"):
+            if os.path.exists(p):
+                os.unlink(p)
+    path = paths[0]
     for d in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
         try:
             os.rmdir(d)  # only when empty: other stages may still be removing theirs
@@ -130,6 +157,16 @@ def _remove_stage_files(path: str) -> None:
 
 
 def _read(path: str, t: int, cfg: Config, grid) -> dict:
+    payload = _load_file(path, t)
+    theirs, ours = legacy_layout(payload.get("layout", {})), layout(cfg, grid)
+    diff = [f"{k} {theirs.get(k)} != {ours[k]}" for k in ours if theirs.get(k) != ours[k]]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} was saved for another model or layout "
+                              f"({', '.join(diff)}): use matching flags")
+    return payload
+
+
+def _load_file(path: str, t: int) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint at iteration "
                               f"{t} is incomplete or was written with another parallel layout")
@@ -139,12 +176,18 @@ def _read(path: str, t: int, cfg: Config, grid) -> dict:
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
                               "truncated or corrupted; load an earlier iteration") from None
-    theirs, ours = legacy_layout(payload.get("layout", {})), layout(cfg, grid)
-    diff = [f"{k} {theirs.get(k)} != {ours[k]}" for k in ours if theirs.get(k) != ours[k]]
-    if diff:
-        raise CheckpointError(f"checkpoint {path} was saved for another model or layout "
-                              f"({', '.join(diff)}): use matching flags")
     return payload
+
+
+def _optimizer_shards(path: str, t: int, count: int, engine, grid):
+    """The distributed-optimizer state saved by `count` data-parallel ranks, as this engine
+    loads it: its own shard when it runs sharded over as many ranks, else all of them."""
+    directory = os.path.dirname(path)
+    own = engine.weights.sharded and grid.data == count
+    ranks = [grid.dp_rank] if own else range(count)
+    shards = [_load_file(os.path.join(directory, optimizer_shard_name(r)), t)["optimizer"]
+              for r in ranks]
+    return shards[0] if own else shards
 
 
 def _loss_scaling(precision: dict) -> tuple:
@@ -165,14 +208,17 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     payload, problem = None, None
     try:
         payload = _read(path, t, cfg, grid)
+        shards = payload.get("optimizer_shards")
+        if shards and load_optim and not finetune:
+            payload["engine"]["optimizer"] = _optimizer_shards(path, t, shards, engine, grid)
     except CheckpointError as e:
         problem = str(e)
     first = _agree(problem, grid)  # every rank reports the same first error
     if first:
         raise CheckpointError(first)
     state = payload["engine"]
-    if finetune or not load_optim or "optimizer" not in state:
-        state = dict(state, optimizer=engine.stepper.optimizer.state_dict())
+    if finetune or not load_optim:
+        state = {k: v for k, v in state.items() if k != "optimizer"}  # the optimizer starts fresh
     theirs = _loss_scaling(payload.get("config", {}).get("precision", {}))
     ours = _loss_scaling({"dtype": cfg.precision.dtype, "loss_scale": cfg.precision.loss_scale})
     if finetune or theirs != ours:

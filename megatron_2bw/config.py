@@ -29,6 +29,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd")
 RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_GRANULARITIES = ("selective", "full")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -68,10 +69,14 @@ class ModelConfig:
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = False
     layernorm_epsilon: float = 1e-5
-    recompute_method: str | None = None           # None (off), "uniform" or "block"
+    recompute_method: str | None = None           # full recompute: None (off), "uniform", "block"
     bert_binary_head: bool = True
     num_tokentypes: int = 2
     recompute_num_layers: int = 0
+    # Megatron's --recompute-granularity: "selective" (core attention: softmax and dropout over
+    # the scores), "full" (whole layers, by recompute_method), None (no recomputation); a
+    # recompute_method given alone means "full"
+    recompute_granularity: str | None = None
     # -- architecture: Megatron's flags and meanings; the defaults are the GPT-2 shape --------
     # (--norm-epsilon fills layernorm_epsilon above; rules: _check_architecture below)
     position_embedding_type: str = "learned_absolute"  # or "rope" (no learned positions)
@@ -83,6 +88,19 @@ class ModelConfig:
     num_query_groups: int = 1                   # key/value heads; read with group_query_attention
     add_bias_linear: bool = True                # --disable-bias-linear: no bias in any linear
     openai_gelu: bool = False                   # tanh-approximated GeLU (GPT-2's "gelu_new")
+
+    def __post_init__(self):
+        if self.recompute_method is not None and self.recompute_granularity is None:
+            object.__setattr__(self, "recompute_granularity", "full")
+
+    @property
+    def selective_recompute(self) -> bool:
+        """--recompute-activations: recompute core attention only (Megatron's meaning)."""
+        return self.recompute_granularity == "selective"
+
+    @property
+    def full_recompute(self) -> bool:
+        return self.recompute_granularity == "full"
 
     @property
     def ffn_size(self) -> int:
@@ -120,6 +138,8 @@ class ParallelConfig:
     backend: str | None = None      # None -> nccl when CUDA is available, else gloo
     timeout_minutes: float = 10.0
     partition: tuple[int, ...] | None = None  # stage boundaries over [embedding, blocks..., head]
+    distributed_optimizer: bool = False  # shard master weights + optimizer state over w ranks
+    sequence_parallel: bool = False      # norms, dropout, residuals split along the sequence (t>1)
 
     def __post_init__(self):
         if self.partition is not None and not isinstance(self.partition, tuple):
@@ -352,6 +372,22 @@ class Config:
                     or any(x >= y for x, y in zip(bounds, bounds[1:]))):
                 _fail(f"stage partition {bounds} must rise strictly from 0 to {n} in "
                       f"{p.pipeline} steps (one boundary per stage)")
+        if m.recompute_granularity not in (None,) + RECOMPUTE_GRANULARITIES:
+            _fail(f"unknown --recompute-granularity {m.recompute_granularity!r}: use one of "
+                  f"{', '.join(RECOMPUTE_GRANULARITIES)}")
+        if m.full_recompute and m.recompute_method is None:
+            _fail("--recompute-granularity full needs --recompute-method {uniform,block} and "
+                  "--recompute-num-layers N")
+        if m.selective_recompute and m.recompute_method is not None:
+            _fail("--recompute-method applies to --recompute-granularity full, not selective: "
+                  "drop one of them")
+        if p.sequence_parallel:
+            if p.tensor < 2:
+                _fail("--sequence-parallel splits the sequence across tensor ranks: it needs "
+                      f"--tensor-model-parallel-size > 1 (got {p.tensor})")
+            if m.seq_length % p.tensor:
+                _fail(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
+                      f"--tensor-model-parallel-size {p.tensor}")
         if m.recompute_method is not None:
             if m.recompute_method not in RECOMPUTE_METHODS:
                 _fail(f"unknown --recompute-method {m.recompute_method!r}: use one of "
@@ -389,7 +425,8 @@ class Config:
             "--micro-batch-size")
         if error:
             _fail(error)
-        error = compensation_error(self.compensation, self.schedule, o.name, o.sgd_momentum)
+        error = compensation_error(self.compensation, self.schedule, o.name, o.sgd_momentum,
+                                   p.distributed_optimizer, w)
         if error:
             _fail(error)
         tr = self.train

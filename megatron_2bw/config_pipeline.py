@@ -36,10 +36,12 @@ FLAG_FIXES = {
     "--global-batch-size": "batch.global_batch_size",
     "--pipeline-schedule": "schedule",
     "--2bw-compensation": "schedule",  # compensates 2BW: the planner keeps the schedule
-    "--recompute-activations": "model.recompute_method",
-    "--recompute-granularity": "model.recompute_method",
-    "--recompute-method": "model.recompute_method",
-    "--recompute-num-layers": "model.recompute_method",
+    "--recompute-activations": "model.recompute_granularity",
+    "--recompute-granularity": "model.recompute_granularity",
+    "--recompute-method": "model.recompute_granularity",
+    "--recompute-num-layers": "model.recompute_granularity",
+    "--use-distributed-optimizer": "parallel.distributed_optimizer",
+    "--sequence-parallel": "parallel.sequence_parallel",
 }
 
 

@@ -29,7 +29,7 @@ def flops_per_sample(cfg) -> float:
     try:
         from .models.flops import model_flops_per_sample
         return float(model_flops_per_sample(cfg.model,
-                                            recompute=cfg.model.recompute_method is not None))
+                                            recompute=cfg.model.full_recompute))
     except Exception:  # noqa: BLE001 - logging must not fail on an estimate
         return 0.0
 

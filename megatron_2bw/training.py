@@ -1,6 +1,7 @@
 """Building an engine from the config, and the training loop shared by the pretrain scripts."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterator
 
@@ -39,6 +40,8 @@ def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGri
 def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
     """(layer specs, loss function, stage boundaries) of the configured model family."""
     specs_fn, loss_fn, partition_fn, _, _ = FAMILIES[cfg.model.family]
+    if cfg.parallel.sequence_parallel != tp.sequence_parallel:
+        tp = dataclasses.replace(tp, sequence_parallel=cfg.parallel.sequence_parallel)
     partition = cfg.parallel.partition if (cfg.parallel.partition and num_stages > 1) else \
         partition_fn(cfg.model, num_stages)
     return specs_fn(cfg.model, tp, seed=cfg.train.seed), loss_fn(tp), partition

@@ -75,7 +75,7 @@ def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
     for (sched, m), r in rows.items():
         for s in r["stages"]:
             model = s["model"]
-            for key in ("weights", "master", "grads", "optimizer"):
+            for key in ("weights", "master", "grads", "model_grad", "optimizer"):
                 assert s[key] == model[key], (sched, s["stage"], key)
             # fp32: only predict keeps the real weights apart from the slots (one stage buffer)
             assert s["master"] == (4 * s["params"] if sched == "2bw+predict" else 0)
@@ -84,6 +84,30 @@ def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
             assert s["stash_peak"] > 0
             assert 0.5 < s["total"] / model["total"] < 1.5
     assert "target: 2bw m=2: stage-0 stash <= d=2 microbatches" in out
+
+
+@pytest.mark.parametrize("w", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, w):
+    """bf16 2BW at w with and without --use-distributed-optimizer: every buffer equals the memory
+    model's bytes, and master weights + optimizer state shrink to 1/w (exactly, up to the
+    padding of each of the stage's at most two regions to a multiple of w)."""
+    out = _run(["bench/memory.py", "--tiny", "--schedules", "2bw", "--data-parallel-size", str(w),
+                "--bf16", "--distributed-optimizer", "both", "--json", tmp_path / "m.json"])
+    data = json.loads((tmp_path / "m.json").read_text())
+    rows = {r["distributed_optimizer"]: r for r in data["rows"]}
+    assert set(rows) == {False, True}
+    for dist, r in rows.items():
+        assert r["replicas_alike"]
+        for s in r["stages"]:
+            for key in ("weights", "master", "grads", "model_grad", "optimizer"):
+                assert s[key] == s["model"][key], (dist, s["stage"], key)
+    for sharded, whole in zip(rows[True]["stages"], rows[False]["stages"]):
+        for key, per_element in (("master", 4), ("optimizer", 8)):  # fp32; Adam's two moments
+            padding = (sharded[key] * w - whole[key]) // per_element
+            assert whole[key] > 0 and 0 <= padding <= 2 * (w - 1), (key, sharded, whole)
+        assert sharded["weights"] == whole["weights"] and sharded["grads"] == whole["grads"]
+    assert out.count("= the memory model's") == 2 and "-> MISSED" not in out
+    assert "Bytes per parameter of each stage" in out
 
 
 def test_overhead_tiny(tmp_path):
@@ -264,3 +288,16 @@ def test_too_few_microbatches_for_2bw_is_the_kinds_one_line_error(script, argv, 
     assert proc.stderr.splitlines()[-1].endswith(
         "error: 2bw needs at least as many microbatches per batch as pipeline stages "
         f"(m=2 < d=4): {fix}"), proc.stderr
+
+
+def test_memory_skips_a_compensation_the_distributed_optimizer_does_not_support():
+    """bench/memory.py runs 2BW+predict without the distributed optimizer only: with it (w > 1)
+    the config rejects the pair, so the run is skipped with that one-line reason, unspawned."""
+    import memory
+    spec = dict(d=2, w=2)
+    assert memory.run_error(spec, "2bw+predict", False) is None
+    assert memory.run_error(spec, "2bw", True) is None
+    logged = []
+    assert memory.measure(spec, ["2bw+predict"], [2], log=logged.append, dists=(True,)) == []
+    assert len(logged) == 1 and "2bw+predict m=2 distributed optimizer: skipped: " \
+        "--2bw-compensation predict is not supported with --use-distributed-optimizer" in logged[0]

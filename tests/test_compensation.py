@@ -130,11 +130,26 @@ def test_fp32_predict_adds_one_stage_buffer_and_mixed_precision_none():
     assert keeps_master("fp32", "predict-spike") and not keeps_master("fp32", "none")
     n = 1000
     for dtype in ("bf16", "fp16"):
-        assert state_bytes(n, 2, dtype, "adam", "predict") == state_bytes(n, 2, dtype, "adam")
-    extra = {k: state_bytes(n, 2, "fp32", "adam", "predict")[k] - v
+        assert state_bytes(n, 2, dtype, "adam", compensation="predict") == \
+            state_bytes(n, 2, dtype, "adam")
+    extra = {k: state_bytes(n, 2, "fp32", "adam", compensation="predict")[k] - v
              for k, v in state_bytes(n, 2, "fp32", "adam").items()}
     assert extra == {"weights": 0, "master": 4 * n, "grads": 0, "model_grad": 0, "optimizer": 0}
-    assert state_bytes(n, 2, "fp32", "adam", "none") == state_bytes(n, 2, "fp32", "adam")
+    assert state_bytes(n, 2, "fp32", "adam", compensation="none") == \
+        state_bytes(n, 2, "fp32", "adam")
+
+
+def test_memory_model_counts_the_compensation_master_and_the_distributed_optimizer_together():
+    """The two terms compose: the predict master is one more fp32 buffer, sharded like the
+    distributed optimizer's master and state (1/w of the padded stage)."""
+    n, w = 1001, 4
+    mem = state_bytes(n, 2, "fp32", "adam", shards=w, compensation="predict")
+    padded = -(-n // w) * w
+    assert mem["master"] == 4 * padded // w and mem["optimizer"] == 8 * padded // w
+    assert mem["weights"] == 2 * 4 * padded
+    assert state_bytes(n, 2, "fp32", "adam", shards=w)["master"] == 0
+    assert state_bytes(n, 2, "bf16", "adam", shards=w, compensation="predict") == \
+        state_bytes(n, 2, "bf16", "adam", shards=w)
 
 
 # -- one-line errors ------------------------------------------------------------------------------
@@ -154,6 +169,27 @@ def test_compensation_that_does_not_apply_is_a_one_line_error(argv, match):
     with pytest.raises(ConfigError, match=match) as e:
         build_config(args, "gpt", 1)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("method", COMPENSATED)
+def test_compensation_with_a_sharding_distributed_optimizer_is_a_one_line_error(method):
+    """Rejected in build_config (before any process group): the prediction is not computed per
+    shard. At w = 1 the distributed optimizer shards nothing and the combination runs."""
+    from megatron_2bw.config import ConfigError
+    argv = ["--mock-data", "--2bw-compensation", method, "--use-distributed-optimizer",
+            "--micro-batch-size", "2", "--global-batch-size", "8"]
+    with pytest.raises(ConfigError, match=(
+            rf"^--2bw-compensation {method} is not supported with --use-distributed-optimizer "
+            r"\(data-parallel size 2: .*\): drop --use-distributed-optimizer or use "
+            r"--2bw-compensation none$")) as e:
+        build_config(build_parser("gpt").parse_args(argv + ["--data-parallel-size", "2"]),
+                     "gpt", 2)
+    assert "\n" not in str(e.value)
+    one = build_config(build_parser("gpt").parse_args(argv), "gpt", 1).config
+    assert one.compensation == method and one.parallel.distributed_optimizer
+    plain = argv[:2] + ["none"] + argv[3:] + ["--data-parallel-size", "2"]
+    cfg = build_config(build_parser("gpt").parse_args(plain), "gpt", 2).config
+    assert cfg.compensation == "none" and cfg.parallel.distributed_optimizer
 
 
 def test_unknown_compensation_is_a_flag_error(capsys):

@@ -44,7 +44,9 @@ def test_llama_t2_d2_flush_sgd_agrees_to_rounding():
 @pytest.mark.parametrize("t,d,w", [(1, 2, 1), (2, 2, 1), (1, 2, 2)], ids=["d2", "t2d2", "d2w2"])
 @pytest.mark.parametrize("schedule", ["gpipe", "flush", "2bw"])
 def test_llama_full_matrix(schedule, t, d, w):
-    check(schedule, t, d, w, extra=INIT + (["--recompute-activations"] if w == 2 else []))
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]
+    check(schedule, t, d, w, extra=INIT + (full if w == 2 else ["--recompute-activations"]))
 
 
 def test_bert_with_the_llama_architecture_t2_d2():

@@ -1,8 +1,9 @@
 """Tensor x pipeline x data layouts of GPT and BERT equal the single-process reference
-(tools/verify_equivalence.py), with and without activation recomputation.
+(tools/verify_equivalence.py), without activation recomputation, with selective recomputation
+(--recompute-activations: core attention) and with full recomputation of whole layers.
 
 The default run keeps the cheap cases; `-m slow` runs the whole matrix of issue 3
-((t,d,w) in {(2,1,1),(2,2,1),(2,2,2)} x gpipe/flush/2bw x GPT/BERT x recompute on/off)."""
+((t,d,w) in {(2,1,1),(2,2,1),(2,2,2)} x gpipe/flush/2bw x GPT/BERT x recompute off/selective/full)."""
 import pytest
 
 from megatron_2bw.verify import parse, run
@@ -15,8 +16,11 @@ def check(model, schedule, t, d, w, recompute):
     argv = ["--model-type", model, "--schedule", schedule, "--tensor-model-parallel-size", str(t),
             "--pipeline-model-parallel-size", str(d), "--data-parallel-size", str(w),
             "--global-batch-size", str(8 * w)] + TINY
-    if recompute:
-        argv.append("--recompute-activations")
+    if recompute == "full":
+        argv += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+    elif recompute:
+        argv.append("--recompute-activations")  # selective: core attention
     cfg, _ = parse(argv)
     rep = run(cfg, timeout_minutes=2)
     assert rep.passed(1e-5), rep
@@ -24,17 +28,17 @@ def check(model, schedule, t, d, w, recompute):
 
 
 @pytest.mark.parametrize("model,schedule,t,d,w,recompute", [
-    ("gpt", "2bw", 2, 2, 1, True),
+    ("gpt", "2bw", 2, 2, 1, "full"),
     ("gpt", "gpipe", 2, 1, 1, False),
-    ("bert", "flush", 2, 2, 1, False),
-    ("bert", "2bw", 2, 1, 1, True),
+    ("bert", "flush", 2, 2, 1, "selective"),
+    ("bert", "2bw", 2, 1, 1, "full"),
 ])
 def test_cheap_layouts(model, schedule, t, d, w, recompute):
     check(model, schedule, t, d, w, recompute)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("recompute", [False, "selective", "full"])
 @pytest.mark.parametrize("t,d,w", [(2, 1, 1), (2, 2, 1), (2, 2, 2)], ids=["t2", "t2d2", "t2d2w2"])
 @pytest.mark.parametrize("schedule", ["gpipe", "flush", "2bw"])
 @pytest.mark.parametrize("model", ["gpt", "bert"])

@@ -252,3 +252,86 @@ def test_one_stage_asynchronous_layouts_only_when_no_synchronous_schedule_is_all
     assert any(L.pipeline > 1 and not L.kind.synchronous for L in layouts)
     only_2bw = list(enumerate_layouts(_model(4), topo, 16, schedules=("2bw",)))
     assert any(L.pipeline == 1 for L in only_2bw)  # the user asked for 2bw: it is offered
+
+
+PAPER = ("--model gpt-3.8b --num-nodes 8 --gpus-per-node 8 --gpu-memory-gb 16 "
+         "--inter-node-bandwidth-gbps 25 --global-batch-size 512 --fp16 --top 1 --json").split()
+SMALL = ("--model gpt-1.3b --num-nodes 1 --gpus-per-node 8 --gpu-memory-gb 16 "
+         "--global-batch-size 64 --bf16 --top 1 --json").split()
+
+
+def _plan_json(argv):
+    out = io.StringIO()
+    assert plan_run(argv, out) == 0
+    return json.loads(out.getvalue())
+
+
+@pytest.mark.parametrize("argv", [
+    pytest.param(PAPER, marks=pytest.mark.slow, id="paper"),  # ~30 s per search
+    pytest.param(SMALL, id="small")])
+def test_plan_says_whether_it_uses_the_distributed_optimizer_and_why(argv):
+    """The paper's 3.8B GPT on 8 x 8 16 GB GPUs (and a small cluster): the statement matches the
+    flags, and the layout it compares with is the best plan of the other choice, with its real
+    memory and slowdown."""
+    data = _plan_json(argv)
+    chosen, why = data["chosen"], data["distributed_optimizer"]
+    uses = chosen["distributed_optimizer"]
+    assert why.startswith(f"distributed optimizer: {'yes' if uses else 'no'}: "), why
+    assert ("--use-distributed-optimizer" in data["flags"]) == uses
+    other = _plan_json(argv + ["--distributed-optimizer", "on" if not uses else "off"])["chosen"]
+    assert other["distributed_optimizer"] != uses
+    slower = other["time_per_batch_s"] / chosen["time_per_batch_s"] - 1
+    assert f"max {max(other['memory_gb_per_stage']):.2f} GB) is {slower:.1%} slower" in why, why
+    assert f"w{other['data']} b{other['micro_batch_size']}" in why
+    if uses:
+        assert f"(1/{chosen['data']} of the stage's)" in why
+
+
+def test_plan_without_replicas_says_there_is_nothing_to_shard():
+    argv = "--model gpt-1.3b --num-gpus 2 --global-batch-size 8 --bf16 --tensor-sizes 2"
+    out = io.StringIO()
+    assert plan_run(argv.split(), out) == 0
+    assert "distributed optimizer: no: the chosen layout has one data-parallel replica" in \
+        out.getvalue()
+
+
+def test_the_planner_turns_on_the_distributed_optimizer_and_recomputation_when_they_fit_it():
+    """GPT 1.3B, bf16 2BW at d=2 w=2 on 18 GB GPUs: without the distributed optimizer nothing
+    fits, even with full recomputation; with it, full recomputation fits and is chosen."""
+    topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=18)
+    args = (named_model("gpt-1.3b"), topo, AnalyticProfile(), 64)
+    kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,))
+    with pytest.raises(PlanError, match="does not fit"):
+        search(*args, distributed_optimizer=(False,), **kw)
+    L = search(*args, **kw).best.layout
+    assert (L.data, L.distributed_optimizer, L.recompute) == (2, True, True)
+    with pytest.raises(PlanError, match="does not fit"):
+        search(*args, recompute=(False, "selective"), **kw)
+
+
+def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
+    layouts = list(enumerate_layouts(_model(4), Topology(num_nodes=1, gpus_per_node=4), 16))
+    assert {(L.sequence_parallel, L.distributed_optimizer) for L in layouts} == \
+        {(a, b) for a in (False, True) for b in (False, True)}
+    assert all(L.tensor > 1 for L in layouts if L.sequence_parallel)
+    assert all(L.data > 1 for L in layouts if L.distributed_optimizer)
+    assert {L.recompute_name for L in layouts} == {"no", "sel", "full"}
+
+
+def test_a_predicting_2bw_compensation_is_never_planned_with_the_distributed_optimizer():
+    """compensation_error rejects --2bw-compensation predict/predict-spike with a sharding
+    distributed optimizer, so the planner never proposes it: the 1.3B case that fits only with
+    the distributed optimizer does not fit with predict."""
+    from megatron_2bw.pipeline.compensation import compensation_method
+    assert compensation_method("none").shardable
+    assert not compensation_method("predict").shardable
+    layouts = list(enumerate_layouts(_model(4), Topology(num_nodes=1, gpus_per_node=4), 16,
+                                     shardable=False))
+    assert any(L.data > 1 for L in layouts)
+    assert not any(L.distributed_optimizer for L in layouts)
+    topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=18)
+    args = (named_model("gpt-1.3b"), topo, AnalyticProfile(), 64)
+    kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,))
+    with pytest.raises(PlanError, match="does not fit"):
+        search(*args, compensation="predict-spike", **kw)
+    assert search(*args, compensation="none", **kw).best.layout.distributed_optimizer

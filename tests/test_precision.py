@@ -15,11 +15,13 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
         "--pipeline-model-parallel-size 2 --optimizer sgd --lr 0.05").split()
 
 
-@pytest.mark.parametrize("precision,rtol", [("--bf16", 3e-2), ("--fp16", 1e-2)])
-def test_mixed_precision_2bw_tracks_fp32_reference(precision, rtol):
+@pytest.mark.parametrize("precision,rtol,extra", [
+    ("--bf16", 3e-2, []), ("--fp16", 1e-2, []),
+    ("--bf16", 3e-2, ["--use-distributed-optimizer"])], ids=["bf16", "fp16", "bf16-distopt"])
+def test_mixed_precision_2bw_tracks_fp32_reference(precision, rtol, extra):
     # SGD keeps the comparison meaningful: Adam normalizes away the gradient's scale, so
     # low-precision rounding in tiny gradients would flip update signs of those elements.
-    cfg, _ = parse(["--schedule", "2bw", precision] + TINY)
+    cfg, _ = parse(["--schedule", "2bw", precision] + TINY + extra)
     rep = run(cfg, timeout_minutes=1)
     assert rep.passed(rtol), rep
     assert rep.max_loss_diff < 1e-4
@@ -43,9 +45,13 @@ def _fp16_worker(rank, world_size, cfg, outdir):
                os.path.join(outdir, f"{rank}.pt"))
 
 
-def test_fp16_overflow_skips_consistently_on_every_rank():
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"]], ids=["", "distopt"])
+def test_fp16_overflow_skips_consistently_on_every_rank(extra):
+    """(With the distributed optimizer each rank's master is its shard, and the replicas'
+    weight versions must still be bitwise alike after the skips.)"""
     cfg, _ = parse(["--schedule", "2bw", "--fp16", "--initial-loss-scale", str(2.0 ** 24),
-                    "--hysteresis", "1"] + TINY[:-4] + ["--train-iters", "8"])
+                    "--hysteresis", "1"] + TINY[:-4] + ["--train-iters", "8"] + extra)
+    assert cfg.parallel.distributed_optimizer == bool(extra)
     with tempfile.TemporaryDirectory() as d:
         spawn(_fp16_worker, 4, args=(cfg, d), timeout_minutes=1)
         res = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(4)]
@@ -65,3 +71,7 @@ def test_fp16_overflow_skips_consistently_on_every_rank():
             by_dp.setdefault((r["dp"], key), []).append(value)
     for copies in by_dp.values():
         assert len(copies) == 2 and torch.equal(copies[0], copies[1])
+    for a in res:  # data-parallel replicas of a stage hold the same versions
+        for b in res:
+            if a["stage"] == b["stage"]:
+                assert all(torch.equal(x, y) for x, y in zip(a["slots"], b["slots"]))

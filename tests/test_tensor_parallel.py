@@ -114,3 +114,53 @@ def test_recomputation_reproduces_gradients_with_dropout(method, n):
     model = StageModule(gpt_layer_specs(cfg, seed=5), 0, cfg.num_layers + 2, seed=5)
     torch.manual_seed(124)
     assert float(make_gpt_loss()(model(tokens), labels)) != losses[0]
+
+
+def _saved_bytes(model, fn):
+    """Bytes autograd keeps for the backward (unique storages, parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", ["gpt", "bert"])
+def test_selective_recomputation_gives_the_gradients_of_no_recomputation(family):
+    """--recompute-activations (Megatron's selective recomputation of core attention) replays the
+    attention dropout mask: same loss and gradients as without recomputation, less kept."""
+    from dataclasses import replace
+
+    from megatron_2bw.models.bert import bert_layer_specs, make_bert_loss
+    from megatron_2bw.training import mock_batches
+    from megatron_2bw.config import Config, BatchConfig
+    cfg = ModelConfig(family=family, num_layers=2, hidden_size=32, num_attention_heads=4,
+                      vocab_size=64, seq_length=16, hidden_dropout=0.2, attention_dropout=0.3)
+    inputs, labels = next(mock_batches(Config(model=cfg, batch=BatchConfig(2, 2)), 1, 0))
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    specs_fn, loss_fn = (gpt_layer_specs, make_gpt_loss) if family == "gpt" else \
+        (bert_layer_specs, make_bert_loss)
+    grads, losses, kept = [], [], []
+    for granularity in (None, "selective"):
+        model = StageModule(specs_fn(replace(cfg, recompute_granularity=granularity), seed=5),
+                            0, cfg.num_layers + 2, seed=5)
+        assert all(layer.self_attention.selective == (granularity is not None)
+                   for layer in list(model.layers.values())[1:-1])
+        torch.manual_seed(123)
+        out = []
+        kept.append(_saved_bytes(model, lambda: out.append(loss_fn()(model(*inputs), labels))))
+        out[0].backward()
+        losses.append(float(out[0].detach()))
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    assert losses[0] == losses[1]
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-6, atol=1e-8, msg=k)
+    assert kept[1] < kept[0], "selective recomputation keeps less for the backward"
+    torch.manual_seed(124)  # dropout is really on: another seed gives another loss
+    assert float(loss_fn()(model(*inputs), labels).detach()) != losses[1]

@@ -138,7 +138,7 @@ def planner_memory_gib(cfg) -> dict:
     from megatron_2bw.planner.cost_model import LayerTimes
     setup = Setup(cfg.model, cfg.precision.dtype, cfg.optimizer.name, cfg.model.family)
     layout = Layout(cfg.schedule, 1, 1, 1, cfg.batch.micro_batch_size, cfg.num_microbatches,
-                    cfg.model.recompute_method is not None)
+                    cfg.model.full_recompute, selective=cfg.model.selective_recompute)
     topo = Topology(num_nodes=1, gpus_per_node=1)
     memory = stage_plan(setup, layout, LayerTimes(setup, AnalyticProfile(), topo), topo).memory[0]
     return {k: v / GB for k, v in memory.items()}

@@ -73,7 +73,8 @@ def config_from_deepspeed(ds, world_size: int, num_stages: int, num_layers: int,
         optimizer={"weight_decay": 0.0, "sgd_momentum": 0.0})
     cfg = cfg.replace(**{s.path: s.value for s in settings})
     if interval:
-        cfg = cfg.replace(model={"recompute_method": "uniform", "recompute_num_layers": interval})
+        cfg = cfg.replace(model={"recompute_granularity": "full", "recompute_method": "uniform",
+                                 "recompute_num_layers": interval})
     extra = _with_lr_schedule(ds, cfg, extra)
     if extra.lr_schedule is not None:
         cfg = cfg.replace(train={"train_iters": max(int(extra.lr_schedule.total_num_steps or 1),

@@ -101,6 +101,8 @@ def _pipeline_settings(ds: dict) -> tuple[list[Setting], DeepSpeedSettings]:
     if not isinstance(interval, int) or interval < 0:
         fail("DeepSpeed config: pipeline.activation_checkpoint_interval must be an integer >= 0")
     if interval:
+        out.append(Setting("pipeline.activation_checkpoint_interval", "--recompute-granularity",
+                           "model.recompute_granularity", "full"))
         out.append(Setting("pipeline.activation_checkpoint_interval", "--recompute-method",
                            "model.recompute_method", "uniform"))
         out.append(Setting("pipeline.activation_checkpoint_interval", "--recompute-num-layers",

@@ -10,6 +10,12 @@ checks that they divide). With one group per head this is the classic per-head [
 Biases (unless `--disable-bias-linear`): `qv_bias` [groups, P + 1, d] holds the query and value
 biases; there is no key bias: softmax is invariant to it, so its gradient is exactly zero and it
 would only collect rounding noise (amplified by Adam). The output projection is row-parallel.
+
+Selective recomputation (`--recompute-activations`, Megatron's meaning): core attention, the
+softmax and dropout over the scores and the weighted sum of the values, keeps only q, k and v
+for the backward and runs again there, under the random state of its forward (the same dropout
+mask); everything else keeps its activations. Under sequence parallelism x is this rank's
+sequence chunk and the QKV projection gathers the whole sequence.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear, TPGroup,
                                set_partition_attrs)
+from .recompute import recompute
 from .rope import RotaryEmbedding
 
 # scaled_dot_product_attention broadcasts key/value groups itself from torch 2.5 on
@@ -44,6 +51,7 @@ class SelfAttention(nn.Module):
                               cfg.group_query_attention else "--num-attention-heads")
         self.per_group, self.head_dim = self.heads // self.groups, d
         self.causal, self.tracker, self.attention_dropout = causal, tracker, cfg.attention_dropout
+        self.selective = cfg.selective_recompute
         width = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
         self.qkv = ColumnParallelLinear(h, width, tp, bias=False, init_std=init_std)
         self.qv_bias = set_partition_attrs(nn.Parameter(
@@ -54,9 +62,10 @@ class SelfAttention(nn.Module):
             if cfg.position_embedding_type == "rope" else None
 
     def _qkv(self, x: torch.Tensor):
-        b, s, _ = x.shape
         P = self.per_group
-        qkv = self.qkv(x).view(b, s, self.groups, P + 2, self.head_dim)
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]  # the whole sequence (x may be a sequence-parallel chunk)
+        qkv = qkv.view(b, s, self.groups, P + 2, self.head_dim)
         if self.qv_bias is not None:
             q_bias, v_bias = self.qv_bias.split([P, 1], dim=1)
             qkv = qkv + torch.cat([q_bias, torch.zeros_like(v_bias), v_bias], dim=1)
@@ -69,8 +78,18 @@ class SelfAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
         q, k, v = self._qkv(x)
+        b, s = q.shape[0], q.shape[2]
+        if self.selective and torch.is_grad_enabled():
+            out = recompute(lambda q_, k_, v_: self._core(q_, k_, v_, mask), self.tracker,
+                            q, k, v)
+        else:
+            out = self._core(q, k, v, mask)
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """Core attention: softmax and dropout over the scores, weighted sum of the values."""
         extra = {}
         if self.per_group > 1:
             if _NATIVE_GQA:
@@ -84,4 +103,4 @@ class SelfAttention(nn.Module):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, self.causal, **extra)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, self.causal, **extra)
-        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+        return out

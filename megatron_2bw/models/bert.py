@@ -14,16 +14,20 @@ from torch import nn
 from ..config import ModelConfig
 from ..pipeline.module import LayerSpec
 from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, copy_to_tp_region,
-                               set_partition_attrs, vocab_parallel_cross_entropy)
+                               gather_from_sequence_parallel_region, mark_sequence_parallel,
+                               scatter_to_sequence_parallel_region, set_partition_attrs,
+                               vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import sharded_normal
 from .gpt import TIED_KEY, gpt_partition, learned_positions, tied_init
 from .norms import build_norm
-from .transformer import TransformerLayer
+from .transformer import SequenceDropout, TransformerLayer
 
 
 class BertEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(),
+                 tracker: RNGTracker | None = None):
         super().__init__()
+        self.tp = tp
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, std)
         self.position_embeddings = learned_positions(cfg, init=False)
@@ -31,12 +35,13 @@ class BertEmbedding(nn.Module):
         for emb in (self.position_embeddings, self.tokentype_embeddings):
             if emb is not None:
                 nn.init.normal_(emb.weight.data, std=std)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = SequenceDropout(cfg.hidden_dropout, tp, tracker)
 
     def forward(self, tokens, token_types, padding_mask):
         x = self.word_embeddings(tokens) + self.tokentype_embeddings(token_types)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        x = scatter_to_sequence_parallel_region(x, self.tp)
         return self.dropout(x), padding_mask.bool()
 
 
@@ -54,6 +59,7 @@ class BertHeads(nn.Module):
         h, std = cfg.hidden_size, cfg.init_method_std
         self.tp, self.binary = tp, cfg.bert_binary_head
         self.final_layernorm = build_norm(cfg)
+        mark_sequence_parallel(self.final_layernorm)
         self.lm_dense = nn.Linear(h, h)
         self.lm_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
         self.weight = sharded_normal((cfg.vocab_size, h), std, 0, tp)
@@ -66,7 +72,8 @@ class BertHeads(nn.Module):
             nn.init.zeros_(lin.bias.data)
 
     def forward(self, x, padding_mask):
-        x = self.final_layernorm(x)
+        # the heads are replicated (complete gradients): the gather's backward keeps the chunk
+        x = gather_from_sequence_parallel_region(self.final_layernorm(x), self.tp)
         y = self.lm_layernorm(F.gelu(self.lm_dense(x)))
         lm_logits = F.linear(copy_to_tp_region(y, self.tp), self.weight, self.lm_bias)
         binary = self.binary_head(torch.tanh(self.pooler(x[:, 0]))) if self.binary else None
@@ -77,7 +84,8 @@ def bert_layer_specs(cfg: ModelConfig, tp: TPGroup = TPGroup(), seed: int = 1234
                      ) -> list[LayerSpec]:
     tracker = RNGTracker(seed, tp.rank)
     init = tied_init(cfg, tp)
-    specs = [LayerSpec(lambda: BertEmbedding(cfg, tp), name="embedding", tied_key=TIED_KEY,
+    specs = [LayerSpec(lambda: BertEmbedding(cfg, tp, tracker), name="embedding",
+                       tied_key=TIED_KEY,
                        tied_attr="word_embeddings.weight", tied_init=init)]
     specs += [LayerSpec(lambda: BertLayer(cfg, tp, tracker, causal=False), name="transformer",
                         recompute=True, tracker=tracker) for _ in range(cfg.num_layers)]

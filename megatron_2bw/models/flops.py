@@ -16,7 +16,17 @@ s sequence, b micro batch, t tensor ranks; GPT-2 shape: g = a, GeLU, LayerNorm, 
                  (flash) attention, k = 2 (GeLU: fc1 output and activation) or 4 (SwiGLU: gate,
                  up, SiLU(gate), product); RoPE adds its cos and sin tables (2 s r p). The
                  non-fused path keeps the softmax instead: +a s^2 b (p, +p+1 with dropout) / t.
-Backward costs 2x the forward FLOPs; activation recomputation adds one more forward.
+    selective    selective recomputation (core attention) keeps q, k, v but not what the
+                 attention kernel saves beyond them (its output sbh*p/t and, fused, the 4asb/t
+                 softmax statistics; not fused, the a s^2 b softmax and dropout mask):
+                 `core_attention_bytes` is what it frees
+    sequence-    the norms' inputs and statistics, the QKV and fc1 inputs (kept as the chunk
+    parallel     and gathered again in backward) and the dropout masks are this rank's s/t chunk:
+                 the "4" above becomes 4/t, and so do a layer's input and output (what a stage
+                 sends); the head keeps the final norm's input (and GPT's output-layer input)
+                 as a chunk too, the embedding its dropout mask
+Backward costs 2x the forward FLOPs; activation recomputation adds one more forward (selective:
+the core attention's 4bs^2h/t, `core_attention_flops`).
 Model FLOPs per sample (Megatron's convention): 72 s L h^2 (1 + s/(6h) + V/(12 h L)) for the
 GPT-2 shape with f = 4h. Learned position embeddings count only with learned_absolute positions.
 """
@@ -112,6 +122,8 @@ class LayerCost:
     act_bytes: float          # stashed for the backward, per in-flight microbatch
     input_bytes: float        # the layer's input activation (what recompute keeps)
     output_bytes: float       # what a stage boundary after this layer sends
+    core_attention_bytes: float = 0.0  # of act_bytes, what selective recomputation frees
+    core_attention_flops: float = 0.0  # of fwd_flops, what selective recomputation repeats
 
 
 def _mlp_in(m: ModelConfig) -> int:
@@ -157,7 +169,8 @@ def num_parameters(cfg, arch: str | None = None) -> int:
 
 
 def layer_costs(cfg, micro_batch: int, tensor: int = 1, dtype: str = "fp32",
-                arch: str | None = None, flash: bool = True) -> list[LayerCost]:
+                arch: str | None = None, flash: bool = True,
+                sequence_parallel: bool = False) -> list[LayerCost]:
     m, a = _model(cfg), _arch(cfg, arch)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
@@ -168,32 +181,39 @@ def layer_costs(cfg, micro_batch: int, tensor: int = 1, dtype: str = "fp32",
     params = layer_params(m, t, a)
     hidden = sbh * p
     tokens = s * b * 8
+    sp = t if sequence_parallel else 1  # what the sequence-parallel regions are divided by
 
     positions = 8 * s if m.position_embedding_type == "learned_absolute" else 0
-    emb_act = tokens + positions + (sbh if drop_h else 0)  # token and position indices
-    emb = LayerCost("embedding", *params[0], 0.0, 0.0, 3.0 * hidden, emb_act, tokens, hidden)
+    emb_act = tokens + positions + (sbh / sp if drop_h else 0)  # token and position indices
+    emb = LayerCost("embedding", *params[0], 0.0, 0.0, 3.0 * hidden, emb_act, tokens,
+                    hidden / sp)
 
-    fwd = 2.0 * b * s * h * (_qkv_width(m) + h + _mlp_in(m) + f) / t + 4.0 * b * s * s * h / t
+    core_flops = 4.0 * b * s * s * h / t
+    fwd = 2.0 * b * s * h * (_qkv_width(m) + h + _mlp_in(m) + f) / t + core_flops
     attn = 3 + 2 * m.query_groups * m.kv_channels / h  # q, attention output, proj input; k, v
     mlp = (4 if m.swiglu else 2) * f / h
-    act = (sbh * p * (4 + (attn + mlp) / t) + 2 * norm_stats_bytes(m, s * b)
-           + (2 * sbh if drop_h else 0))
+    act = (sbh * p * (4 / sp + (attn + mlp) / t) + 2 * norm_stats_bytes(m, s * b) / sp
+           + (2 * sbh / sp if drop_h else 0))
     if m.position_embedding_type == "rope":
         act += 2 * s * m.rotary_dim * p  # the cos and sin tables
     if flash:
-        act += 4 * heads * s * b / t
-    else:
-        act += heads * s * s * b * (p + ((p + 1) if m.attention_dropout > 0 else 0)) / t
-        act -= sbh * p / t  # the attention output is not kept twice without the fused kernel
-    layer = LayerCost("transformer", *params[1], fwd, 2 * fwd, 2.0 * act, act, hidden, hidden)
+        core = sbh * p / t + 4 * heads * s * b / t  # the kernel's output and softmax statistics
+    else:  # the softmax (and dropout's mask and output); the output is the projection's input
+        core = heads * s * s * b * (p + ((p + 1) if m.attention_dropout > 0 else 0)) / t
+    act += core - sbh * p / t  # (`attn` counted the kernel's output once already)
+    layer = LayerCost("transformer", *params[1], fwd, 2 * fwd, 2.0 * act, act, hidden / sp,
+                      hidden / sp, core, core_flops)
 
     head_fwd = 2.0 * b * s * h * V / t
-    head_act = 2 * hidden + norm_stats_bytes(m, s * b) + 4.0 * s * b * V / t + tokens
+    # the final norm's input and the output layer's input (a chunk under sequence parallelism,
+    # except BERT's, which runs after the LM-head transform on the whole sequence)
+    kept = hidden / sp + (hidden if a == "bert" else hidden / sp)
+    head_act = kept + norm_stats_bytes(m, s * b) / sp + 4.0 * s * b * V / t + tokens
     if a == "bert":  # LM-head transform (dense, GeLU, LayerNorm) and the pooler
         head_fwd += 2.0 * b * s * h * h + 2.0 * b * h * h
         head_act += 4 * hidden
-    head = LayerCost("head", *params[-1], head_fwd, 2 * head_fwd, 2.0 * head_act, head_act, hidden,
-                     0.0)
+    head = LayerCost("head", *params[-1], head_fwd, 2 * head_fwd, 2.0 * head_act, head_act,
+                     hidden / sp, 0.0)
     return [emb] + [layer] * m.num_layers + [head]
 
 

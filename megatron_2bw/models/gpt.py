@@ -16,11 +16,12 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..pipeline.module import LayerSpec, split_evenly
-from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, copy_to_tp_region,
+from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, gather_linear,
+                               mark_sequence_parallel, scatter_to_sequence_parallel_region,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel.layers import sharded_normal
 from .norms import build_norm
-from .transformer import TransformerLayer
+from .transformer import SequenceDropout, TransformerLayer
 
 TIED_KEY = "word_embeddings"
 
@@ -33,20 +34,22 @@ def tied_init(cfg: ModelConfig, tp: TPGroup):
 
 
 class GPTEmbedding(nn.Module):
-    """tokens [b, s] (int64) -> hidden [b, s, h]"""
+    """tokens [b, s] (int64) -> hidden [b, s, h] (sequence-parallel: this rank's [b, s/t, h])"""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(),
+                 tracker: RNGTracker | None = None):
         super().__init__()
+        self.tp = tp
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp,
                                                       cfg.init_method_std)
         self.position_embeddings = learned_positions(cfg)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = SequenceDropout(cfg.hidden_dropout, tp, tracker)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.dropout(x)
+        return self.dropout(scatter_to_sequence_parallel_region(x, self.tp))
 
 
 def learned_positions(cfg: ModelConfig, init: bool = True) -> nn.Embedding | None:
@@ -67,10 +70,11 @@ class GPTHead(nn.Module):
         super().__init__()
         self.tp = tp
         self.final_layernorm = build_norm(cfg)
+        mark_sequence_parallel(self.final_layernorm)
         self.weight = sharded_normal((cfg.vocab_size, cfg.hidden_size), cfg.init_method_std, 0, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp_region(self.final_layernorm(x), self.tp), self.weight)
+        return gather_linear(self.final_layernorm(x), self.weight, None, self.tp)
 
 
 def gpt_layer_specs(cfg: ModelConfig, tp: TPGroup = TPGroup(), seed: int = 1234,
@@ -78,7 +82,7 @@ def gpt_layer_specs(cfg: ModelConfig, tp: TPGroup = TPGroup(), seed: int = 1234,
     tracker = RNGTracker(seed, tp.rank)
     tied = None if cfg.untie_embeddings_and_output_weights else TIED_KEY
     init = tied_init(cfg, tp)
-    specs = [LayerSpec(lambda: GPTEmbedding(cfg, tp), name="embedding", tied_key=tied,
+    specs = [LayerSpec(lambda: GPTEmbedding(cfg, tp, tracker), name="embedding", tied_key=tied,
                        tied_attr="word_embeddings.weight", tied_init=init)]
     specs += [LayerSpec(lambda: TransformerLayer(cfg, tp, tracker, causal=True),
                         name="transformer", recompute=True, tracker=tracker)

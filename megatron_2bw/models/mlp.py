@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
-                               copy_to_tp_region, set_partition_attrs)
+from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, gather_linear,
+                               set_partition_attrs)
 from ..tensor_parallel.layers import sharded_normal
 
 
@@ -34,7 +34,7 @@ class GatedColumnParallelLinear(nn.Module):
         self.up_bias = set_partition_attrs(nn.Parameter(torch.zeros(local)), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = F.linear(copy_to_tp_region(x, self.tp), self.weight.flatten(0, 1))
+        y = gather_linear(x, self.weight.flatten(0, 1), None, self.tp)
         gate, up = y.chunk(2, dim=-1)
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias, up + self.up_bias

@@ -6,6 +6,12 @@
 The norms are LayerNorm or RMSNorm (models/norms.py); attention heads and MLP columns are split
 across tensor ranks. Dropout on the residual branches uses the default generator (same on all
 tensor ranks); attention dropout runs under the tracker's tensor-parallel generator.
+
+Sequence parallelism (`tp.sequence_parallel`, --sequence-parallel): x is this tensor rank's
+chunk [b, s/t, h] of the sequence; the norms, the residual adds and their dropout work on the
+chunk (dropout under the tracker's generator: each rank draws the mask of its own chunk); the
+attention's QKV and the MLP's fc1 all-gather the normalized chunk, their output projections
+reduce-scatter back to it.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..tensor_parallel import RNGTracker, TPGroup
+from ..tensor_parallel import RNGTracker, TPGroup, mark_sequence_parallel
 from .attention import SelfAttention
 from .mlp import MLP
 from .norms import build_norm
@@ -33,8 +39,25 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(cfg, tp, tracker, causal, std, out_std)
         self.post_attention_layernorm = build_norm(cfg)
         self.mlp = MLP(cfg, tp, std, out_std)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = SequenceDropout(cfg.hidden_dropout, tp, tracker)
+        mark_sequence_parallel(self.input_layernorm, self.post_attention_layernorm)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.dropout(self.self_attention(self.input_layernorm(x), mask))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class SequenceDropout(nn.Dropout):
+    """Dropout of activations outside the tensor-parallel regions: the default generator (the
+    same mask on every tensor rank of replicated activations), or under sequence parallelism the
+    tracker's per-rank generator (each rank holds another chunk of the sequence)."""
+
+    def __init__(self, p: float, tp: TPGroup, tracker: RNGTracker | None):
+        super().__init__(p)
+        self.tracker = tracker if tp.split_sequence else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tracker is None or not self.training or self.p == 0:
+            return super().forward(x)
+        with self.tracker.fork():
+            return super().forward(x)

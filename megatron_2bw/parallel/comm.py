@@ -6,7 +6,8 @@ through a `Comm`, which knows the device its backend communicates on and refuses
     gloo      cpu
     (none)    no process group: a world of one; value calls return at once
 
-Tensor calls (all_reduce, broadcast, all_gather, send, recv, batch_isend_irecv) check every
+Tensor calls (all_reduce, broadcast, all_gather, reduce_scatter, all_gather_into, send, recv,
+batch_isend_irecv) check every
 tensor against `comm.device` and raise `CommDeviceError` (one line: the call, the tensor's device,
 the device wanted, the fix) before torch sees it. NCCL itself rejects a CPU tensor only on a GPU
 cluster; this check makes the same mistake fail on a CPU-only machine as soon as the device a
@@ -26,6 +27,9 @@ import torch.distributed as dist
 from .distributed import backend_device, env_rank_world, is_initialized
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# single-tensor reduce-scatter / all-gather under their newest names (older torch: *_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CommDeviceError(ValueError):
@@ -105,6 +109,22 @@ class Comm:
         for t in [tensor, *parts]:
             self.check(t, "all_gather")
         return dist.all_gather(parts, tensor, group=group)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor, group=None,
+                       async_op: bool = False):
+        """Sum `tensor` (k equal chunks, k = the group's size) over the group; this rank's chunk of
+        the sum lands in `output`, which may be that chunk of `tensor` itself (in place)."""
+        self.check(output, "reduce_scatter")
+        self.check(tensor, "reduce_scatter")
+        return _REDUCE_SCATTER(output, tensor, op=_OPS["sum"], group=group, async_op=async_op)
+
+    def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, group=None,
+                        async_op: bool = False):
+        """Every rank's `tensor` concatenated, in group-rank order, into `output` (k times its
+        size); `tensor` may be this rank's chunk of `output` itself (in place)."""
+        self.check(output, "all_gather_into")
+        self.check(tensor, "all_gather_into")
+        return _ALL_GATHER(output, tensor, group=group, async_op=async_op)
 
     def send(self, tensor: torch.Tensor, peer: int, group=None) -> None:
         """Blocking send to global rank `peer` (within `group` when given)."""

@@ -1,24 +1,37 @@
 """The batch-level actions of a stage: R (reduce), N (norm), S (step).
 
-R(t)  mark this rank's raised control flags in the buffer's tail (flags.py), scale the batch's fp32
-      gradient buffer by 1/w and start, asynchronously, the data-parallel all-reduce in buckets
-      (the whole buffer but the tied slice, tail included) and the tied-weight all-reduce (first
-      and last stage of every replica; the tied gradient is summed across the two stages and
-      averaged across replicas in one collective).
+R(t)  mark this rank's raised control flags in the buffer's tail (flags.py); under
+      --sequence-parallel first sum the sequence-parallel parameters' partial gradients over the
+      tensor group; scale the batch's fp32 gradient buffer by 1/w and start, asynchronously, the
+      data-parallel reduction and the tied-weight all-reduce (first and last stage of every
+      replica; the tied gradient is summed across the two stages and averaged across replicas in
+      one collective). The data-parallel reduction is an all-reduce in buckets of the whole buffer
+      but the tied slice, tail included, or, with the distributed optimizer, one reduce-scatter
+      per region (shards.py) that leaves each rank the sum over its own shard (the tail stays
+      out of it).
 N(t)  wait for the data-parallel reduction (and, on the first stage, the tied one), compute this
-      stage's share of the squared global gradient norm, and start the model-parallel all-reduce of
-      [norm^2, loss, *flags, *stage_nonfinite] (the last stage contributes the loss, so every rank
-      learns it; the flag slots end as world-wide sums; slot s of the d stage slots is 1 on the
-      ranks of stage s whose share of the norm is not finite: flags.py, "Numerics").
+      stage's share of the squared global gradient norm (distributed: of this rank's shard), and
+      start the all-reduce of [norm^2, loss, *flags, *stage_nonfinite] over the model-parallel
+      group (distributed: over the world, which sums the shards' norms and the replicas' losses,
+      flags and stage bits in the same collective). The last stage contributes the loss, so every
+      rank learns it; the flag slots end as world-wide sums; slot s of the d stage slots is 1 on
+      the ranks of stage s whose share of the norm is not finite (flags.py, "Numerics"; with the
+      distributed optimizer it is > 0 when any shard of stage s is not finite).
 S(t)  wait for everything, hand [loss, *flags, *stage bits] to the host without blocking, clip
       by the global norm, unscale (fp16), step the optimizer from the version the schedule names
       into the slot it names (through the master when there is one), let the 2BW compensation
-      write what the slot's next batch runs on (compensation.py), zero the buffer.
+      write what the slot's next batch runs on (compensation.py), zero the buffer. Distributed:
+      step this rank's shard and start the all-gather of the new weights into that slot (no 2BW
+      compensation: `compensation_error`); the engine waits for it (`wait_weights`) right before
+      the first forward that reads the slot (or anything else that reads weights: eval,
+      checkpoints), so it overlaps whatever the schedule runs in between (at least the activation
+      receive that precedes that forward on every stage but the first).
 
 Every collective goes through the grid's Comm (parallel/comm.py). Nothing here synchronizes with
 the host except fp16's overflow check (one read per batch). A skipped fp16 step is counted; more
 than the config's skip limit in a row (a diverged run, not a loss scale still settling) ends the
-run with a NumericsError on every rank alike.
+run with a NumericsError on every rank alike (in 2BW the skipped step's next version is a copy of
+the current one, on every rank alike).
 """
 from __future__ import annotations
 
@@ -26,6 +39,7 @@ import torch
 
 from ..config import Config
 from ..optim import LRSchedule, make_loss_scaler, make_optimizer
+from ..optim.distributed import DistributedOptimizer
 from ..parallel.grid import ProcessGrid
 from ..reliability import NumericsError, describe
 from .compensation import Compensator
@@ -46,7 +60,13 @@ class BatchStepper:
         self._stage_slot = torch.zeros(grid.pipeline, device=device)  # one-hot: this stage
         self._stage_slot[grid.stage] = 1.0
         self.dp_size = grid.data
-        self.optimizer = make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
+        self.sharded = weights.sharded
+        self.optimizer = DistributedOptimizer(cfg.optimizer, weights, device) if self.sharded \
+            else make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
+        self.gathers: dict[int, list] = {}  # slot -> all-gathers still writing its weights
+        sp_lo, sp_hi = weights.sequence_parallel_range
+        self.sequence_parallel = (cfg.parallel.sequence_parallel and grid.group("tp") is not None
+                                  and sp_hi > sp_lo)
         self.scaler = make_loss_scaler(cfg.precision)
         self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters)
         self.compensation = Compensator(cfg.compensation, self.optimizer, weights, self.lr)
@@ -64,11 +84,20 @@ class BatchStepper:
         buf = self.w.grads[slot]
         works = {"dp": [], "tied": []}
         self.flags.write(buf[self.w.numel + 1:])
+        if self.sequence_parallel:  # partial gradients of each tensor rank's part of the sequence
+            lo, hi = self.w.sequence_parallel_range
+            self.comm.all_reduce(buf[lo:hi], self.grid.group("tp"))
         if self.dp_size > 1:
             buf.mul_(1.0 / self.dp_size)
         start = self.w.tied_end if self.cross_stage_tied else 0
         dp_group = self.grid.group("dp")
-        if dp_group is not None:
+        if self.sharded:
+            for region, piece in zip(self.w.layout.regions, self.w.pieces):
+                if region.lo >= start:  # the group's rank order is the dp rank (grid.py)
+                    works["dp"].append(self.comm.reduce_scatter(
+                        buf[piece.lo:piece.hi], buf[region.lo:region.hi], dp_group,
+                        async_op=True))
+        elif dp_group is not None:
             for lo in range(start, buf.numel(), BUCKET_ELEMENTS):
                 chunk = buf[lo:lo + BUCKET_ELEMENTS]
                 works["dp"].append(self.comm.all_reduce(chunk, dp_group, async_op=True))
@@ -89,18 +118,24 @@ class BatchStepper:
         stats = torch.cat([norm_sq.reshape(1), buf[n:], nonfinite])  # norm^2, loss, *flags, *bits
         if self.grid.tp_rank != 0:  # tensor ranks repeat the loss; count it once
             stats[1] = 0
-        group = self.grid.group("mp")
         works["stats"] = stats
-        works["norm"] = [self.comm.all_reduce(stats, group, async_op=True)] if group else []
+        if self.sharded:  # shards' norms and replicas' losses and flags: one world all-reduce
+            works["norm"] = [self.comm.all_reduce(stats, None, async_op=True)]
+        else:
+            group = self.grid.group("mp")
+            works["norm"] = [self.comm.all_reduce(stats, group, async_op=True)] if group else []
 
     def _norm_sq(self, buf: torch.Tensor) -> torch.Tensor:
         """This rank's share of the squared global norm: the tied gradient counts once (first
-        stage), parameters replicated across tensor ranks count once (tensor rank 0)."""
+        stage), parameters replicated across tensor ranks count once (tensor rank 0), and with
+        the distributed optimizer each element counts on the one rank whose shard holds it."""
         lo = self.w.tied_end if (self.cross_stage_tied and not self.grid.is_first_stage) else 0
         ranges = [(lo, self.w.numel)]
         if self.grid.tp_rank != 0:
             r0, r1 = self.w.replicated
             ranges = [(lo, max(lo, r0)), (max(lo, r1), self.w.numel)]
+        if self.sharded:
+            ranges = [(max(a, p.lo), min(b, p.hi)) for a, b in ranges for p in self.w.pieces]
         total = buf.new_zeros(())
         for a, b in ranges:
             if b > a:
@@ -141,28 +176,52 @@ class BatchStepper:
                 self.skipped += 1
                 self.skipped_in_a_row += 1
                 self._check_skips(batch, scale)
-                if w.master is not None:
+                self.wait_weights(src_slot)
+                if w.master is not None and not self.sharded:
                     self.compensation.publish(batch + 1, dst_slot)
-                elif dst_slot != src_slot:
+                elif dst_slot != src_slot:  # the slot holds the master's rounding already
                     w.slots[dst_slot].copy_(w.slots[src_slot])
                 buf.zero_()
                 return
             self.skipped_in_a_row = 0
-        grad = buf[:n]
+        grads = [buf[p.lo:p.hi] for p in w.pieces] if self.sharded else [buf[:n]]
         clip = self.cfg.optimizer.clip_grad
+        coef = None
         if clip > 0:
             coef = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
-            grad.mul_(coef / scale if scale != 1.0 else coef)
+            coef = coef / scale if scale != 1.0 else coef
         elif scale != 1.0:
-            grad.mul_(1.0 / scale)
+            coef = 1.0 / scale
+        for grad in grads if coef is not None else ():
+            grad.mul_(coef)
         dst = w.slots[dst_slot]
-        if w.master is not None:
-            self.optimizer.step(w.master, grad, w.master, lr)
+        src = dst if src_slot == dst_slot else w.slots[src_slot]
+        if self.sharded:
+            self.optimizer.step(src, buf, dst, lr)
+            self._gather(dst_slot)
         else:
-            src = dst if src_slot == dst_slot else w.slots[src_slot]
-            self.optimizer.step(src, grad, dst, lr)
-        self.compensation.after_step(batch, grad, dst_slot)
+            if w.master is not None:
+                self.optimizer.step(w.master, buf[:n], w.master, lr)
+            else:
+                self.optimizer.step(src, buf[:n], dst, lr)
+            self.compensation.after_step(batch, buf[:n], dst_slot)  # writes dst from the master
         buf.zero_()
+
+    def _gather(self, slot: int) -> None:
+        """Start the all-gather of every rank's new shard into `slot` (distributed optimizer):
+        the tied region over the same data-parallel group as the rest."""
+        flat, group = self.w.slots[slot], self.grid.group("dp")
+        self.gathers[slot] = [
+            self.comm.all_gather_into(flat[g.lo:g.hi], flat[p.lo:p.hi], group, async_op=True)
+            for g, p in zip(self.w.layout.regions, self.w.pieces)]
+
+    def wait_weights(self, slot: int | None = None) -> None:
+        """Wait until `slot` (None: every slot) holds all of its weights: the all-gathers a
+        distributed step started into it are done. Free when none is pending."""
+        if not self.gathers:
+            return
+        for k in ([slot] if slot is not None else list(self.gathers)):
+            _wait(self.gathers.pop(k, ()), "all-gather of the new weights (data-parallel ranks)")
 
     def _check_skips(self, batch: int, scale: float) -> None:
         if self.skip_limit and self.skipped_in_a_row > self.skip_limit:

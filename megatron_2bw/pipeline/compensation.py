@@ -37,10 +37,14 @@ prediction back before the next batch runs: bitwise the same, since it is a pure
 master, optimizer state and lr. Checkpoints save the master as the newest weights and the slot of
 the next batch (its prediction) as the previous version; loading recomputes the newest slot's.
 
-Distributed optimizer (master and state sharded over data-parallel ranks; not on this branch):
-`predict` and `spike` are elementwise, so each rank can compute its shard and gather the shards
-into the slot as it gathers the new weights: `Compensator.publish` is the one place that writes a
-slot from the master.
+Distributed optimizer (`--use-distributed-optimizer`, optim/distributed.py: master and state
+sharded over w > 1 data-parallel ranks): not supported with `predict`/`predict-spike`;
+`compensation_error` rejects the combination before any process group starts and the planner does
+not propose it (`Method.shardable`). The way to add it: `predict` and `spike` are elementwise, so
+each rank would compute them on its shard's pieces (master piece -> slot piece) and all-gather the
+pieces into the slot as `BatchStepper._gather` does after a step; `Compensator.publish` is the one
+place that writes a slot from the master, but `show_newest` (eval, checkpoints, the DeepSpeed
+API's `engine.module`) would then need that all-gather too, a collective where none is today.
 """
 from __future__ import annotations
 
@@ -60,6 +64,12 @@ class Method:
     def separate_weights(self) -> bool:
         """The slots do not hold the real weights: fp32 runs keep them in one more buffer."""
         return self.predicts
+
+    @property
+    def shardable(self) -> bool:
+        """Works with the distributed optimizer's sharded master (w > 1): the slots are written
+        only by the step's all-gather (see the module docstring)."""
+        return not (self.predicts or self.spikes)
 
 
 class Predict(Method):
@@ -97,9 +107,11 @@ def keeps_master(dtype: str, name: str = NONE) -> bool:
     return dtype != "fp32" or compensation_method(name).separate_weights
 
 
-def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: float
+def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: float,
+                       distributed_optimizer: bool = False, data_parallel: int = 1
                        ) -> str | None:
-    """A one-line error when `name` does not apply to this schedule and optimizer, else None."""
+    """A one-line error when `name` does not apply to this schedule and optimizer (and, with
+    `distributed_optimizer`, this data-parallel size), else None."""
     if name not in _METHODS:
         return f"unknown --2bw-compensation {name!r}: use one of {', '.join(method_names())}"
     method = _METHODS[name]
@@ -118,6 +130,10 @@ def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: f
     if optimizer == "sgd" and method.needs_momentum and not sgd_momentum:
         return (f"--2bw-compensation {name} with SGD predicts from the momentum buffer: set "
                 "--sgd-momentum > 0 (or use --optimizer adam)")
+    if distributed_optimizer and data_parallel > 1 and not method.shardable:
+        return (f"--2bw-compensation {name} is not supported with --use-distributed-optimizer "
+                f"(data-parallel size {data_parallel}: the prediction needs the whole master): "
+                "drop --use-distributed-optimizer or use --2bw-compensation none")
     return None
 
 

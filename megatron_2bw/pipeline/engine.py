@@ -66,8 +66,11 @@ class PipelineEngine:
                              recompute_method=cfg.model.recompute_method,
                              recompute_num_layers=cfg.model.recompute_num_layers)
         self.kind = schedule_kind(cfg.schedule)
+        shards = grid.data if cfg.parallel.distributed_optimizer else 1
         self.weights = VersionedWeights(
             module, self.kind.num_slots, cfg.precision.dtype, self.device, tied=module.tied,
+            shard_count=shards, shard_rank=grid.dp_rank if shards > 1 else 0,
+            split_tied=grid.pipeline > 1,
             separate_master=compensation_method(cfg.compensation).separate_weights)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)
@@ -150,34 +153,55 @@ class PipelineEngine:
         """Everything needed to continue exactly at the current iteration boundary: the newest
         weights (fp32), the version the next batch runs on (2BW: W(t-1), or its compensation's
         prediction of W(t)), optimizer and loss scaler state. In-flight microbatches of the next
-        batch are not saved: a resumed run redoes them from the same data."""
+        batch are not saved: a resumed run redoes them from the same data. Weights are the
+        parameters back to back (no padding). With the distributed optimizer this rank's call is
+        local: "optimizer" is its shard (optim/distributed.py, with the exact fp32 master of
+        bf16/fp16 runs) and "newest" the newest version slot in fp32."""
+        self.stepper.wait_weights()
         w, t, kind = self.weights, self.iteration, self.kind
         state = {"iteration": t, "schedule": self.cfg.schedule, "names": list(w.names),
-                 "newest": w.fp32_weights(self._newest_slot()).clone(),
+                 "newest": w.pack(w.fp32_weights(self._newest_slot())).clone(),
                  "optimizer": self.stepper.optimizer.state_dict(),
                  "scaler": self.stepper.scaler.state_dict(), "skipped": self.stepper.skipped}
         if w.num_slots > 1:
-            state["previous"] = w.slots[kind.slot_of_batch(t)].clone()
+            state["previous"] = w.pack(w.slots[kind.slot_of_batch(t)]).clone()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Load `state_dict()`'s form; without "optimizer" the optimizer keeps its state. The
+        optimizer state may come from a run with another data-parallel size or without the
+        distributed optimizer (a list of every rank's shards, or the unsharded form)."""
         w = self.weights
-        if list(state["names"]) != list(w.names) or state["newest"].numel() != w.numel:
+        if list(state["names"]) != list(w.names) or \
+                state["newest"].numel() != w.layout.real_numel:
             raise ValueError("checkpoint does not match this stage's parameters (different model "
                              "shape or parallel layout)")
+        self.stepper.wait_weights()
         t = int(state["iteration"])
+        optimizer = state.get("optimizer")
+        if optimizer is not None and not w.sharded:
+            from ..optim.distributed import full_state
+            optimizer = full_state(optimizer)
         with torch.no_grad():
-            if w.master is not None:
-                w.master.copy_(state["newest"])
-            w.slots[self.kind.newest_slot(t)].copy_(state["newest"])
+            newest = w.slots[self.kind.newest_slot(t)]
+            w.unpack_into(newest, state["newest"])
             if w.num_slots > 1:
                 prev = state.get("previous")
-                w.slots[self.kind.slot_of_batch(t)].copy_(prev if prev is not None
-                                                          else state["newest"])
+                w.unpack_into(w.slots[self.kind.slot_of_batch(t)],
+                              prev if prev is not None else state["newest"])
+            master = optimizer.get("master") if isinstance(optimizer, dict) else None
+            if w.master is not None and not w.sharded:
+                w.master.copy_(master if master is not None else state["newest"])
             for g in w.grads:
                 g.zero_()
-        self.stepper.optimizer.load_state_dict(state["optimizer"])
-        self.stepper.compensation.publish(t, self.kind.newest_slot(t))  # what batch t+1 runs on
+        restored = self.stepper.optimizer.load_state_dict(optimizer) \
+            if optimizer is not None else False
+        if w.sharded and w.master is not None and not restored:
+            for p, piece in zip(w.pieces, w.master_pieces()):
+                lo, hi = p.global_range
+                piece[:p.real].copy_(state["newest"][lo:hi])
+        if not w.sharded:  # what batch t+1 runs on: the master, or a compensation's prediction
+            self.stepper.compensation.publish(t, self.kind.newest_slot(t))
         self.stepper.scaler.load_state_dict(state["scaler"])
         self.stepper.skipped = int(state["skipped"])
         self._clear_stash()
@@ -188,12 +212,15 @@ class PipelineEngine:
     def module(self) -> StageModule:
         """The stage module holding the newest weights (under 2BW's `predict` compensation its
         slot holds them until the next train_batch puts the prediction back)."""
+        self.stepper.wait_weights()
         slot = self._newest_slot()
         self.stepper.compensation.show_newest(slot)
         return self.weights.modules[slot]
 
     def fp32_state(self) -> dict[str, torch.Tensor]:
-        """Newest weights in fp32 by global parameter name."""
+        """Newest weights in fp32 by global parameter name (the master weights, or with the
+        distributed optimizer in bf16/fp16 the newest slot: no rank holds the whole master)."""
+        self.stepper.wait_weights()
         return self.weights.named_tensors(self.weights.fp32_weights(self._newest_slot()))
 
     @property
@@ -311,6 +338,7 @@ class PipelineEngine:
             tracker.reseed(seed)
 
     def _forward(self, a: A.Action) -> None:
+        self.stepper.wait_weights(a.version)  # a distributed step's all-gather into this slot
         self._seed_microbatch(a.mb)
         module = self.weights.modules[a.version]
         labels = None

@@ -1,9 +1,15 @@
 """A stage's weights as flat buffers: one per version slot, plus fp32 master weights and gradients.
 
-Layout of every flat buffer (same offsets everywhere), so that both the weight-decay range and
-the range of parameters replicated across tensor ranks are contiguous:
-    [tied | decay, tensor-split | decay, replicated | no decay, replicated | no decay, split]
+Layout of every flat buffer (same offsets everywhere), so that the weight-decay range, the range
+of parameters replicated across tensor ranks and the range of sequence-parallel parameters are
+contiguous:
+    [tied | decay, tensor-split | decay, replicated | no decay, replicated, sequence-parallel |
+     no decay, replicated | no decay, split]
     + TAIL trailing elements of gradient buffers: [loss, *flags.FLAGS]
+Sequence-parallel parameters (`param.sequence_parallel`: norms and row-parallel biases that see
+only this tensor rank's part of the sequence under --sequence-parallel) get a partial gradient on
+each tensor rank; the engine all-reduces `sequence_parallel_range` over the tensor group once per
+batch.
 The tail of a gradient buffer carries the batch's loss and the control flags (flags.py) through
 the same reductions (data-parallel average, then model-parallel sum), so no extra collective is
 needed to give every rank the loss or to agree on stopping.
@@ -22,6 +28,16 @@ stage-sized fp32 buffer holding the real weights, the only extra memory of that 
 Gradients: fp32 runs accumulate straight into `grads[k]` (the parameters' `.grad` are views of
 it). bf16/fp16 runs accumulate one microbatch in the low-precision `model_grad` buffer and the
 engine folds it into the fp32 `grads[k]` after each backward (one flat add, no per-parameter work).
+
+Distributed optimizer (`shard_count` w > 1, --use-distributed-optimizer): the flat layout is cut
+into regions padded to multiples of w (`shards.py`: the tied weight is its own region on the
+stages that hold one copy of it) and `pieces` are this data-parallel rank's parts of them. The
+weight slots, `grads` and `model_grad` keep the whole padded stage (forward and backward need
+every weight, and every microbatch's gradient); `master` (bf16/fp16, or `separate_master`)
+holds only this rank's shard: the pieces' fp32 weights back to back. Padding elements are zero in
+every buffer and stay zero (their gradient is zero). `numel` is the padded length; `pack` /
+`unpack_into` convert to and from the unpadded concatenation of the parameters, the layout of
+checkpoints.
 """
 from __future__ import annotations
 
@@ -31,6 +47,7 @@ import torch
 from torch import nn
 
 from .flags import FLAGS
+from .shards import ShardLayout
 
 TAIL = 1 + len(FLAGS)  # loss, then one slot per control flag
 
@@ -39,9 +56,14 @@ def _group(p: nn.Parameter, tied: dict) -> int:
     if any(p is q for q in tied.values()):
         return 0
     split = getattr(p, "partition_dim", None) is not None
+    if getattr(p, "sequence_parallel", False):
+        if split or p.ndim >= 2:
+            raise ValueError("a sequence-parallel parameter must be a replicated vector (a norm "
+                             f"or a row-parallel bias), got shape {tuple(p.shape)}")
+        return 3
     if p.ndim >= 2:
         return 1 if split else 2
-    return 4 if split else 3
+    return 5 if split else 4
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,32 +71,50 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class VersionedWeights:
     def __init__(self, module: nn.Module, num_slots: int, dtype: str, device,
-                 tied: dict[str, nn.Parameter] | None = None, separate_master: bool = False):
+                 tied: dict[str, nn.Parameter] | None = None, shard_count: int = 1,
+                 shard_rank: int = 0, split_tied: bool = False, separate_master: bool = False):
+        """`shard_count`/`shard_rank`: the data-parallel size and rank of a distributed optimizer
+        (1/0: none); `split_tied`: the tied weight is a region of its own (a stage holding one
+        copy of a cross-stage tied weight, see shards.py); `separate_master`: keep an fp32 master
+        in fp32 runs too (a 2BW compensation whose slots hold predictions, compensation.py)."""
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.num_slots = num_slots
         params, names = self._ordered_params(module, tied or {})
         self.names = names
         self.shapes = [p.shape for p in params]
+        self.partition_dims = [getattr(p, "partition_dim", None) for p in params]
+        self.sequence_parallel = [getattr(p, "sequence_parallel", False) for p in params]
+        groups = [_group(p, tied or {}) for p in params]
+        real = [sum(p.numel() for p, g in zip(params, groups) if g <= k) for k in range(6)]
+        lengths = [real[0], real[5] - real[0]] if (split_tied and real[0]) else [real[5]]
+        self.layout = ShardLayout(lengths, shard_count)
+        self.sharded, self.shard_rank = shard_count > 1, shard_rank
+        self.pieces = self.layout.pieces(shard_rank)
         self.offsets, n = [], 0
         for p in params:
-            self.offsets.append(n)
+            self.offsets.append(self.layout.padded_offset(n))
             n += p.numel()
-        self.numel = n
-        self.partition_dims = [getattr(p, "partition_dim", None) for p in params]
-        groups = [_group(p, tied or {}) for p in params]
-        ends = [sum(p.numel() for p, g in zip(params, groups) if g <= k) for k in range(5)]
+        self.numel = self.layout.numel  # padded (= the parameter count when not sharded)
+        ends = [self.layout.padded_offset(e) if e < n else self.numel for e in real]
         self.tied_end, self.decay_end = ends[0], ends[2]
-        self.replicated = (ends[1], ends[3])  # identical on every tensor rank
+        self.replicated = (ends[1], ends[4])  # identical on every tensor rank
+        self.sequence_parallel_range = (ends[2], ends[3])
 
-        init = torch.cat([p.detach().reshape(-1).float() for p in params]).to(self.device) \
-            if params else torch.zeros(0, device=self.device)
+        init = torch.zeros(self.numel, device=self.device)
+        if params:
+            self.unpack_into(init, torch.cat([p.detach().reshape(-1).float() for p in params]))
         mixed = self.dtype != torch.float32
-        self.master = init.clone() if (mixed or separate_master) else None
+        keep = mixed or separate_master
+        if keep and self.sharded:
+            self.master = torch.cat([init[p.lo:p.hi] for p in self.pieces])
+        else:
+            self.master = init.clone() if keep else None
         self.slots = [init.to(self.dtype).clone() for _ in range(num_slots)]
-        self.grads = [torch.zeros(n + TAIL, dtype=torch.float32, device=self.device)
+        self.grads = [torch.zeros(self.numel + TAIL, dtype=torch.float32, device=self.device)
                       for _ in range(num_slots)]
-        self.model_grad = torch.zeros(n, dtype=self.dtype, device=self.device) if mixed else None
+        self.model_grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device) \
+            if mixed else None
 
         module.to(self.device)
         views = [[self._view_param(self.slots[k], self.model_grad if mixed else self.grads[k], i)
@@ -96,6 +136,7 @@ class VersionedWeights:
         p = nn.Parameter(flat[o:o + n].view(shape))
         p.grad = grad_flat[o:o + n].view(shape)
         p.partition_dim = self.partition_dims[i]
+        p.sequence_parallel = self.sequence_parallel[i]
         p.tensor_model_parallel = p.partition_dim is not None
         return p
 
@@ -111,10 +152,34 @@ class VersionedWeights:
 
     # -- views ------------------------------------------------------------------------------------
     def fp32_weights(self, slot: int | None = None) -> torch.Tensor:
-        """The newest fp32 weights (master, or the given slot in fp32 runs without one)."""
-        if self.master is not None:
+        """The newest fp32 weights of the whole (padded) stage: the master, or the given slot in
+        fp32 runs without one. Sharded runs hold no whole fp32 master: the slot, in fp32."""
+        if self.master is not None and not self.sharded:
             return self.master
-        return self.slots[slot if slot is not None else 0]
+        flat = self.slots[slot if slot is not None else 0]
+        return flat if flat.dtype == torch.float32 else flat.float()
+
+    def master_pieces(self) -> list[torch.Tensor]:
+        """Views of `master` for every piece of this rank's shard (sharded bf16/fp16 runs)."""
+        out, o = [], 0
+        for p in self.pieces:
+            out.append(self.master[o:o + p.size])
+            o += p.size
+        return out
+
+    def pack(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameters of a padded flat buffer, back to back (a view when nothing is padded)."""
+        ranges = self.layout.real_ranges()
+        if len(ranges) == 1:
+            return flat[ranges[0][0]:ranges[0][1]]
+        return torch.cat([flat[lo:hi] for lo, hi in ranges])
+
+    def unpack_into(self, flat: torch.Tensor, packed: torch.Tensor) -> None:
+        """Copy `packed` (the parameters back to back) into the padded `flat`."""
+        o = 0
+        for lo, hi in self.layout.real_ranges():
+            flat[lo:hi].copy_(packed[o:o + hi - lo])
+            o += hi - lo
 
     def named_tensors(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: flat[o:o + s.numel()].view(s)

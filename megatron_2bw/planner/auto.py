@@ -4,8 +4,9 @@
     cfg = plan(cfg, topology, profile, log=print)            # raises PlanError (a ConfigError)
 
 What the user fixed (`Config.fixed`: a typed flag or a DeepSpeed JSON key) stays as it is; the
-planner searches the rest: t, d, w, the micro batch b (so m), the rank order, recomputation, the
-schedule, and the stage partition. The global batch must be fixed (it changes what is trained);
+planner searches the rest: t, d, w, the micro batch b (so m), the rank order, recomputation
+(none, selective, full), the distributed optimizer, sequence parallelism, the schedule, and the
+stage partition. The global batch must be fixed (it changes what is trained);
 the schedule is searched when nobody fixed it, ties going to the synchronous one (`search.py`).
 When no layout keeps every fixed setting, the one-line error names them with their sources.
 Times come from `--plan-profile FILE` or an analytic profile (`--device-tflops`,
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from ..config import RANK_ORDERS, Config
 from ..pipeline.registry import schedule_kind
 from .profile import AnalyticProfile, load_profile
-from .search import SCHEDULES, SearchResult, search
+from .search import RECOMPUTE, SCHEDULES, SearchResult, search
 from .simulate import Estimate
 from .topology import PlanError, resolve_topology
 
@@ -29,7 +30,8 @@ TOPOLOGY_FLAGS = ("gpus_per_node", "gpu_memory_gb", "intra_node_bandwidth_gbps",
 # the settings the planner chooses, by Config path
 PLANNED = ("parallel.tensor", "parallel.pipeline", "parallel.data", "parallel.rank_order",
            "batch.micro_batch_size", "batch.num_microbatches", "schedule",
-           "model.recompute_method")
+           "model.recompute_granularity", "parallel.distributed_optimizer",
+           "parallel.sequence_parallel")
 
 
 @dataclass
@@ -47,16 +49,24 @@ class Plan:
         return list(self.estimate.plan.bounds)
 
     def config(self, cfg: Config) -> Config:
-        """`cfg` with this plan's layout; recomputation only when the user did not fix it."""
+        """`cfg` with this plan's layout; recomputation, the distributed optimizer and sequence
+        parallelism only where the user did not fix them."""
         L = self.layout
         new = cfg.replace(
             parallel={"tensor": L.tensor, "pipeline": L.pipeline, "data": L.data,
                       "rank_order": L.rank_order, "partition": tuple(self.partition)},
             batch={"micro_batch_size": L.micro_batch, "global_batch_size": L.global_batch},
             schedule=L.schedule)
-        if cfg.source_of("model.recompute_method") is None:
-            new = new.replace(model={"recompute_method": "uniform" if L.recompute else None,
-                                     "recompute_num_layers": 1 if L.recompute else 0})
+        if cfg.source_of("model.recompute_granularity") is None:
+            new = new.replace(model={
+                "recompute_granularity": "full" if L.recompute else (
+                    "selective" if L.selective else None),
+                "recompute_method": "uniform" if L.recompute else None,
+                "recompute_num_layers": 1 if L.recompute else 0})
+        for path, value in (("parallel.distributed_optimizer", L.distributed_optimizer),
+                            ("parallel.sequence_parallel", L.sequence_parallel)):
+            if cfg.source_of(path) is None:
+                new = new.replace(**{path: value})
         return new
 
     def flags(self) -> str:
@@ -74,7 +84,16 @@ def layout_flags(L) -> str:
              f"{L.pipeline} --data-parallel-size {L.data} --micro-batch-size {L.micro_batch} "
              f"--global-batch-size {L.global_batch} --pipeline-schedule {L.schedule} "
              f"--rank-order {L.rank_order}")
-    return flags + (" --recompute-activations" if L.recompute else "")
+    if L.recompute:
+        flags += (" --recompute-granularity full --recompute-method uniform "
+                  "--recompute-num-layers 1")
+    elif L.selective:
+        flags += " --recompute-activations"
+    if L.distributed_optimizer:
+        flags += " --use-distributed-optimizer"
+    if L.sequence_parallel:
+        flags += " --sequence-parallel"
+    return flags
 
 
 def planner_inputs(args, world_size: int):
@@ -104,12 +123,17 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
         raise PlanError("--auto-plan needs the global batch: give --global-batch-size or "
                         "train_batch_size in the DeepSpeed config (the planner keeps it and "
                         "chooses the micro batch and the parallel sizes)")
-    recompute = _only(cfg, "model.recompute_method")
+    recompute = _only(cfg, "model.recompute_granularity")
+    recompute = RECOMPUTE if recompute is None else \
+        ({None: False, "selective": "selective", "full": True}[recompute[0]],)
     try:
         return search(cfg.model, topology, profile, cfg.batch.global_batch_size,
                       schedules=_only(cfg, "schedule") or SCHEDULES,
                       dtype=cfg.precision.dtype, optimizer=cfg.optimizer.name,
-                      recompute=(False, True) if recompute is None else (recompute[0] is not None,),
+                      recompute=recompute,
+                      distributed_optimizer=_only(cfg, "parallel.distributed_optimizer")
+                      or (False, True),
+                      sequence_parallel=_only(cfg, "parallel.sequence_parallel") or (False, True),
                       tensor_sizes=_only(cfg, "parallel.tensor"),
                       pipeline_sizes=_only(cfg, "parallel.pipeline"),
                       data_sizes=_only(cfg, "parallel.data"),

@@ -5,9 +5,12 @@
     python tools/plan.py --model debug --profile-out cpu.json        # measure layers here
     python tools/plan.py --model debug --profile cpu.json --num-gpus 2 --global-batch-size 32
 
-Prints the top layouts (schedule, t/d/w, micro batch, recomputation, rank order, predicted
-samples/s and time per batch, bubble, memory per stage, partition) and the chosen one as flags
-for pretrain_gpt.py, or everything as JSON with --json. Bad input: one line on stderr, exit 2.
+Prints the top layouts (schedule, t/d/w, micro batch, recomputation (no, sel: selective, full),
+distributed optimizer (do), sequence parallelism (sp), rank order, predicted samples/s and time
+per batch, bubble, memory per stage, partition) and the chosen one as flags for pretrain_gpt.py,
+with one line saying whether it uses the distributed optimizer and why (the best layout of the
+other choice: does it fit, how much slower is it), or everything as JSON with --json. Bad input:
+one line on stderr, exit 2.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from ..config import ModelConfig
 from ..models.flops import model_names, named_model, num_parameters
 from .auto import layout_flags
 from .profile import AnalyticProfile, load_profile, measure_profile, save_profile
-from .search import SCHEDULES, search
+from .search import RECOMPUTE, SCHEDULES, search
 from .topology import PlanError, resolve_topology
 
 SHAPE = (("num_layers", int), ("hidden_size", int), ("num_attention_heads", int),
@@ -67,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-sizes", type=_ints, default=None,
                    help="restrict the tensor-parallel sizes tried")
     g.add_argument("--schedules", default=",".join(SCHEDULES))
-    g.add_argument("--recompute", choices=("auto", "on", "off"), default="auto")
+    g.add_argument("--recompute", choices=("auto", "off", "selective", "full", "on"),
+                   default="auto", help="auto: try none, selective and full; on: full")
+    g.add_argument("--distributed-optimizer", choices=("auto", "on", "off"), default="auto",
+                   help="shard master weights and optimizer state over data-parallel ranks")
+    g.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
+                   help="split norms/dropout/residuals along the sequence (t > 1)")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -102,20 +110,52 @@ def _table(result, model, topo) -> str:
             f"{topo.intra_node_bandwidth_gbps:g}/{topo.inter_node_bandwidth_gbps:g} Gbit/s): "
             f"{result.considered} layouts, {result.fitting} fit, {result.simulated} simulated "
             f"in {result.seconds:.2f} s",
-            f"{'#':>2} {'sched':6} {'t':>2} {'d':>3} {'w':>4} {'b':>4} {'m':>5} {'rc':3} "
-            f"{'order':9} {'samples/s':>10} {'s/batch':>9} {'bubble':>7} {'max GB':>7}  "
-            "GB per stage / partition"]
+            f"{'#':>2} {'sched':6} {'t':>2} {'d':>3} {'w':>4} {'b':>4} {'m':>5} {'rc':4} "
+            f"{'do':3} {'sp':3} {'order':9} {'samples/s':>10} {'s/batch':>9} {'bubble':>7} "
+            f"{'max GB':>7}  GB per stage / partition"]
     for i, e in enumerate(result.ranked, 1):
         L, gb = e.layout, e.memory_gb
         per = " ".join(f"{x:.1f}" for x in gb[:6]) + (" ..." if len(gb) > 6 else "")
         bounds = e.plan.bounds
         part = str(bounds) if len(bounds) <= 9 else f"[{bounds[0]}, {bounds[1]}, ..., {bounds[-1]}]"
         rows.append(f"{i:>2} {L.schedule:6} {L.tensor:>2} {L.pipeline:>3} {L.data:>4} "
-                    f"{L.micro_batch:>4} {L.num_microbatches:>5} "
-                    f"{'yes' if L.recompute else 'no':3} "
+                    f"{L.micro_batch:>4} {L.num_microbatches:>5} {L.recompute_name:4} "
+                    f"{_yes(L.distributed_optimizer):3} {_yes(L.sequence_parallel):3} "
                     f"{L.rank_order:9} {e.samples_per_s:>10.4g} {e.time_per_batch:>9.4g} "
                     f"{e.bubble:>7.1%} {max(gb):>7.2f}  {per} / {part}")
     return "\n".join(rows)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def explain_distributed_optimizer(best, search_other) -> str:
+    """One line: whether the chosen layout uses the distributed optimizer, and why.
+    `search_other(flag)` is the same search restricted to the other choice (its best Estimate,
+    or a PlanError when nothing fits)."""
+    L = best.layout
+    if L.data == 1 and not L.distributed_optimizer:
+        return ("distributed optimizer: no: the chosen layout has one data-parallel replica "
+                "(w = 1), there is nothing to shard across")
+    uses = L.distributed_optimizer
+    saved = max(m["master"] + m["optimizer"] for m in best.plan.memory)
+    try:
+        other = search_other(not uses)
+    except PlanError as e:
+        if uses:
+            return (f"distributed optimizer: yes: without it no layout fits ({e}); sharding "
+                    f"the master weights and optimizer state over w = {L.data} leaves "
+                    f"{saved / 2 ** 30:.2f} GB of them per GPU")
+        return f"distributed optimizer: no: no layout with it fits ({e})"
+    slower = other.time_per_batch / best.time_per_batch - 1
+    what = (f"the best layout {'without' if uses else 'with'} it ({other.layout.describe()}, "
+            f"max {max(other.memory_gb):.2f} GB) is {slower:.1%} slower")
+    if uses:
+        return (f"distributed optimizer: yes: {what}; it keeps {saved / 2 ** 30:.2f} GB of "
+                f"master weights and optimizer state per GPU (1/{L.data} of the stage's)")
+    return (f"distributed optimizer: no: {what} (its all-gather of the new weights after every "
+            "step costs more than the memory it frees buys here)")
 
 
 def run(argv=None, out=sys.stdout) -> int:
@@ -142,18 +182,25 @@ def run(argv=None, out=sys.stdout) -> int:
         profile = AnalyticProfile(**{k: v for k, v in (("device_tflops", a.device_tflops),
                                                        ("efficiency", a.device_efficiency))
                                      if v is not None}).validate()
-    recompute = {"auto": (False, True), "on": (True,), "off": (False,)}[a.recompute]
+    recompute = {"auto": RECOMPUTE, "on": (True,), "full": (True,), "off": (False,),
+                 "selective": ("selective",)}[a.recompute]
+    choice = {"auto": (False, True), "on": (True,), "off": (False,)}
     if a.top < 1:
         raise PlanError(f"--top must be >= 1, got {a.top}")
-    result = search(model, topo, profile, a.global_batch_size,
-                    schedules=tuple(s.strip() for s in a.schedules.split(",") if s.strip()),
-                    dtype=dtype, optimizer=a.optimizer, recompute=recompute,
-                    tensor_sizes=a.tensor_sizes, micro_batches=a.micro_batch_sizes, top_k=a.top,
-                    exhaustive=a.exhaustive, arch=getattr(model, "family", "gpt"))
+    kwargs = dict(schedules=tuple(s.strip() for s in a.schedules.split(",") if s.strip()),
+                  dtype=dtype, optimizer=a.optimizer, recompute=recompute,
+                  tensor_sizes=a.tensor_sizes, micro_batches=a.micro_batch_sizes,
+                  exhaustive=a.exhaustive, arch=getattr(model, "family", "gpt"),
+                  sequence_parallel=choice[a.sequence_parallel])
+    result = search(model, topo, profile, a.global_batch_size, top_k=a.top,
+                    distributed_optimizer=choice[a.distributed_optimizer], **kwargs)
     best = result.best
     flags = layout_flags(best.layout)
+    why = explain_distributed_optimizer(
+        best, lambda flag: search(model, topo, profile, a.global_batch_size, top_k=1,
+                                  distributed_optimizer=(flag,), **kwargs).best)
     if a.json:
-        json.dump({"chosen": best.to_dict(), "flags": flags,
+        json.dump({"chosen": best.to_dict(), "flags": flags, "distributed_optimizer": why,
                    "candidates": [e.to_dict() for e in result.ranked[:a.top]],
                    "considered": result.considered, "fitting": result.fitting,
                    "simulated": result.simulated, "seconds": result.seconds,
@@ -166,6 +213,7 @@ def run(argv=None, out=sys.stdout) -> int:
           file=out)
     print(f"  stage partition (spec indices, embedding=0, head={model.num_layers + 1}): "
           f"{best.plan.bounds}", file=out)
+    print(f"  {why}", file=out)
     return 0
 
 

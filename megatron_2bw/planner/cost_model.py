@@ -1,7 +1,8 @@
 """Cost model of one layout: per-stage durations for the simulator, memory per stage, a lower bound.
 
-A `Layout` is (schedule, t, d, w, b, m, recompute, rank order). `stage_plan(setup, layout, ...)`
-turns it into a `StagePlan`:
+A `Layout` is (schedule, t, d, w, b, m, recompute, rank order, distributed optimizer, sequence
+parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it into a
+`StagePlan`:
 
 - compute: F_s, B_s = sums of the per-layer profile times of the stage's layers (a contiguous
   range from `partition.py`); the first and the last stage's forward also read the microbatch
@@ -17,14 +18,24 @@ turns it into a `StagePlan`:
   left after the compute between R and N (the kind's `forwards_between_reduce_and_norm`: one
   forward in 2BW, nothing in flush/gpipe); S is the
   local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce.
+  With the distributed optimizer R starts a reduce-scatter (half a ring all-reduce), S steps 1/w
+  of the stage and all-gathers the new weights (the other half), counted in full in S: the engine
+  overlaps it only with what precedes the next forward (a conservative price), and the [norm^2,
+  loss, flags] all-reduce spans the world.
+- selective recomputation repeats each transformer layer's core attention (its share of the
+  layer's forward FLOPs) in the backward and frees what the attention kernel keeps beyond q, k, v;
+  sequence parallelism divides the norm, dropout and residual activations and the stage-to-stage
+  messages by t (models/flops.py); its all-gathers and reduce-scatters move what the all-reduces
+  moved.
 - memory: exactly the engine's buffers (`pipeline/weights.py`, `optim/optimizer.py`): weight
   versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16, and
   fp32 with a 2BW compensation whose slots hold predictions: `compensation.keeps_master`), fp32
-  gradient buffer per version slot (+1 element carrying the loss), the low-precision gradient
-  buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies); plus stashed activations per
-  in-flight microbatch (the kind's `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m);
-  recomputation stashes only each transformer layer's input and needs one layer's full
-  activations while recomputing.
+  gradient buffer per version slot (+ the loss and control flags), the low-precision gradient
+  buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies); with the distributed optimizer
+  every buffer is padded to a multiple of w (`pipeline/shards.py`) and master weights and optimizer
+  state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
+  `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m); full recomputation stashes only
+  each transformer layer's input and needs one layer's full activations while recomputing.
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ from ..models.flops import DTYPE_BYTES, layer_costs
 from ..parallel.grid import ProcessGrid
 from ..pipeline.compensation import NONE as NO_COMPENSATION, keeps_master
 from ..pipeline.registry import ScheduleKind, schedule_kind
+from ..pipeline.shards import padded_numel
 from .partition import partition
 
 OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
@@ -49,8 +61,11 @@ class Layout:
     data: int
     micro_batch: int
     num_microbatches: int
-    recompute: bool = False
+    recompute: bool = False      # full recomputation of transformer layers
     rank_order: str = "tp-dp-pp"
+    distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+    selective: bool = False      # selective recomputation (core attention)
 
     @property
     def global_batch(self) -> int:
@@ -64,9 +79,21 @@ class Layout:
     def kind(self) -> ScheduleKind:
         return schedule_kind(self.schedule)
 
+    @property
+    def recompute_name(self) -> str:
+        return "full" if self.recompute else ("sel" if self.selective else "no")
+
+    @property
+    def shards(self) -> int:
+        """Ways the master weights and optimizer state are split (w with the distributed
+        optimizer, else 1)."""
+        return self.data if self.distributed_optimizer else 1
+
     def describe(self) -> str:
         return (f"{self.schedule} t{self.tensor} d{self.pipeline} w{self.data} b{self.micro_batch} "
-                f"m{self.num_microbatches}{' rc' if self.recompute else ''} {self.rank_order}")
+                f"m{self.num_microbatches}{' rc' if self.recompute else ''}"
+                f"{' sel' if self.selective else ''}{' do' if self.distributed_optimizer else ''}"
+                f"{' sp' if self.sequence_parallel else ''} {self.rank_order}")
 
 
 @dataclass(frozen=True)
@@ -84,15 +111,28 @@ class Setup:
 
 
 def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam",
-                compensation: str = NO_COMPENSATION) -> dict:
-    """Bytes of the engine's per-stage weight, gradient and optimizer buffers."""
+                shards: int = 1, tied: int = 0, compensation: str = NO_COMPENSATION) -> dict:
+    """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
+    the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
+    which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
+    hold predictions keeps an fp32 master in fp32 runs too, sharded like the bf16/fp16 one)."""
     p = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
-    return {"weights": num_slots * params * p,
-            "master": params * 4 if keeps_master(dtype, compensation) else 0,
-            "grads": num_slots * (params + TAIL) * 4,   # + loss and control flags
-            "model_grad": params * p if mixed else 0,
-            "optimizer": OPTIMIZER_COPIES[optimizer] * params * 4}
+    n = padded_numel(params, tied, shards) if shards > 1 else params
+    shard = n // shards
+    return {"weights": num_slots * n * p,
+            "master": shard * 4 if keeps_master(dtype, compensation) else 0,
+            "grads": num_slots * (n + TAIL) * 4,   # + loss and control flags
+            "model_grad": n * p if mixed else 0,
+            "optimizer": OPTIMIZER_COPIES[optimizer] * shard * 4}
+
+
+def stage_tied(costs: list, lo: int, hi: int, d: int) -> int:
+    """Parameters of a cross-stage tied weight that stage [lo, hi) holds (0 when d == 1)."""
+    if d == 1:
+        return 0
+    return (costs[lo].tied_params if lo == 0 else 0) + \
+        (costs[-1].tied_params if hi == len(costs) else 0)
 
 
 def stage_params(costs: list, lo: int, hi: int, prefix: dict | None = None) -> int:
@@ -110,32 +150,40 @@ def _recomputed(cost) -> bool:
 
 
 def activation_bytes(costs: list, lo: int, hi: int, recompute: bool, last: bool,
-                     prefix: dict | None = None) -> tuple:
-    """(bytes stashed per in-flight microbatch, extra working bytes once) for layers [lo, hi)."""
+                     prefix: dict | None = None, selective: bool = False) -> tuple:
+    """(bytes stashed per in-flight microbatch, extra working bytes once) for layers [lo, hi);
+    `recompute` full, `selective` core-attention recomputation."""
     out = 0.0 if last else costs[hi - 1].output_bytes  # the stage output kept for the backward
-    col = "keep_rc" if recompute else "act"
+    col = "keep_rc" if recompute else ("keep_sel" if selective else "act")
     if prefix:
         kept = prefix[col][hi] - prefix[col][lo]
     else:
-        kept = sum(_kept(c, recompute) for c in costs[lo:hi])
-    extra = max((c.act_bytes for c in costs[lo:hi] if _recomputed(c)), default=0.0) \
-        if recompute else 0.0
+        kept = sum(_kept(c, recompute, selective) for c in costs[lo:hi])
+    working = "act_bytes" if recompute else "core_attention_bytes"
+    extra = max((getattr(c, working) for c in costs[lo:hi] if _recomputed(c)), default=0.0) \
+        if (recompute or selective) else 0.0
     return kept + out, extra
 
 
-def _kept(cost, recompute: bool) -> float:
-    return cost.input_bytes if recompute and _recomputed(cost) else cost.act_bytes
+def _kept(cost, recompute: bool, selective: bool = False) -> float:
+    if recompute and _recomputed(cost):
+        return cost.input_bytes
+    if selective and _recomputed(cost):
+        return cost.act_bytes - cost.core_attention_bytes
+    return cost.act_bytes
 
 
 def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, stage: int,
                  dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
+                 selective: bool = False, shards: int = 1,
                  compensation: str = NO_COMPENSATION) -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
-    "activations", "total"), peak in-flight microbatches)."""
+    "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
+    layout's sequence parallelism; `shards` is w with the distributed optimizer."""
     kind = schedule_kind(schedule)
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
-                      compensation)
-    per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix)
+                      shards, stage_tied(costs, lo, hi, d), compensation)
+    per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
     peak = kind.in_flight(d, m, stage)
     mem["activations"] = peak * per_mb + extra
     mem["total"] = sum(mem.values())
@@ -204,11 +252,11 @@ class LayerTimes:
         self.setup, self.profile, self.topo = setup, profile, topology
         self._cache = {}
 
-    def get(self, b: int, t: int) -> tuple:
-        key = (b, t)
+    def get(self, b: int, t: int, sp: bool = False) -> tuple:
+        key = (b, t, sp)
         if key not in self._cache:
             s = self.setup
-            costs = layer_costs(s.model, b, t, s.dtype, s.arch, s.flash)
+            costs = layer_costs(s.model, b, t, s.dtype, s.arch, s.flash, sequence_parallel=sp)
             times = [self.profile.layer_times(c, b, t) for c in costs]
             tp = [(0.0, 0.0)] * len(costs)
             if t > 1:  # tensor-parallel all-reduces (node-local): (forward, backward) per layer
@@ -221,15 +269,17 @@ class LayerTimes:
                                 [g + y for (_, g), (_, y) in zip(times, tp)])
         return self._cache[key]
 
-    def prefix(self, b: int, t: int) -> dict:
+    def prefix(self, b: int, t: int, sp: bool = False) -> dict:
         """Prefix sums over the spec list (O(1) range sums per stage)."""
-        key = ("prefix", b, t)
+        key = ("prefix", b, t, sp)
         if key not in self._cache:
-            costs, fwd, bwd = self.get(b, t)
+            costs, fwd, bwd = self.get(b, t, sp)
             cols = {"fwd": fwd, "bwd": bwd, "params": [c.params for c in costs],
                     "act": [c.act_bytes for c in costs],
                     "keep_rc": [_kept(c, True) for c in costs],
-                    "rc_fwd": [f if _recomputed(c) else 0.0 for c, f in zip(costs, fwd)]}
+                    "keep_sel": [_kept(c, False, True) for c in costs],
+                    "rc_fwd": [f if _recomputed(c) else 0.0 for c, f in zip(costs, fwd)],
+                    "sel_fwd": [_selective_time(c, f) for c, f in zip(costs, fwd)]}
             out = {}
             for name, col in cols.items():
                 acc = [0]
@@ -245,17 +295,26 @@ class LayerTimes:
             self._cache[key] = placement(layout, self.topo)
         return self._cache[key]
 
-    def partition(self, b: int, t: int, d: int, recompute: bool) -> list:
-        key = ("part", b, t, d, recompute)
+    def partition(self, b: int, t: int, d: int, recompute: bool, selective: bool = False,
+                  sp: bool = False) -> list:
+        key = ("part", b, t, d, recompute, selective, sp)
         if key not in self._cache:
-            costs, fwd, bwd = self.get(b, t)
+            costs, fwd, bwd = self.get(b, t, sp)
             weights = [f + g + (f if recompute and _recomputed(c) else 0.0)
+                       + (_selective_time(c, f) if selective else 0.0)
                        for c, f, g in zip(costs, fwd, bwd)]
             data = self.profile.data_time(b)  # read by the stages holding the first/last layer
             weights[0] += data
             weights[-1] += data
             self._cache[key] = partition(weights, d)
         return self._cache[key]
+
+
+def _selective_time(cost, fwd: float) -> float:
+    """The forward time of a layer's core attention (what selective recomputation repeats)."""
+    if not _recomputed(cost) or not cost.fwd_flops:
+        return 0.0
+    return fwd * cost.core_attention_flops / cost.fwd_flops
 
 
 def placement(layout: Layout, topology) -> tuple:
@@ -277,40 +336,47 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                bounds: list | None = None) -> StagePlan:
     """Everything the simulator and the memory check need for one layout."""
     L = layout
-    d, m, b, t = L.pipeline, L.num_microbatches, L.micro_batch, L.tensor
-    costs = times.get(b, t)[0]
-    P = times.prefix(b, t)
+    d, m, b, t, sp = L.pipeline, L.num_microbatches, L.micro_batch, L.tensor, L.sequence_parallel
+    costs = times.get(b, t, sp)[0]
+    P = times.prefix(b, t, sp)
     if bounds is None:
-        bounds = times.partition(b, t, d, L.recompute)
+        bounds = times.partition(b, t, d, L.recompute, L.selective, sp)
     fwd, bwd, memory, peaks, reduce_, norm, step, ar = [], [], [], [], [], [], [], []
     inter, dp_inter, tied_inter, mp_inter = times.placement(L)
-    w, kind = L.data, L.kind
-    norm_ar = topology.ring_time(8.0, d, mp_inter)  # [norm^2, loss] over one rank per stage
+    w, kind, shards = L.data, L.kind, L.shards
+    # [norm^2, loss, flags]: over one rank per stage, or the world with the distributed optimizer
+    norm_ar = topology.ring_time(8.0, d * shards, mp_inter or (shards > 1 and any(dp_inter)))
     data = times.profile.data_time(b)  # the first and the last stage read each microbatch
     for s in range(d):
         lo, hi = bounds[s], bounds[s + 1]
         f = P["fwd"][hi] - P["fwd"][lo] + (data if s in (0, d - 1) else 0.0)
         fwd.append(f)
         rc = P["rc_fwd"][hi] - P["rc_fwd"][lo] if L.recompute else 0.0
+        rc += P["sel_fwd"][hi] - P["sel_fwd"][lo] if L.selective else 0.0
         bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)
         params = stage_params(costs, lo, hi, P)
         mem, peak = stage_memory(costs, lo, hi, L.schedule, d, m, s, setup.dtype,
-                                 setup.optimizer, L.recompute, P, setup.compensation)
+                                 setup.optimizer, L.recompute, P, L.selective, shards,
+                                 setup.compensation)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
-        tied = (costs[lo].tied_params if lo == 0 else 0) + \
-            (costs[-1].tied_params if hi == len(costs) else 0)
-        tied = tied if d > 1 else 0
+        tied = stage_tied(costs, lo, hi, d)
         t_ar = topology.ring_time(4.0 * (params + TAIL - tied), w, dp_inter[s])
+        gather = 0.0
+        if shards > 1:  # reduce-scatter now, all-gather of the new weights after the step
+            p_bytes = DTYPE_BYTES[setup.dtype]
+            gather = topology.ring_time(p_bytes * params, w, dp_inter[s]) / 2
+            t_ar /= 2
         if tied:
             t_ar += topology.ring_time(4.0 * tied, 2 * w, tied_inter)
         ar.append(t_ar)
         overlap = kind.forwards_between_reduce_and_norm * f  # compute between R and N
         reduce_.append(0.0)
         norm.append(max(0.0, t_ar - overlap))
-        step.append(times.profile.step_time(params) + norm_ar)
+        step.append(times.profile.step_time(-(-params // shards)) + norm_ar + gather)
     act = DTYPE_BYTES[setup.dtype] * b * setup.model.seq_length * setup.model.hidden_size
+    act /= t if sp else 1  # sequence parallel: each tensor rank sends its chunk
     if setup.arch == "bert":
         act += b * setup.model.seq_length  # the padding mask travels with the hidden states
     p2p = [topology.transfer_time(act, x) for x in inter]
@@ -319,4 +385,4 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
 
 
 __all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "state_bytes",
-           "activation_bytes", "stage_params", "stage_memory", "placement"]
+           "activation_bytes", "stage_params", "stage_memory", "stage_tied", "placement"]

@@ -47,14 +47,16 @@ class DeviceMemory(NamedTuple):
 def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
     """Peak bytes of one rank of each pipeline stage, by kind (`stage_memory`'s dict)."""
     from ..training import model_parts  # the engine's own stage boundaries
-    d, m = cfg.parallel.pipeline, cfg.resolved(world_size).num_microbatches
+    resolved = cfg.resolved(world_size)
+    d, m = cfg.parallel.pipeline, resolved.num_microbatches
     _, _, bounds = model_parts(cfg, num_stages=d)
     costs = layer_costs(cfg.model, cfg.batch.micro_batch_size, cfg.parallel.tensor,
-                        cfg.precision.dtype, cfg.model.family)
-    recompute = cfg.model.recompute_method is not None
+                        cfg.precision.dtype, cfg.model.family,
+                        sequence_parallel=cfg.parallel.sequence_parallel)
+    shards = resolved.data_parallel_size if cfg.parallel.distributed_optimizer else 1
     return [stage_memory(costs, bounds[s], bounds[s + 1], cfg.schedule, d, m, s,
-                         cfg.precision.dtype, cfg.optimizer.name, recompute,
-                         compensation=cfg.compensation)[0]
+                         cfg.precision.dtype, cfg.optimizer.name, cfg.model.full_recompute,
+                         None, cfg.model.selective_recompute, shards, cfg.compensation)[0]
             for s in range(d)]
 
 
@@ -138,10 +140,12 @@ def check_memory(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 
     together = (f", the {len(stages)} ranks sharing {memory.name} {_gb(need)} together"
                 if len(stages) > 1 else "")
     if mem["activations"] > mem["total"] / 2:
-        fix = ("--recompute-activations, a smaller --micro-batch-size or --seq-length, or more "
-               "pipeline stages (--pipeline-model-parallel-size)")
+        fix = ("--recompute-activations (selective) or --recompute-granularity full, a smaller "
+               "--micro-batch-size or --seq-length, --sequence-parallel with tensor "
+               "parallelism, or more pipeline stages (--pipeline-model-parallel-size)")
     else:
-        fix = ("more pipeline stages (--pipeline-model-parallel-size) or tensor parallelism "
+        fix = ("--use-distributed-optimizer with data parallelism, more pipeline stages "
+               "(--pipeline-model-parallel-size) or tensor parallelism "
                "(--tensor-model-parallel-size), or a smaller --hidden-size/--num-layers")
     raise MemoryCheckError(
         f"this layout needs about {_gb(mem['total'])} per rank on pipeline stage {top} "

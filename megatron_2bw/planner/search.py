@@ -1,9 +1,11 @@
 """Search over layouts: every (t, d, w) with t*d*w = N (t inside a node), every micro batch b that
-divides the per-replica batch, recomputation on/off, each schedule the number of microbatches suits
-(`ScheduleKind.accepts`: 2BW needs m >= d) and, on more than one node, both rank orders; the
-`*_sizes`/`micro_batches`/`num_microbatches` filters keep only what the caller fixed. Layouts over
-the usable memory are dropped; the rest are ranked by predicted time per batch (the global batch is
-fixed, so this is ranking by samples/s).
+divides the per-replica batch, recomputation (none, selective, full), the distributed optimizer on
+and off (w > 1), sequence parallelism on and off (t > 1), each schedule the number of microbatches
+suits (`ScheduleKind.accepts`: 2BW needs m >= d) and, on more than one node, both rank orders; the
+`*_sizes`/`micro_batches`/`num_microbatches` and option filters keep only what the caller fixed.
+Layouts over the usable memory are dropped; the rest are ranked by predicted time per batch (the
+global batch is fixed, so this is ranking by samples/s): a memory saving is chosen when it makes a
+layout fit that is faster than every layout without it, or when it costs no time.
 
 Semantics before a sliver of speed: predictions within `TIE` of each other are a tie, and a tie
 goes to the synchronous schedule (`ScheduleKind.synchronous`: exact gradients), then to the smaller
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from ..config import RANK_ORDERS, ModelConfig
 from ..config import num_microbatches as config_microbatches
 from ..models.flops import DTYPE_BYTES
-from ..pipeline.compensation import NONE as NO_COMPENSATION
+from ..pipeline.compensation import NONE as NO_COMPENSATION, compensation_method
 from ..pipeline.registry import schedule_kind, schedule_names
 from .cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
 from .simulate import Estimate, predict
@@ -32,6 +34,7 @@ from .topology import GB, PlanError, Topology
 
 SCHEDULES = schedule_names()
 TIE = 1e-5  # relative difference of two predictions that counts as a tie
+RECOMPUTE = (False, "selective", True)  # none, selective (core attention), full
 
 
 @dataclass
@@ -71,8 +74,9 @@ def _check_inputs(model: ModelConfig, global_batch, schedules, dtype, optimizer,
     if optimizer not in OPTIMIZER_COPIES:
         raise PlanError(f"unknown optimizer {optimizer!r}: use one of "
                         f"{', '.join(OPTIMIZER_COPIES)}")
-    if not recompute:
-        raise PlanError("no recompute option to try: allow recomputation on, off or both")
+    if not recompute or any(rc not in RECOMPUTE for rc in recompute):
+        raise PlanError(f"recompute options {recompute!r}: give a non-empty subset of off "
+                        "(False), selective and full (True)")
     for name, value in (("--num-layers", model.num_layers), ("--hidden-size", model.hidden_size),
                         ("--num-attention-heads", model.num_attention_heads),
                         ("--seq-length", model.seq_length), ("--vocab-size", model.vocab_size)):
@@ -84,11 +88,14 @@ def _check_inputs(model: ModelConfig, global_batch, schedules, dtype, optimizer,
 
 
 def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
-                      schedules=SCHEDULES, recompute=(False, True), tensor_sizes=None,
+                      schedules=SCHEDULES, recompute=RECOMPUTE, tensor_sizes=None,
                       micro_batches=None, rank_orders=RANK_ORDERS, pipeline_sizes=None,
-                      data_sizes=None, num_microbatches=None):
+                      data_sizes=None, num_microbatches=None, distributed_optimizer=(False, True),
+                      sequence_parallel=(False, True), shardable: bool = True):
     """Yield every candidate Layout (memory is checked later). A filter that is None allows
-    every value."""
+    every value; the distributed optimizer is tried only with w > 1 (and not at all when the 2BW
+    compensation is not `shardable`), sequence parallelism only with t > 1 dividing the
+    sequence."""
     n, gpn = topology.num_gpus, topology.gpus_per_node
     orders = tuple(rank_orders) if topology.num_nodes > 1 else tuple(rank_orders)[:1]
     kinds = [schedule_kind(s) for s in schedules]
@@ -108,22 +115,38 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
                 if (micro_batches and b not in micro_batches) or \
                         (num_microbatches and m not in num_microbatches):
                     continue
-                for rc in recompute:
-                    for kind in kinds:
-                        if not kind.accepts(d, m) or (d == 1 and any_synchronous
-                                                      and not kind.synchronous):
-                            continue
-                        sched = kind.name
+                for kind in kinds:
+                    if not kind.accepts(d, m) or (d == 1 and any_synchronous
+                                                  and not kind.synchronous):
+                        continue
+                    for rc, do, sp in _options(recompute, distributed_optimizer,
+                                               sequence_parallel, t, w, model.seq_length,
+                                               shardable):
                         for order in (orders if d > 1 and w > 1 else orders[:1]):
-                            yield Layout(sched, t, d, w, b, m, bool(rc), order)
+                            yield Layout(kind.name, t, d, w, b, m, rc is True, order, do, sp,
+                                         rc == "selective")
+
+
+def _options(recompute, distributed_optimizer, sequence_parallel, t: int, w: int, seq: int,
+             shardable: bool = True):
+    """(recompute, distributed optimizer, sequence parallel) choices that mean something here."""
+    dist = [x for x in distributed_optimizer if w > 1 or not x] or [False]  # w = 1: a no-op
+    if w > 1 and not shardable:  # compensation_error: this 2BW compensation cannot shard
+        dist = [x for x in dist if not x]
+    seqp = [x for x in sequence_parallel if (t > 1 and seq % t == 0) or not x]  # needs t > 1
+    for rc in recompute:
+        for do in dict.fromkeys(dist):
+            for sp in dict.fromkeys(seqp):
+                yield rc, do, sp
 
 
 def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            schedules=SCHEDULES, dtype: str = "fp32", optimizer: str = "adam",
-           recompute=(False, True), tensor_sizes=None, micro_batches=None,
+           recompute=RECOMPUTE, tensor_sizes=None, micro_batches=None,
            rank_orders=RANK_ORDERS, top_k: int = 5, exhaustive: bool = False,
            arch: str = "gpt", pipeline_sizes=None, data_sizes=None,
-           num_microbatches=None, compensation: str = NO_COMPENSATION) -> SearchResult:
+           num_microbatches=None, distributed_optimizer=(False, True),
+           sequence_parallel=(False, True), compensation: str = NO_COMPENSATION) -> SearchResult:
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
@@ -134,7 +157,9 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     considered, smallest, cands = 0, float("inf"), []
     for layout in enumerate_layouts(model, topology, global_batch, schedules, recompute,
                                     tensor_sizes, micro_batches, rank_orders, pipeline_sizes,
-                                    data_sizes, num_microbatches):
+                                    data_sizes, num_microbatches, distributed_optimizer,
+                                    sequence_parallel,
+                                    compensation_method(compensation).shardable):
         considered += 1
         plan = stage_plan(setup, layout, times, topology)
         smallest = min(smallest, plan.max_memory)
@@ -151,7 +176,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
         raise PlanError(f"does not fit: smallest footprint {smallest / GB:.2f} GB > "
                         f"{topology.usable_memory_gb:.2f} GB usable per GPU (of "
                         f"{topology.gpu_memory_gb:g} GB): add GPUs or memory, use bf16, "
-                        "recomputation or a smaller model")
+                        "recomputation, the distributed optimizer or a smaller model")
     cands.sort(key=lambda c: (c[0], c[1]))
     ranked, simulated = [], 0
     for bound, _, plan in cands:
@@ -167,4 +192,4 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
                         time.perf_counter() - start, topology)
 
 
-__all__ = ["SCHEDULES", "SearchResult", "search", "enumerate_layouts", "divisors"]
+__all__ = ["SCHEDULES", "RECOMPUTE", "SearchResult", "search", "enumerate_layouts", "divisors"]

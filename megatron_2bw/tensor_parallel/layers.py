@@ -4,7 +4,11 @@ Weights are initialized as this rank's shard of the full (t=1) matrix drawn from
 without materializing the full matrix (initialize.py), so a layer built with any tensor size holds
 exactly the shard of the single-process layer built under the same seed. Sharded parameters carry
 `tensor_model_parallel = True` and `partition_dim` (the flat weight layout, the grad-norm and the
-equivalence checker read them).
+equivalence checker read them). Parameters that live in the sequence-parallel region (norms
+between the tensor-parallel regions, the row-parallel bias added after the reduction) carry
+`sequence_parallel = True` whether or not the run splits the sequence, so the flat layout does not
+depend on --sequence-parallel; when it does, their gradients are partial per tensor rank and the
+engine sums them over the tensor group.
 """
 from __future__ import annotations
 
@@ -13,14 +17,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from .initialize import normal_shard
-from .mappings import (TPGroup, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-                       scatter_to_tp_region)
+from .mappings import (TPGroup, gather_from_tp_region, gather_linear, reduce_from_tp_region,
+                       reduce_output, scatter_to_tp_region)
 
 
 def set_partition_attrs(param: nn.Parameter, partition_dim: int | None) -> nn.Parameter:
     param.tensor_model_parallel = partition_dim is not None
     param.partition_dim = partition_dim
     return param
+
+
+def mark_sequence_parallel(*modules: nn.Module) -> None:
+    """Tag the parameters of `modules` as living in the sequence-parallel region."""
+    for module in modules:
+        for p in module.parameters():
+            p.sequence_parallel = True
 
 
 def sharded_normal(shape: tuple, std: float, dim: int, tp: TPGroup) -> nn.Parameter:
@@ -49,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.tp), self.weight, self.bias)
+        y = gather_linear(x, self.weight, self.bias, self.tp)
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
 
@@ -65,11 +76,13 @@ class RowParallelLinear(nn.Module):
         self.weight = sharded_normal((out_features, in_features), init_std, 1, tp)
         self.bias = set_partition_attrs(nn.Parameter(torch.zeros(out_features)), None) \
             if bias else None
+        if self.bias is not None:
+            self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
+        y = reduce_output(F.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
 
