@@ -425,8 +425,7 @@ class Config:
             "--micro-batch-size")
         if error:
             _fail(error)
-        error = compensation_error(self.compensation, self.schedule, o.name, o.sgd_momentum,
-                                   p.distributed_optimizer, w)
+        error = compensation_error(self.compensation, self.schedule, o.name, o.sgd_momentum)
         if error:
             _fail(error)
         tr = self.train

@@ -86,13 +86,17 @@ def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
     assert "target: 2bw m=2: stage-0 stash <= d=2 microbatches" in out
 
 
-@pytest.mark.parametrize("w", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, w):
-    """bf16 2BW at w with and without --use-distributed-optimizer: every buffer equals the memory
-    model's bytes, and master weights + optimizer state shrink to 1/w (exactly, up to the
-    padding of each of the stage's at most two regions to a multiple of w)."""
-    out = _run(["bench/memory.py", "--tiny", "--schedules", "2bw", "--data-parallel-size", str(w),
-                "--bf16", "--distributed-optimizer", "both", "--json", tmp_path / "m.json"])
+@pytest.mark.parametrize("run,precision,w", [
+    ("2bw", ["--bf16"], 2), pytest.param("2bw", ["--bf16"], 4, marks=pytest.mark.slow),
+    ("2bw+predict", [], 2)], ids=["bf16-w2", "bf16-w4", "fp32-predict-w2"])
+def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, run, precision,
+                                                                       w):
+    """2BW (bf16; fp32 with --2bw-compensation predict, whose master is sharded too) at w with
+    and without --use-distributed-optimizer: every buffer equals the memory model's bytes, and
+    master weights + optimizer state shrink to 1/w (exactly, up to the padding of each of the
+    stage's at most two regions to a multiple of w)."""
+    out = _run(["bench/memory.py", "--tiny", "--schedules", run, "--data-parallel-size", str(w),
+                *precision, "--distributed-optimizer", "both", "--json", tmp_path / "m.json"])
     data = json.loads((tmp_path / "m.json").read_text())
     rows = {r["distributed_optimizer"]: r for r in data["rows"]}
     assert set(rows) == {False, True}
@@ -289,15 +293,3 @@ def test_too_few_microbatches_for_2bw_is_the_kinds_one_line_error(script, argv, 
         "error: 2bw needs at least as many microbatches per batch as pipeline stages "
         f"(m=2 < d=4): {fix}"), proc.stderr
 
-
-def test_memory_skips_a_compensation_the_distributed_optimizer_does_not_support():
-    """bench/memory.py runs 2BW+predict without the distributed optimizer only: with it (w > 1)
-    the config rejects the pair, so the run is skipped with that one-line reason, unspawned."""
-    import memory
-    spec = dict(d=2, w=2)
-    assert memory.run_error(spec, "2bw+predict", False) is None
-    assert memory.run_error(spec, "2bw", True) is None
-    logged = []
-    assert memory.measure(spec, ["2bw+predict"], [2], log=logged.append, dists=(True,)) == []
-    assert len(logged) == 1 and "2bw+predict m=2 distributed optimizer: skipped: " \
-        "--2bw-compensation predict is not supported with --use-distributed-optimizer" in logged[0]

@@ -317,21 +317,3 @@ def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
     assert all(L.data > 1 for L in layouts if L.distributed_optimizer)
     assert {L.recompute_name for L in layouts} == {"no", "sel", "full"}
 
-
-def test_a_predicting_2bw_compensation_is_never_planned_with_the_distributed_optimizer():
-    """compensation_error rejects --2bw-compensation predict/predict-spike with a sharding
-    distributed optimizer, so the planner never proposes it: the 1.3B case that fits only with
-    the distributed optimizer does not fit with predict."""
-    from megatron_2bw.pipeline.compensation import compensation_method
-    assert compensation_method("none").shardable
-    assert not compensation_method("predict").shardable
-    layouts = list(enumerate_layouts(_model(4), Topology(num_nodes=1, gpus_per_node=4), 16,
-                                     shardable=False))
-    assert any(L.data > 1 for L in layouts)
-    assert not any(L.distributed_optimizer for L in layouts)
-    topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=18)
-    args = (named_model("gpt-1.3b"), topo, AnalyticProfile(), 64)
-    kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,))
-    with pytest.raises(PlanError, match="does not fit"):
-        search(*args, compensation="predict-spike", **kw)
-    assert search(*args, compensation="none", **kw).best.layout.distributed_optimizer

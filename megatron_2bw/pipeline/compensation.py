@@ -27,9 +27,10 @@ skipped fp16 step, W(t+1) = W(t) and the prediction is made from the unchanged s
 Memory. The slots hold the versions the batches run on; the optimizer reads the real weights.
 bf16/fp16 keep them anyway (`weights.master`, fp32): the prediction is written where the
 low-precision W would have been, at no extra memory. fp32 runs have no master: `predict` adds one
-stage-sized fp32 buffer for the real W (`weights.master`; `separate_weights`), counted by the
-planner's memory model (`planner.cost_model.state_bytes`) and bench/memory.py. Both methods use
-one transient stage-sized fp32 buffer inside the step (as the Adam step itself does).
+stage-sized fp32 buffer for the real W (`weights.master`; `separate_weights`; 1/w of it, this
+rank's shard, under the distributed optimizer), counted by the planner's memory model
+(`planner.cost_model.state_bytes`) and bench/memory.py. Both methods use one transient
+stage-sized fp32 buffer inside the step (as the Adam step itself does).
 
 Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
 for evaluation and for whoever asks the engine for its newest module; `resume` writes the
@@ -37,14 +38,15 @@ prediction back before the next batch runs: bitwise the same, since it is a pure
 master, optimizer state and lr. Checkpoints save the master as the newest weights and the slot of
 the next batch (its prediction) as the previous version; loading recomputes the newest slot's.
 
-Distributed optimizer (`--use-distributed-optimizer`, optim/distributed.py: master and state
-sharded over w > 1 data-parallel ranks): not supported with `predict`/`predict-spike`;
-`compensation_error` rejects the combination before any process group starts and the planner does
-not propose it (`Method.shardable`). The way to add it: `predict` and `spike` are elementwise, so
-each rank would compute them on its shard's pieces (master piece -> slot piece) and all-gather the
-pieces into the slot as `BatchStepper._gather` does after a step; `Compensator.publish` is the one
-place that writes a slot from the master, but `show_newest` (eval, checkpoints, the DeepSpeed
-API's `engine.module`) would then need that all-gather too, a collective where none is today.
+Distributed optimizer (`--use-distributed-optimizer`, optim/distributed.py: master and optimizer
+state sharded over the w data-parallel ranks). `predict` and `spike` are elementwise, so each rank
+computes them on its shard's pieces (master piece -> slot piece, the distributed optimizer's
+`predict`/`spike`) and `gather` all-gathers the pieces into the slot, as after a plain sharded
+step: `publish` (every step, a resume, a load) starts it, and the engine waits for it before the
+slot's first forward. `show_newest` copies the master pieces and gathers at once, so under a
+sharding distributed optimizer it is a collective of the stage's data-parallel group: evaluation,
+checkpoints (`state_dict`, `fp32_state`) and `engine.module` must be asked on all its ranks
+together, as they are by training, evaluation and checkpointing.
 """
 from __future__ import annotations
 
@@ -64,12 +66,6 @@ class Method:
     def separate_weights(self) -> bool:
         """The slots do not hold the real weights: fp32 runs keep them in one more buffer."""
         return self.predicts
-
-    @property
-    def shardable(self) -> bool:
-        """Works with the distributed optimizer's sharded master (w > 1): the slots are written
-        only by the step's all-gather (see the module docstring)."""
-        return not (self.predicts or self.spikes)
 
 
 class Predict(Method):
@@ -107,11 +103,9 @@ def keeps_master(dtype: str, name: str = NONE) -> bool:
     return dtype != "fp32" or compensation_method(name).separate_weights
 
 
-def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: float,
-                       distributed_optimizer: bool = False, data_parallel: int = 1
+def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: float
                        ) -> str | None:
-    """A one-line error when `name` does not apply to this schedule and optimizer (and, with
-    `distributed_optimizer`, this data-parallel size), else None."""
+    """A one-line error when `name` does not apply to this schedule and optimizer, else None."""
     if name not in _METHODS:
         return f"unknown --2bw-compensation {name!r}: use one of {', '.join(method_names())}"
     method = _METHODS[name]
@@ -130,28 +124,31 @@ def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: f
     if optimizer == "sgd" and method.needs_momentum and not sgd_momentum:
         return (f"--2bw-compensation {name} with SGD predicts from the momentum buffer: set "
                 "--sgd-momentum > 0 (or use --optimizer adam)")
-    if distributed_optimizer and data_parallel > 1 and not method.shardable:
-        return (f"--2bw-compensation {name} is not supported with --use-distributed-optimizer "
-                f"(data-parallel size {data_parallel}: the prediction needs the whole master): "
-                "drop --use-distributed-optimizer or use --2bw-compensation none")
     return None
 
 
 class Compensator:
     """The engine's side: called by BatchStepper after every step, and by the engine around
-    views of the newest weights. `lr(t)` is the lr of S(t)."""
+    views of the newest weights. `lr(t)` is the lr of S(t); `gather(slot)` starts the all-gather
+    of every data-parallel rank's pieces into `slot` and `wait(slot)` waits for it (sharded
+    weights only: the distributed optimizer)."""
 
-    def __init__(self, name: str, optimizer, weights, lr):
+    def __init__(self, name: str, optimizer, weights, lr, gather=None, wait=None):
         self.method = compensation_method(name)
         self.optimizer, self.w, self.lr = optimizer, weights, lr
+        self.gather, self.wait = gather, wait
         if self.method.separate_weights and weights.master is None:
             raise ValueError(f"--2bw-compensation {name} needs the weights apart from the slots: "
                              "build VersionedWeights with separate_master=True")
+        if weights.sharded and (gather is None or wait is None):
+            raise ValueError("sharded weights (distributed optimizer) need the Compensator's "
+                             "gather and wait")
         self.showing = False
 
     def after_step(self, batch: int, grad, dst_slot: int) -> None:
-        """S(batch) has written W(batch+1) (into the master, or into slot `dst_slot` without one)
-        with `grad`: compensate, then publish what batch + 2 runs on into `dst_slot`."""
+        """S(batch) has written W(batch+1) (into the master, or into slot `dst_slot` without one;
+        sharded: this rank's pieces) with `grad`: compensate, then publish what batch + 2 runs on
+        into `dst_slot`."""
         if self.method.spikes:
             new = self.w.master if self.w.master is not None else self.w.slots[dst_slot]
             self.optimizer.spike(new, grad, self.lr(batch))
@@ -159,20 +156,36 @@ class Compensator:
 
     def publish(self, t: int, slot: int) -> None:
         """From W(t) in the master: write what batch t + 1 runs on into `slot` (fp32 runs
-        without a master: the step wrote W(t) there already)."""
+        without a master: the step wrote W(t) there already); sharded: this rank's pieces, then
+        start the all-gather of the rest."""
         w = self.w
         self.showing = False
-        if w.master is None:
-            return
-        if self.method.predicts:
-            self.optimizer.predict(w.master, w.slots[slot], self.lr(t))
-        else:
-            w.slots[slot].copy_(w.master)
+        if w.sharded:
+            self.wait(slot)  # an all-gather still writing the slot (after a load, a view)
+        if w.master is not None:
+            if self.method.predicts:
+                self.optimizer.predict(w.master, w.slots[slot], self.lr(t))
+            else:
+                w.master_into(slot)
+        if w.sharded:
+            self.gather(slot)
+
+    def restore(self, t: int, slot: int) -> None:
+        """After a checkpoint load wrote W(t) into `slot` (the newest) and the master: what batch
+        t + 1 runs on. Sharded runs without a prediction already hold it: no collective."""
+        if not self.w.sharded or self.method.predicts:
+            self.publish(t, slot)
 
     def show_newest(self, slot: int) -> None:
-        """Make `slot` (the newest) hold W(t) until `resume`."""
+        """Make `slot` (the newest) hold W(t) until `resume` (sharded: a collective of the
+        data-parallel group, see the module docstring)."""
         if self.method.predicts and not self.showing:
-            self.w.slots[slot].copy_(self.w.master)
+            if self.w.sharded:
+                self.wait(slot)
+            self.w.master_into(slot)
+            if self.w.sharded:
+                self.gather(slot)
+                self.wait(slot)
             self.showing = True
 
     def resume(self, t: int, slot: int) -> None:

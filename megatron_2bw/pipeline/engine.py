@@ -156,7 +156,9 @@ class PipelineEngine:
         batch are not saved: a resumed run redoes them from the same data. Weights are the
         parameters back to back (no padding). With the distributed optimizer this rank's call is
         local: "optimizer" is its shard (optim/distributed.py, with the exact fp32 master of
-        bf16/fp16 runs) and "newest" the newest version slot in fp32."""
+        bf16/fp16 runs) and "newest" the newest version slot in fp32 (a compensation's prediction
+        leaves it until the next batch: `show_newest`)."""
+        self.stepper.compensation.show_newest(self._newest_slot())
         self.stepper.wait_weights()
         w, t, kind = self.weights, self.iteration, self.kind
         state = {"iteration": t, "schedule": self.cfg.schedule, "names": list(w.names),
@@ -200,8 +202,8 @@ class PipelineEngine:
             for p, piece in zip(w.pieces, w.master_pieces()):
                 lo, hi = p.global_range
                 piece[:p.real].copy_(state["newest"][lo:hi])
-        if not w.sharded:  # what batch t+1 runs on: the master, or a compensation's prediction
-            self.stepper.compensation.publish(t, self.kind.newest_slot(t))
+        # what batch t+1 runs on: the master, or a compensation's prediction
+        self.stepper.compensation.restore(t, self.kind.newest_slot(t))
         self.stepper.scaler.load_state_dict(state["scaler"])
         self.stepper.skipped = int(state["skipped"])
         self._clear_stash()
@@ -212,14 +214,15 @@ class PipelineEngine:
     def module(self) -> StageModule:
         """The stage module holding the newest weights (under 2BW's `predict` compensation its
         slot holds them until the next train_batch puts the prediction back)."""
-        self.stepper.wait_weights()
         slot = self._newest_slot()
         self.stepper.compensation.show_newest(slot)
+        self.stepper.wait_weights()
         return self.weights.modules[slot]
 
     def fp32_state(self) -> dict[str, torch.Tensor]:
         """Newest weights in fp32 by global parameter name (the master weights, or with the
         distributed optimizer in bf16/fp16 the newest slot: no rank holds the whole master)."""
+        self.stepper.compensation.show_newest(self._newest_slot())
         self.stepper.wait_weights()
         return self.weights.named_tensors(self.weights.fp32_weights(self._newest_slot()))
 

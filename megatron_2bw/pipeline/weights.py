@@ -159,6 +159,15 @@ class VersionedWeights:
         flat = self.slots[slot if slot is not None else 0]
         return flat if flat.dtype == torch.float32 else flat.float()
 
+    def master_into(self, slot: int) -> None:
+        """Copy the master into `slot` (sharded: into this rank's pieces of it; the caller
+        all-gathers the rest)."""
+        if not self.sharded:
+            self.slots[slot].copy_(self.master)
+            return
+        for p, m in zip(self.pieces, self.master_pieces()):
+            self.slots[slot][p.lo:p.hi].copy_(m)
+
     def master_pieces(self) -> list[torch.Tensor]:
         """Views of `master` for every piece of this rank's shard (sharded bf16/fp16 runs)."""
         out, o = [], 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..config import RANK_ORDERS, ModelConfig
 from ..config import num_microbatches as config_microbatches
 from ..models.flops import DTYPE_BYTES
-from ..pipeline.compensation import NONE as NO_COMPENSATION, compensation_method
+from ..pipeline.compensation import NONE as NO_COMPENSATION
 from ..pipeline.registry import schedule_kind, schedule_names
 from .cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
 from .simulate import Estimate, predict
@@ -91,11 +91,10 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
                       schedules=SCHEDULES, recompute=RECOMPUTE, tensor_sizes=None,
                       micro_batches=None, rank_orders=RANK_ORDERS, pipeline_sizes=None,
                       data_sizes=None, num_microbatches=None, distributed_optimizer=(False, True),
-                      sequence_parallel=(False, True), shardable: bool = True):
+                      sequence_parallel=(False, True)):
     """Yield every candidate Layout (memory is checked later). A filter that is None allows
-    every value; the distributed optimizer is tried only with w > 1 (and not at all when the 2BW
-    compensation is not `shardable`), sequence parallelism only with t > 1 dividing the
-    sequence."""
+    every value; the distributed optimizer is tried only with w > 1, sequence parallelism only
+    with t > 1 dividing the sequence."""
     n, gpn = topology.num_gpus, topology.gpus_per_node
     orders = tuple(rank_orders) if topology.num_nodes > 1 else tuple(rank_orders)[:1]
     kinds = [schedule_kind(s) for s in schedules]
@@ -120,19 +119,15 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
                                                   and not kind.synchronous):
                         continue
                     for rc, do, sp in _options(recompute, distributed_optimizer,
-                                               sequence_parallel, t, w, model.seq_length,
-                                               shardable):
+                                               sequence_parallel, t, w, model.seq_length):
                         for order in (orders if d > 1 and w > 1 else orders[:1]):
                             yield Layout(kind.name, t, d, w, b, m, rc is True, order, do, sp,
                                          rc == "selective")
 
 
-def _options(recompute, distributed_optimizer, sequence_parallel, t: int, w: int, seq: int,
-             shardable: bool = True):
+def _options(recompute, distributed_optimizer, sequence_parallel, t: int, w: int, seq: int):
     """(recompute, distributed optimizer, sequence parallel) choices that mean something here."""
     dist = [x for x in distributed_optimizer if w > 1 or not x] or [False]  # w = 1: a no-op
-    if w > 1 and not shardable:  # compensation_error: this 2BW compensation cannot shard
-        dist = [x for x in dist if not x]
     seqp = [x for x in sequence_parallel if (t > 1 and seq % t == 0) or not x]  # needs t > 1
     for rc in recompute:
         for do in dict.fromkeys(dist):
@@ -158,8 +153,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     for layout in enumerate_layouts(model, topology, global_batch, schedules, recompute,
                                     tensor_sizes, micro_batches, rank_orders, pipeline_sizes,
                                     data_sizes, num_microbatches, distributed_optimizer,
-                                    sequence_parallel,
-                                    compensation_method(compensation).shardable):
+                                    sequence_parallel):
         considered += 1
         plan = stage_plan(setup, layout, times, topology)
         smallest = min(smallest, plan.max_memory)
