@@ -22,6 +22,9 @@ mock data, Adam) on d x w fresh gloo processes for a few batches and reports, pe
   schedule kind's num_slots and the distributed optimizer's shards, activation_bytes x the kind's
   in_flight), and measured / predicted.
 
+A run is a schedule, optionally with a 2BW compensation after a `+` (`--schedules 2bw,2bw+predict`:
+fp32 `predict` keeps the real weights in one more stage-sized buffer, the `master` column).
+
 Targets (reported, not asserted): 2BW's stage-0 stash peaks at <= d microbatches; 2BW's stage
 memory (buffers + stash) <= 0.6 x GPipe's at m = 8 without recomputation; with the distributed
 optimizer, master weights plus optimizer state per rank are 1/w of the run without it (up to the
@@ -37,14 +40,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+from megatron_2bw.pipeline.compensation import (NONE, compensation_error,  # noqa: E402
+                                                method_names)
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
+COMPENSATIONS = [m for m in method_names() if m != NONE]
 SUBJECT = "2bw"     # the targets are about this schedule
 BASELINE = "gpipe"  # ... compared with this one
 
 
-def make_config(spec: dict, schedule: str, m: int, dist: bool = False):
+def split_run(run: str) -> tuple[str, str]:
+    """"2bw+predict" -> ("2bw", "predict"); "gpipe" -> ("gpipe", "none")."""
+    schedule, _, method = run.partition("+")
+    return schedule, method or NONE
+
+
+def make_config(spec: dict, run: str, m: int, dist: bool = False):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
                                      ParallelConfig, PrecisionConfig, TrainConfig)
     b, d, w = spec["micro"], spec["d"], spec["w"]
@@ -53,7 +65,8 @@ def make_config(spec: dict, schedule: str, m: int, dist: bool = False):
                         vocab_size=spec["vocab"], init_method_std=0.02,
                         recompute_method="uniform" if spec["recompute"] else None,
                         recompute_num_layers=1 if spec["recompute"] else 0)
-    return Config(model=model, schedule=schedule,
+    schedule, compensation = split_run(run)
+    return Config(model=model, schedule=schedule, compensation=compensation,
                   parallel=ParallelConfig(pipeline=d, data=w, distributed_optimizer=dist),
                   batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m * w),
                   optimizer=OptimizerConfig(lr=1e-4), precision=PrecisionConfig(spec["dtype"]),
@@ -157,12 +170,13 @@ def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list, dist: b
     from megatron_2bw.planner.cost_model import (activation_bytes, stage_params, stage_tied,
                                                  state_bytes)
     cfg = make_config(spec, schedule, m, dist)
-    kind = schedule_kind(schedule)
+    kind = schedule_kind(cfg.schedule)
     costs = layer_costs(cfg.model, spec["micro"], 1, spec["dtype"], "gpt")
     lo, hi = bounds
     params = stage_params(costs, lo, hi)
     mem = state_bytes(params, kind.num_slots, spec["dtype"], "adam",
-                      spec["w"] if dist else 1, stage_tied(costs, lo, hi, spec["d"]))
+                      spec["w"] if dist else 1, stage_tied(costs, lo, hi, spec["d"]),
+                      cfg.compensation)
     mem["params"] = params
     per_mb, extra = activation_bytes(costs, lo, hi, spec["recompute"], stage == spec["d"] - 1)
     peak = kind.in_flight(spec["d"], m, stage)
@@ -177,7 +191,8 @@ def measure(spec: dict, schedules, ms, timeout=600, log=print, dists=(False,)) -
     rows = []
     for m in ms:
         for schedule in schedules:
-            error = schedule_kind(schedule).microbatch_error(spec["d"], m, "skipped")
+            error = schedule_kind(split_run(schedule)[0]).microbatch_error(spec["d"], m,
+                                                                           "skipped")
             if error:
                 log(f"  {error}")
                 continue
@@ -277,18 +292,20 @@ def format_bytes_per_parameter(rows: list) -> str:
 
 
 def format_rows(spec: dict, rows: list) -> str:
-    headers = ["schedule", "m", "do", "stage", "versions", "weights", "grads", "optimizer",
+    headers = ["schedule", "m", "do", "stage", "versions", "weights", "master", "grads",
+               "optimizer",
                "stash peak (mb)", "total", "model total", "meas/model", "peak RSS+"]
     out = []
     for r in rows:
         do = "yes" if r["distributed_optimizer"] else "no"
         if "stages" not in r:
-            out.append([r["schedule"], r["m"], do, "-", r["error"]] + ["-"] * 8)
+            out.append([r["schedule"], r["m"], do, "-", r["error"]] + ["-"] * 9)
             continue
         for s in r["stages"]:
             mdl = s["model"]
             out.append([r["schedule"], r["m"], do, s["stage"], s["versions"], C.mb(s["weights"]),
-                        C.mb(s["grads"] + s["model_grad"]), C.mb(s["optimizer"] + s["master"]),
+                        C.mb(s["master"]), C.mb(s["grads"] + s["model_grad"]),
+                        C.mb(s["optimizer"]),
                         f"{C.mb(s['stash_peak'])} ({s['in_flight_peak']})", C.mb(s["total"]),
                         f"{C.mb(mdl['total'])} ({mdl['in_flight']})",
                         f"{s['total'] / mdl['total']:.2f}" if mdl["total"] else "-",
@@ -298,10 +315,11 @@ def format_rows(spec: dict, rows: list) -> str:
             f"w={spec['w']} {spec['dtype']} Adam{' recompute' if spec['recompute'] else ''}; "
             "MB = 2^20 bytes",
             C.table(headers, out),
-            "do: distributed optimizer; grads: fp32 buffers + the low-precision one; optimizer: "
-            "state + master weights; stash peak (mb): peak bytes saved for backward + kept "
-            "inputs/outputs over the microbatches in flight (their peak count); model total (in "
-            "flight): the planner's state_bytes + activation_bytes x in_flight; peak RSS+: "
+            "do: distributed optimizer; master: fp32 master weights (bf16/fp16, or the real "
+            "weights of a 2BW compensation that predicts); grads: fp32 buffers + the "
+            "low-precision one; optimizer: its state; stash peak (mb): peak bytes saved for "
+            "backward + kept inputs/outputs over the microbatches in flight (their peak count); "
+            "model total (in flight): the planner's state_bytes + activation_bytes x in_flight; peak RSS+: "
             "process peak RSS above its RSS after imports and data",
             "", "Bytes per parameter of each stage (replica 0; every data-parallel rank alike):",
             format_bytes_per_parameter(rows)]
@@ -336,9 +354,11 @@ def parse(argv=None):
     args = p.parse_args(argv)
     args.ms = [int(x) for x in args.num_microbatches.split(",") if x.strip()]
     args.scheds = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    bad = [s for s in args.scheds if s not in SCHEDULES]
+    bad = [s for s in args.scheds if split_run(s)[0] not in SCHEDULES
+           or compensation_error(split_run(s)[1], split_run(s)[0], "adam", 0.9)]
     if bad:
-        p.error(f"unknown schedule(s) {', '.join(bad)}: use {', '.join(SCHEDULES)}")
+        p.error(f"unknown schedule(s) {', '.join(bad)}: use {', '.join(SCHEDULES)}, 2BW "
+                f"with a compensation after '+' ({', '.join(COMPENSATIONS)})")
     if args.num_layers < args.pipeline_stages:
         p.error("--num-layers must be >= --pipeline-stages")
     if args.bf16 and args.fp16:

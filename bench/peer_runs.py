@@ -68,7 +68,9 @@ def run_ours(rank, world, spec, schedule):
     data = _data(spec, rank, d)
     C.framework_warmup()
     probe = C.MemoryProbe()
-    cfg = Config(schedule=schedule, parallel=ParallelConfig(pipeline=d),
+    schedule, _, compensation = schedule.partition("+")  # 2bw+predict: a 2BW compensation
+    cfg = Config(schedule=schedule, compensation=compensation or "none",
+                 parallel=ParallelConfig(pipeline=d),
                  batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m),
                  optimizer=OptimizerConfig(lr=spec["lr"], weight_decay=0.0, clip_grad=0.0),
                  train=TrainConfig(train_iters=spec["warmup"] + spec["batches"],

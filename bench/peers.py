@@ -18,6 +18,8 @@ once; the reference on one):
     ours-2bw-ds                        the same engine through its DeepSpeed API (the
                                        run_deepspeed script with `import megatron_2bw as
                                        deepspeed`), to compare both paths in one run
+    ours-2bw+predict, ...+predict-spike  the same with --2bw-compensation (their losses are
+                                       checked on batches 0, 1: batch 2 runs on a prediction)
     deepspeed-1f1b                     deepspeed.pipe.PipelineModule + DeepSpeed's PipelineEngine
                                        (its TrainSchedule: 1F1B with a flush)
     torch-gpipe, torch-1f1b            torch.distributed.pipelining ScheduleGPipe / Schedule1F1B
@@ -53,10 +55,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from peer_runs import runner, unavailable_reason  # noqa: E402
 
+from megatron_2bw.pipeline.compensation import NONE, method_names  # noqa: E402
 from megatron_2bw.pipeline.registry import (DEFAULT_SCHEDULE, schedule_kind,  # noqa: E402
                                              schedule_names)
 
-OURS = tuple(f"ours-{s}" for s in schedule_names())
+# ours-2bw+predict: 2BW with --2bw-compensation predict (pipeline/compensation.py)
+OURS = tuple(f"ours-{s}" for s in schedule_names()) + tuple(
+    f"ours-{s}+{m}" for s in schedule_names() if schedule_kind(s).delay == 1
+    for m in method_names() if m != NONE)
 DS_API = (f"ours-{DEFAULT_SCHEDULE}-ds",)  # our engine through its DeepSpeed API
 PEERS = ("deepspeed-1f1b", "torch-gpipe", "torch-1f1b")
 BOUNDS = ("single", "no-comm")
@@ -70,7 +76,12 @@ def schedule_of(name: str) -> str | None:
     """The schedule an `ours-...` run trains with (None for the peers and bounds)."""
     if not name.startswith("ours-"):
         return None
-    return name[len("ours-"):-len("-ds") if name.endswith("-ds") else None]
+    return name[len("ours-"):-len("-ds") if name.endswith("-ds") else None].partition("+")[0]
+
+
+def method_of(name: str) -> str:
+    """The --2bw-compensation of an `ours-<schedule>+<method>` run ("" for the others)."""
+    return name[len("ours-"):].partition("+")[2] if name.startswith("ours-") else ""
 
 
 # ---- checks and the table -----------------------------------------------------------------------
@@ -79,9 +90,11 @@ def schedule_of(name: str) -> str | None:
 def check_losses(name: str, losses: list, ref: dict, rtol: float) -> tuple[bool, str]:
     """Compare the first losses of a run with the single-process reference (the delayed-update
     one for a schedule whose batches run on older weights)."""
-    delayed = schedule_of(name) is not None and schedule_kind(schedule_of(name)).delay > 0
+    schedule, method = schedule_of(name), method_of(name)
+    delayed = schedule is not None and schedule_kind(schedule).delay > 0
     want = ref["losses_2bw"] if delayed else ref["losses"]
-    n = min(CHECKED_BATCHES, len(losses), len(want))
+    checked = 2 if method else CHECKED_BATCHES  # compensated: batch 2 runs on a prediction
+    n = min(checked, len(losses), len(want))
     worst = 0.0
     for t in range(n):
         if losses[t] is None:

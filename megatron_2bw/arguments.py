@@ -10,6 +10,7 @@ from .config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
                      RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config, ConfigError,
                      ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
 from .models.flavours import FLAVOURS, flavour_architecture, flavour_shape
+from .pipeline.compensation import NONE as NO_COMPENSATION, method_names
 from .pipeline.registry import DEFAULT_SCHEDULE
 
 
@@ -121,6 +122,14 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="default: world size / (tensor x pipeline), as Megatron derives it")
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
+    g.add_argument("--2bw-compensation", dest="compensation", choices=method_names(),
+                   default=NO_COMPENSATION,
+                   help="2BW staleness compensation: predict = each batch runs forward and "
+                        "backward on the optimizer's prediction of the weights it would run on "
+                        "synchronously (bf16/fp16: no extra memory; fp32: one stage-sized "
+                        "buffer); predict-spike = predict plus spike compensation of Adam's "
+                        "momentum (closest to GPipe in bench/README.md); none = plain "
+                        "2BW (docs/ARCHITECTURE.md section 1)")
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -287,7 +296,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         straggler_threshold=args.straggler_threshold,
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
-                  precision=precision, train=train, schedule=args.pipeline_schedule)
+                  precision=precision, train=train, schedule=args.pipeline_schedule,
+                  compensation=getattr(args, "compensation", NO_COMPENSATION))
 
 
 def recompute_from_args(args) -> tuple:

@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
+from .pipeline.compensation import NONE as NO_COMPENSATION, compensation_error
 from .pipeline.registry import DEFAULT_SCHEDULE, schedule_kind, schedule_names
 
 SCHEDULES = schedule_names()  # the schedule kinds own their names and rules (pipeline/registry.py)
@@ -240,6 +241,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     schedule: str = DEFAULT_SCHEDULE
+    compensation: str = NO_COMPENSATION  # 2BW staleness compensation (pipeline/compensation.py)
 
     fixed: tuple[Fixed, ...] = field(default=(), compare=False, repr=False)
 
@@ -424,6 +426,9 @@ class Config:
             p.pipeline, self.num_microbatches,
             f"raise --global-batch-size to at least {low * b.micro_batch_size * w} or lower "
             "--micro-batch-size")
+        if error:
+            _fail(error)
+        error = compensation_error(self.compensation, self.schedule, o.name, o.sgd_momentum)
         if error:
             _fail(error)
         tr = self.train

@@ -35,6 +35,7 @@ FLAG_FIXES = {
     "--micro-batch-size": "batch.micro_batch_size",
     "--global-batch-size": "batch.global_batch_size",
     "--pipeline-schedule": "schedule",
+    "--2bw-compensation": "schedule",  # compensates 2BW: the planner keeps the schedule
     "--recompute-activations": "model.recompute_granularity",
     "--recompute-granularity": "model.recompute_granularity",
     "--recompute-method": "model.recompute_granularity",
@@ -54,8 +55,11 @@ class BuiltConfig(NamedTuple):
         return self.deepspeed.lr_schedule if self.deepspeed is not None else None
 
 
+FLAG_DESTS = {"--2bw-compensation": "compensation"}  # flags whose dest is not their name
+
+
 def _typed_value(args, flag: str) -> str:
-    value = getattr(args, flag[2:].replace("-", "_"), None)
+    value = getattr(args, FLAG_DESTS.get(flag, flag[2:].replace("-", "_")), None)
     return flag if value is True else f"{flag} {value}"
 
 

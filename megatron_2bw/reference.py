@@ -3,19 +3,33 @@ only (torch.optim, clip_grad_norm_, gradient accumulation) so that they check th
 optimizer, clipping and reductions instead of reusing them.
 
 gpipe / flush:  W(t+1) = step(W(t), g_t(W(t)))
-2bw:            W(t+1) = step(W(t), g_t(W(max(t-1, 0))))
+2bw:            W(t+1) = step(W(t), g_t(V(t))),  V(t) = W(max(t-1, 0))
 g_t is the mean gradient over the batch's m * w microbatches; which W(k) batch t runs on is the
 schedule kind's `weight_of_batch(t)` (pipeline/registry.py).
+
+2BW's staleness compensation (`--2bw-compensation`, pipeline/compensation.py), with k = t - 1:
+    predict  V(t) = P(t) for t >= 2: W(k) moved by the update torch.optim's state after k steps
+             implies at lr(k), the lr of the step W(k) -> W(t) being predicted. AdamW:
+             W(k) * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps) with the bias corrections of
+             k steps; SGD: W(k) - lr * momentum_buffer. V(0) = V(1) = W(0) (no state yet). The
+             gradient g_t(P(t)) steps the real W(t); P(t) never enters the trajectory otherwise.
+    predict-spike  after torch.optim.AdamW's step t, every parameter also moves by
+             -lr * (1 - b1) / (1 - b1^(t+1)) * (grad - m) / (sqrt(v_hat) + eps) (m, v after
+             the step: the spike; the momentum term weighs b1 * m and the late gradient gets
+             its missed share (1 - b1) at once); V(t) is `predict`'s, made from the spiked W.
+The predictions and the spike are computed here from torch.optim's state, not by the engine's code.
 """
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
 from .config import Config
 from .optim.lr import LRSchedule
 from .optim.optimizer import torch_reference_optimizer
+from .pipeline.compensation import compensation_method
 from .pipeline.module import LayerSpec, StageModule
 from .pipeline.registry import schedule_kind
 
@@ -44,9 +58,13 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
     optimizer = torch_reference_optimizer(cfg.optimizer, params)
     lr_at = LRSchedule(cfg.optimizer, cfg.train.train_iters)
     kind = schedule_kind(cfg.schedule)
+    method = compensation_method(cfg.compensation)
     delayed = kind.delay > 0
-    grad_model = copy.deepcopy(model) if delayed else model  # holds W(kind.weight_of_batch(t))
-    versions = {}  # k -> W(k), kept while a later batch still runs on it
+    grad_model = copy.deepcopy(model) if delayed else model  # holds V(t)
+    versions = {}  # k -> what a batch with weight_of_batch k runs on (W(k), or its prediction)
+    if start and method.predicts:
+        raise ValueError("reference_train: `start` with --2bw-compensation is not modelled (the "
+                         "resumed version would be a prediction); start from the initialization")
     t0 = _resume(model, grad_model, optimizer, start, versions, kind) if start else 0
     streams = [make_batches(r) for r in range(w)]
     eval_streams = [make_eval_batches(r) for r in range(w)] if eval_interval else []
@@ -63,7 +81,8 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
                 total += loss.item() / (m * w)
         losses.append(total)
         if delayed:
-            versions[t] = copy.deepcopy(model.state_dict())  # W(t)
+            versions[t] = (_predicted(model, optimizer, lr_at(t)) if method.predicts
+                           else copy.deepcopy(model.state_dict()))  # from W(t), before step t
             for (_, p), (_, q) in zip(params, grad_model.named_parameters()):
                 p.grad = q.grad
         if cfg.optimizer.clip_grad > 0:
@@ -71,6 +90,8 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
         for group in optimizer.param_groups:
             group["lr"] = lr_at(t)
         optimizer.step()
+        if method.spikes:
+            _spike(optimizer, lr_at(t))
         if delayed:
             k = kind.weight_of_batch(t + 1)
             grad_model.load_state_dict(versions[k])
@@ -105,6 +126,40 @@ def _resume(model, grad_model, optimizer, start: dict, versions: dict, kind) -> 
         elif "momentum" in state and state.get("steps"):
             optimizer.state[p] = {"momentum_buffer": state["momentum"][name].clone()}
     return t0
+
+
+def _predicted(model, optimizer, lr: float) -> dict:
+    """model's state dict with every parameter moved by the update torch.optim's state implies
+    at `lr` (see the module docstring); unchanged before the first step."""
+    moved = {}
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state.get(p)
+                if not st:
+                    continue
+                if "exp_avg" in st:
+                    b1, b2 = group["betas"]
+                    k = float(st["step"])
+                    denom = st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** k) + group["eps"]
+                    moved[id(p)] = (p * (1 - lr * group["weight_decay"])
+                                    - lr / (1 - b1 ** k) * st["exp_avg"] / denom)
+                else:
+                    moved[id(p)] = p - lr * st["momentum_buffer"]
+    return {name: moved.get(id(v), v).detach().clone()
+            for name, v in model.state_dict(keep_vars=True).items()}
+
+
+def _spike(optimizer, lr: float) -> None:
+    """After AdamW's step: each parameter moves by -lr (1 - b1) / bias1 (grad - m) / denom."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                st = optimizer.state[p]
+                k = float(st["step"])
+                denom = st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** k) + group["eps"]
+                p.add_(-lr * (1 - b1) / (1 - b1 ** k) * (p.grad - st["exp_avg"]) / denom)
 
 
 def _evaluate(model, loss_fn, streams, m: int) -> float:

@@ -2,7 +2,8 @@
 
 Spawns t * d * w local gloo processes, trains the GPT with the chosen schedule, and compares every
 parameter of every rank with the single-process reference of docs/ARCHITECTURE.md section 1
-(plain training for gpipe/flush, the delayed-update reference for 2bw). The relative difference
+(plain training for gpipe/flush, the delayed-update reference for 2bw, and for 2bw with
+`--2bw-compensation M` that method's reference in megatron_2bw/reference.py). The relative difference
 of a tensor is ||a - b|| / max(||b||, init_std * sqrt(numel)) (L2 norms): a wrong update anywhere
 moves many elements by about lr and shows up at 1e-3 and above, while single elements whose
 gradient is only rounding noise (a dead GeLU unit, say; Adam normalizes their update to about lr
@@ -197,7 +198,8 @@ def report(cfg: Config, rep: Report, rtol: float) -> int:
     """Print the verdict of a run; 0 if it passed, 1 if not."""
     p = cfg.parallel
     ok = rep.passed(rtol)
-    print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} t={p.tensor} d={p.pipeline} w={p.data} "
+    print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} "
+          f"compensation={cfg.compensation} t={p.tensor} d={p.pipeline} w={p.data} "
           f"m={cfg.num_microbatches} iters={cfg.train.train_iters} "
           f"optimizer={cfg.optimizer.name} precision={cfg.precision.dtype}")
     if cfg.optimizer.clip_grad > 0:

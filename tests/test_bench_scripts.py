@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools"))  # convergence_report
 
 
 def _run(args, timeout=240, env=None):
@@ -69,29 +70,36 @@ def test_peers_loss_check_excludes_a_broken_run():
 
 
 def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
-    out = _run(["bench/memory.py", "--tiny", "--json", tmp_path / "m.json"])
+    out = _run(["bench/memory.py", "--tiny", "--json", tmp_path / "m.json", "--schedules",
+                "gpipe,flush,2bw,2bw+predict"])
     data = json.loads((tmp_path / "m.json").read_text())
     rows = {(r["schedule"], r["m"]): r for r in data["rows"]}
-    assert set(rows) == {("gpipe", 2), ("flush", 2), ("2bw", 2)}
+    assert set(rows) == {("gpipe", 2), ("flush", 2), ("2bw", 2), ("2bw+predict", 2)}
     for (sched, m), r in rows.items():
         for s in r["stages"]:
             model = s["model"]
             for key in ("weights", "master", "grads", "model_grad", "optimizer"):
                 assert s[key] == model[key], (sched, s["stage"], key)
-            assert s["versions"] == (2 if sched == "2bw" else 1)
+            # fp32: only predict keeps the real weights apart from the slots (one stage buffer)
+            assert s["master"] == (4 * s["params"] if sched == "2bw+predict" else 0)
+            assert s["versions"] == (2 if sched.startswith("2bw") else 1)
             assert s["in_flight_peak"] == model["in_flight"], (sched, s["stage"])
             assert s["stash_peak"] > 0
             assert 0.5 < s["total"] / model["total"] < 1.5
     assert "target: 2bw m=2: stage-0 stash <= d=2 microbatches" in out
 
 
-@pytest.mark.parametrize("w", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, w):
-    """bf16 2BW at w with and without --use-distributed-optimizer: every buffer equals the memory
-    model's bytes, and master weights + optimizer state shrink to 1/w (exactly, up to the
-    padding of each of the stage's at most two regions to a multiple of w)."""
-    out = _run(["bench/memory.py", "--tiny", "--schedules", "2bw", "--data-parallel-size", str(w),
-                "--bf16", "--distributed-optimizer", "both", "--json", tmp_path / "m.json"])
+@pytest.mark.parametrize("run,precision,w", [
+    ("2bw", ["--bf16"], 2), pytest.param("2bw", ["--bf16"], 4, marks=pytest.mark.slow),
+    ("2bw+predict", [], 2)], ids=["bf16-w2", "bf16-w4", "fp32-predict-w2"])
+def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, run, precision,
+                                                                       w):
+    """2BW (bf16; fp32 with --2bw-compensation predict, whose master is sharded too) at w with
+    and without --use-distributed-optimizer: every buffer equals the memory model's bytes, and
+    master weights + optimizer state shrink to 1/w (exactly, up to the padding of each of the
+    stage's at most two regions to a multiple of w)."""
+    out = _run(["bench/memory.py", "--tiny", "--schedules", run, "--data-parallel-size", str(w),
+                *precision, "--distributed-optimizer", "both", "--json", tmp_path / "m.json"])
     data = json.loads((tmp_path / "m.json").read_text())
     rows = {r["distributed_optimizer"]: r for r in data["rows"]}
     assert set(rows) == {False, True}
@@ -152,35 +160,88 @@ def test_plan_accuracy_tiny():
 
 
 def test_compare_convergence_tiny(tmp_path):
-    out = _run(["tools/compare_convergence.py", "--tiny", "--out-dir", tmp_path])
+    """The machinery: every run (plain and compensated 2BW, flush, gpipe) trains, evaluates the
+    same held-out batches at fixed intervals, and gets a time to gpipe's final validation loss."""
+    out = _run(["tools/compare_convergence.py", "--tiny", "--out-dir", tmp_path], timeout=600)
     with open(tmp_path / "losses.csv") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["iteration", "2bw", "flush", "gpipe"]
+    runs = ["2bw", "2bw+predict", "2bw+predict-spike", "flush", "gpipe"]
+    assert rows[0] == ["iteration"] + runs
     assert len(rows) == 1 + 4
-    col = lambda i: [float(r[i]) for r in rows[1:]]  # noqa: E731
-    assert col(1)[0] == pytest.approx(col(3)[0], rel=1e-6)  # batch 0 is the same for all
-    assert col(2) == pytest.approx(col(3), rel=1e-5)         # flush == gpipe (one version)
+    col = lambda run: [float(r[1 + runs.index(run)]) for r in rows[1:]]  # noqa: E731
+    assert col("2bw")[0] == pytest.approx(col("gpipe")[0], rel=1e-6)  # batch 0: same for all
+    for run in ("2bw+predict", "2bw+predict-spike"):
+        assert col(run)[:2] == pytest.approx(col("2bw")[:2], rel=1e-6)  # 0, 1 run on W(0)
+        assert col(run)[2:] != pytest.approx(col("2bw")[2:], rel=1e-6)  # 2 on a prediction
+    assert col("flush") == pytest.approx(col("gpipe"), rel=1e-5)  # one version: the same
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["final_loss"]) == {"2bw", "flush", "gpipe"}
-    assert "2bw final loss vs gpipe" in out
+    assert list(summary["final_loss"]) == runs
+    for run, points in summary["validation"].items():  # eval interval 2 of 4 iterations
+        assert [p[0] for p in points] == [2, 4], run
+        assert 0 < points[0][2] < points[1][2]            # seconds since the run started
+    val = summary["final_validation_loss"]
+    assert val["flush"] == pytest.approx(val["gpipe"], rel=1e-3)
+    assert summary["target_validation_loss"] == val["gpipe"]
+    assert summary["to_target"]["gpipe"]["iterations"] in (2, 4)
+    with open(tmp_path / "validation.csv") as f:
+        vrows = list(csv.reader(f))
+    assert vrows[0][:6] == ["iteration"] + runs
+    assert [r[0] for r in vrows[1:]] == ["2", "4"]
+    assert "2bw final loss vs gpipe" in out and "2bw+predict final validation loss" in out
     (tmp_path / "convergence.png").unlink()
     again = _run(["tools/compare_convergence.py", "--from-csv", tmp_path / "losses.csv",
                   "--out-dir", tmp_path])  # redraw without training
     assert (tmp_path / "convergence.png").exists()
     assert f"{summary['final_loss']['2bw']:.4f}" in again
+    assert f"{val['2bw+predict']:.4f}" in again  # the validation points come back too
+
+
+@pytest.mark.parametrize("runs,match", [
+    ("2bw,gpipe+predict", "--schedules gpipe[+]predict: --2bw-compensation predict compensates "
+                          "one-step-stale weights"),
+    ("2bw+guess", "after '[+]' name a 2BW compensation"),
+    ("pipedream", "names no schedule"),
+])
+def test_compare_convergence_bad_runs_are_one_line_errors(runs, match):
+    proc = subprocess.run([sys.executable, "tools/compare_convergence.py", "--schedules", runs],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    import re
+    assert re.search(match, proc.stderr.strip().splitlines()[-1]), proc.stderr
+
+
+def test_convergence_time_to_target_is_the_first_point_at_or_below_gpipe_final():
+    import convergence_report as R
+    validation = {"gpipe": [[10, 6.0, 1.0], [20, 5.5, 2.0], [30, 5.2, 3.0]],
+                  "2bw+predict": [[10, 5.9, 0.9], [20, 5.2, 1.8], [30, 5.1, 2.7]],
+                  "2bw": [[10, 6.1, 0.9], [20, 5.6, 1.8], [30, 5.3, 2.7]]}
+    curves = {s: [7.0, 6.0] for s in validation}
+    s = R.summarize(curves, validation, {s: 3.0 for s in validation})
+    assert s["target_validation_loss"] == 5.2
+    assert s["to_target"] == {"gpipe": {"iterations": 30, "seconds": 3.0},
+                              "2bw+predict": {"iterations": 20, "seconds": 1.8},
+                              "2bw": None}
+    assert s["validation_rel_diff_vs_gpipe"]["2bw"] == pytest.approx(0.1 / 5.2)
+    text = R.table(s)
+    assert "| 2bw | 7.0000 | 6.0000 | +0.00% | 5.3000 | +1.92% | never | - | 3 |" in text
 
 
 @pytest.mark.slow
 def test_compare_convergence_default_2bw_within_3_percent_of_gpipe(tmp_path):
     """The acceptance run: the tool's defaults (README's model on the embedded corpus, 300
-    iterations, about a minute) with 2BW's final loss within 3% of GPipe's."""
-    _run(["tools/compare_convergence.py", "--schedules", "2bw,gpipe", "--out-dir", tmp_path,
-          "--max-rel-diff", "0.03"], timeout=900)
+    iterations, about a minute per run) with plain 2BW's final loss within 3% of GPipe's and
+    compensated 2BW's (`predict`, `predict-spike`) final validation loss within 0.5% of
+    GPipe's."""
+    _run(["tools/compare_convergence.py", "--schedules", "2bw,2bw+predict,2bw+predict-spike,gpipe",
+          "--out-dir", tmp_path, "--max-rel-diff", "0.03", "--max-val-rel-diff", "0.005"],
+         timeout=1800)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 300
     assert summary["final_loss"]["gpipe"] < 6.37  # learnt beyond the unigram entropy
     assert abs(summary["rel_diff_vs_gpipe"]["2bw"]) <= 0.03
+    for run in ("2bw+predict", "2bw+predict-spike"):
+        assert abs(summary["validation_rel_diff_vs_gpipe"][run]) <= 0.005, run
 
 
 def test_compare_convergence_wandb_group(tmp_path):
@@ -255,3 +316,4 @@ def test_too_few_microbatches_for_2bw_is_the_kinds_one_line_error(script, argv, 
     assert proc.stderr.splitlines()[-1].endswith(
         "error: 2bw needs at least as many microbatches per batch as pipeline stages "
         f"(m=2 < d=4): {fix}"), proc.stderr
+

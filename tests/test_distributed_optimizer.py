@@ -115,6 +115,13 @@ def test_resume_from_a_torch_dist_checkpoint_is_bitwise_identical():
         assert first + rest == full, (first, rest, full)
 
 
+@pytest.mark.parametrize("method", ["predict", "predict-spike"])
+def test_resume_with_2bw_compensation_is_bitwise_identical(method):
+    """The newest slot holds a prediction gathered from every rank's shard: the checkpoint saves
+    the real weights (show_newest's gather) and loading gathers the prediction again."""
+    resume_is_bitwise(["--pipeline-schedule", "2bw", "--2bw-compensation", method], 1, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["2bw", "flush"])
 def test_resume_with_tied_stages_is_bitwise_identical(schedule):

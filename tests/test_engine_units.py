@@ -21,8 +21,9 @@ def _model():
                                                    seq_length=8)), 0, 4)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd"])
-def test_flat_optimizer_matches_torch(name):
+def stepped(name, steps=4):
+    """A flat optimizer and torch.optim after the same `steps` random steps: (versioned weights,
+    flat optimizer, torch model, torch optimizer, the last flat gradient)."""
     cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1)
     ref = _model()
     mine = copy.deepcopy(ref)
@@ -30,13 +31,20 @@ def test_flat_optimizer_matches_torch(name):
     opt = make_optimizer(cfg, w.numel, w.decay_end, "cpu")
     ref_opt = torch_reference_optimizer(cfg, list(ref.named_parameters()))
     gen = torch.Generator().manual_seed(0)
-    for _ in range(4):
+    flat_grad = None
+    for _ in range(steps):
         grads = {n: torch.randn(p.shape, generator=gen) for n, p in ref.named_parameters()}
         for n, p in ref.named_parameters():
             p.grad = grads[n].clone()
         ref_opt.step()
         flat_grad = torch.cat([grads[n].reshape(-1) for n in w.names])
         opt.step(w.slots[0], flat_grad, w.slots[0], cfg.lr)
+    return w, opt, ref, ref_opt, flat_grad
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_flat_optimizer_matches_torch(name):
+    w, _, ref, _, _ = stepped(name)
     mine_named = w.named_tensors(w.slots[0])
     for n, p in ref.named_parameters():
         torch.testing.assert_close(mine_named[n], p.detach(), rtol=1e-6, atol=1e-7)

@@ -316,3 +316,4 @@ def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
     assert all(L.tensor > 1 for L in layouts if L.sequence_parallel)
     assert all(L.data > 1 for L in layouts if L.distributed_optimizer)
     assert {L.recompute_name for L in layouts} == {"no", "sel", "full"}
+

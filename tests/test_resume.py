@@ -1,5 +1,5 @@
 """Checkpoint and resume: losses after a resume are bitwise identical to an uninterrupted run
-(2bw, flush, gpipe; d=2, dropout on), including resuming into another --save-interval."""
+(2bw plain and compensated, flush, gpipe; d=2, dropout on), including resuming into another --save-interval."""
 import os
 import tempfile
 
@@ -60,10 +60,15 @@ def newest_weights(save_dir):
     return [out]
 
 
-@pytest.mark.parametrize("schedule,fmt", [("2bw", "torch_dist"), ("flush", "torch_dist"),
-                                          ("gpipe", "torch_dist"), ("2bw", "torch")])
+@pytest.mark.parametrize("schedule,fmt", [("2bw", "torch_dist"), ("2bw+predict", "torch_dist"),
+                                          ("2bw+predict-spike", "torch_dist"),
+                                          ("flush", "torch_dist"), ("gpipe", "torch_dist"),
+                                          ("2bw", "torch")])
 def test_resume_is_bitwise_identical(schedule, fmt):
-    sched = ["--pipeline-schedule", schedule, "--ckpt-format", fmt]
+    """2bw+M: with --2bw-compensation M (the slot of the next batch holds a prediction)."""
+    name, _, method = schedule.partition("+")
+    sched = ["--pipeline-schedule", name, "--2bw-compensation", method or "none",
+             "--ckpt-format", fmt]
     with tempfile.TemporaryDirectory() as d:
         full = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/a"]), f"{d}/full")
         first = run(make_cfg(sched + ["--train-iters", "6", "--save", f"{d}/b",

@@ -1,48 +1,66 @@
 #!/usr/bin/env python
-"""Train the same GPT (or BERT) with 2bw, flush and gpipe and compare their loss curves.
+"""Train the same GPT (or BERT) with 2bw (plain and compensated), flush and gpipe and compare their
+training loss, their held-out validation loss, and the iterations and seconds each needs to reach
+gpipe's final validation loss.
 
     python tools/compare_convergence.py                          # README's model, 300 iters
+    python tools/compare_convergence.py --schedules 2bw,2bw+predict,gpipe -- --lr 3e-3
     python tools/compare_convergence.py --train-iters 500 --out-dir conv -- --lr 2e-3
     python tools/compare_convergence.py --model-type bert --wandb
 
-Every run goes through the real training code (`megatron_2bw.pretrain.parse` for the flags, the
-data and the config, then `megatron_2bw.training.train`) on `--nproc` local gloo processes (one
-thread each), one schedule after the other, with the same seed, data order and lr schedule. The
-default model and data are the README's main job (embedded default corpus, 4 layers, hidden 64,
-4 heads, seq 32, micro batch 4, global batch 32, --init-method-std 0.1, 2 pipeline stages) with
-the usual GPT pretraining optimizer settings: lr 1e-3 warmed up over the first 10% of the
-iterations, cosine decay to 1e-4, Adam beta2 0.95. Flags after `--` are passed to the pretrain
-parser and override them (the last value wins).
+A run is a schedule (`--pipeline-schedule`), optionally with a 2BW staleness compensation after a
+`+` (`2bw+predict` = `--pipeline-schedule 2bw --2bw-compensation predict`,
+megatron_2bw/pipeline/compensation.py). Every run goes through the real training code
+(`megatron_2bw.pretrain.parse` for the flags, the data and the config, then
+`megatron_2bw.training.train`) on `--nproc` local gloo processes (one thread each), one run after
+the other, with the same seed, data order and lr schedule. The default model and data are the
+README's main job (embedded default corpus, 4 layers, hidden 64, 4 heads, seq 32, micro batch 4,
+global batch 32, --init-method-std 0.1, 2 pipeline stages) with the usual GPT pretraining
+optimizer settings: lr 1e-3 warmed up over the first 10% of the iterations, cosine decay to 1e-4,
+Adam beta2 0.95. Flags after `--` are passed to the pretrain parser and override them (the last
+value wins).
 
-2BW applies each batch's gradient one step late (W(t+1) = W(t) - lr * grad f(W(t-1))), so its
-gap to gpipe grows with the learning rate: in 300 iterations of the default model it is about
-+2% at lr 1e-3 and +9% at lr 3e-3 (Adam beta2 0.999; bench/README.md has the sweep).
+Validation: every `--eval-interval` iterations each run evaluates the same `--eval-iters` batches
+of the held-out split (the corpus' validation part, the same microbatches at every point and in
+every run), and the time since the run started is noted with it. The target is gpipe's final
+validation loss; each run's time to target is its first validation point at or below it.
+Seconds are wall clock on this machine: compare them only within one invocation (same load).
 
-Writes OUT/losses.csv (iteration, one column per schedule), OUT/convergence.png (raw curves,
-a moving average, and each schedule's smoothed relative difference to gpipe) and
-OUT/summary.json, and prints the final losses (mean of the last 10% of iterations) and their
-differences. `--wandb` also logs every run to wandb (offline unless WANDB_MODE says otherwise)
-as `{group}-{schedule}` in one group (WANDB_RUN_GROUP), under OUT/wandb.
+Plain 2BW applies each batch's gradient one step late (W(t+1) = W(t) - lr * grad f(W(t-1))): in
+300 iterations of the default model its final loss is about +1.7% above gpipe's, +17.6% at a
+constant lr 3e-3 (bench/README.md has the sweep, and what each compensation recovers).
 
-Exit status: 0, or 1 when `--max-rel-diff` is given and 2bw's final loss is further than that
-from gpipe's.
+Writes OUT/losses.csv (iteration, one column per run), OUT/validation.csv (iteration, each run's
+validation loss, each run's seconds), OUT/convergence.png (raw curves, a moving average, each
+run's smoothed relative difference to gpipe, validation loss against seconds) and
+OUT/summary.json, and prints the table (tools/convergence_report.py). `--wandb` also logs every
+run to wandb (offline unless WANDB_MODE says otherwise) as `{group}-{run}` in one group
+(WANDB_RUN_GROUP), under OUT/wandb.
+
+Exit status: 0, or 1 when `--max-rel-diff` is given and plain 2bw's final training loss is
+further than that from gpipe's, or when `--max-val-rel-diff` is given and a compensated 2BW run's
+final validation loss is further than that from gpipe's.
 """
 from __future__ import annotations
 
 import argparse
-import csv
+import itertools
 import json
 import os
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # convergence_report sits beside this script (on sys.path already)
 
+from convergence_report import (BASELINE, plot, read_csv, summarize, table,  # noqa: E402
+                                wrap, write_csv, write_validation_csv)
+from megatron_2bw.pipeline.compensation import (NONE, compensation_error,  # noqa: E402
+                                                method_names)
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
-BASELINE = "gpipe"  # the curve the others are compared with
+DEFAULT_RUNS = "2bw,2bw+predict,2bw+predict-spike,flush,gpipe"
 DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
                  "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4",
                  "--global-batch-size", "32", "--init-method-std", "0.1",
@@ -50,37 +68,85 @@ DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--
                  "--adam-beta2", "0.95"]
 TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8"]
+COMPENSATIONS = [m for m in method_names() if m != NONE]
+SET_PER_RUN = ("--pipeline-schedule", "--2bw-compensation", "--eval-interval", "--eval-iters")
+
+
+def split_run(run: str) -> tuple[str, str]:
+    """"2bw+predict" -> ("2bw", "predict"); "gpipe" -> ("gpipe", "none")."""
+    schedule, _, method = run.partition("+")
+    return schedule, method or NONE
+
+
+def run_error(run: str) -> str | None:
+    """A one-line error for a --schedules entry that names no schedule/compensation, else None."""
+    schedule, method = split_run(run)
+    if schedule not in SCHEDULES:
+        return f"--schedules: {run!r} names no schedule: choose from {', '.join(SCHEDULES)}"
+    if "+" in run and method not in COMPENSATIONS:
+        return (f"--schedules: {run!r}: after '+' name a 2BW compensation: "
+                f"{', '.join(COMPENSATIONS)}")
+    error = compensation_error(method, schedule, "adam", 0.9)
+    return None if error is None else f"--schedules {run}: {error}"
+
+
+def held_out(cfg, dataset, grid):
+    """The first --eval-iters batches of the validation split for this replica, again and again:
+    every evaluation of every run sees the same microbatches."""
+    from megatron_2bw.training import batches
+    first = list(itertools.islice(batches(cfg, dataset, grid.data, grid.dp_rank),
+                                  cfg.train.eval_iters * cfg.num_microbatches))
+    return itertools.cycle(first)
 
 
 def _worker(rank, world, family, argv, out_path, prefix):
+    from megatron_2bw.logger import parse_line
     from megatron_2bw.pretrain import parse
     from megatron_2bw.training import batches, build_grid, train
     parsed = parse(family, argv)
     cfg, data = parsed.cfg, parsed.data
     grid = build_grid(cfg, rank, world)
+    validation, started = [], time.time()
+
+    def log(line):
+        print(f"{prefix}{line}", flush=True)
+        fields = parse_line(line)
+        if fields and "validation loss" in fields[1]:
+            validation.append([fields[0], fields[1]["validation loss"], time.time() - started])
+
     losses = train(cfg, grid, "cpu", lr_schedule=parsed.lr_schedule,
                    make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank,
                                                    start),
-                   log=lambda line: print(f"{prefix}{line}", flush=True))
+                   make_eval_data=lambda: held_out(cfg, data.valid, grid), log=log)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(losses, f)
+    if validation:  # the reporting rank (last stage)
+        with open(out_path + ".validation", "w") as f:
+            json.dump(validation, f)
 
 
-def run_schedule(schedule: str, family: str, argv: list, nproc: int, out_dir: str,
-                 wandb_group: str | None, wandb_project: str = "megatron-2bw-convergence"
-                 ) -> list:
+def run_one(run: str, family: str, argv: list, nproc: int, out_dir: str,
+            wandb_group: str | None, wandb_project: str = "megatron-2bw-convergence"
+            ) -> tuple[list, list]:
+    """(training losses, validation points) of one run."""
     from megatron_2bw.launch import spawn
-    path = os.path.join(out_dir, f"losses_{schedule}.json")
-    argv = argv + ["--pipeline-schedule", schedule]
+    schedule, method = split_run(run)
+    path = os.path.join(out_dir, f"losses_{run}.json")
+    argv = argv + ["--pipeline-schedule", schedule, "--2bw-compensation", method]
     if wandb_group:
         os.environ["WANDB_RUN_GROUP"] = wandb_group
         os.environ.setdefault("WANDB_MODE", "offline")
         argv += ["--wandb-project", wandb_project, "--wandb-exp-name",
-                 f"{wandb_group}-{schedule}", "--wandb-save-dir", os.path.join(out_dir, "wandb")]
-    spawn(_worker, nproc, args=(family, argv, path, f"[{schedule}] "), timeout_minutes=10)
+                 f"{wandb_group}-{run}", "--wandb-save-dir", os.path.join(out_dir, "wandb")]
+    spawn(_worker, nproc, args=(family, argv, path, f"[{run}] "), timeout_minutes=10)
     with open(path) as f:
-        return json.load(f)
+        losses = json.load(f)
+    validation = []
+    if os.path.exists(path + ".validation"):
+        with open(path + ".validation") as f:
+            validation = json.load(f)
+    return losses, validation
 
 
 def effective_flags(flags: list) -> list:
@@ -100,102 +166,27 @@ def effective_flags(flags: list) -> list:
     return out
 
 
-def final_loss(losses: list, fraction: float = 0.1) -> float:
-    k = max(1, int(round(len(losses) * fraction)))
-    tail = losses[-k:]
-    return sum(tail) / len(tail)
-
-
-def smooth(xs: list, window: int) -> list:
-    """Trailing moving average (the first points average what exists so far)."""
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= window:
-            acc -= xs[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def write_csv(path: str, curves: dict) -> None:
-    names = list(curves)
-    n = max(len(v) for v in curves.values())
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["iteration"] + names)
-        for i in range(n):
-            w.writerow([i + 1] + [f"{curves[s][i]:.6f}" if i < len(curves[s]) else ""
-                                  for s in names])
-
-
-def read_csv(path: str) -> dict:
-    with open(path) as f:
-        rows = list(csv.reader(f))
-    names = rows[0][1:]
-    return {s: [float(r[i + 1]) for r in rows[1:] if r[i + 1] != ""] for i, s in enumerate(names)}
-
-
-COLOURS = dict(zip(SCHEDULES, ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b")))
-
-
-def _style(s: str) -> str:
-    """Dashed for a schedule with the baseline's semantics (its curve lies on the baseline's)."""
-    same = s != BASELINE and schedule_kind(s).delay == schedule_kind(BASELINE).delay
-    return "--" if same else "-"
-
-
-def plot(path: str, curves: dict, finals: dict, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    n = max(len(v) for v in curves.values())
-    window = max(1, n // 20)
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
-                                 gridspec_kw={"height_ratios": [3, 1.3]})
-    for s, ys in curves.items():
-        xs = list(range(1, len(ys) + 1))
-        c = COLOURS.get(s)
-        ax.plot(xs, ys, color=c, alpha=0.25, lw=0.8)
-        ax.plot(xs, smooth(ys, window), color=c, lw=1.8, ls=_style(s),
-                label=f"{s}  (final {finals[s]:.4f})")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(title=f"moving average over {window} iterations; final = mean of last 10%")
-    ax.grid(alpha=0.3)
-    if BASELINE in curves:
-        ref = smooth(curves[BASELINE], window)
-        for s, ys in curves.items():
-            if s == BASELINE:
-                continue
-            sm = smooth(ys, window)
-            rel = [100 * (a - b) / b for a, b in zip(sm, ref)]
-            bx.plot(range(1, len(rel) + 1), rel, color=COLOURS.get(s), lw=1.5, label=s,
-                    ls=_style(s))
-        bx.axhline(0, color=COLOURS[BASELINE], lw=1)
-        for y in (-3, 3):
-            bx.axhline(y, color="grey", lw=0.8, ls="--")
-        bx.set_ylabel("vs gpipe (%)")
-        bx.legend(fontsize=8, loc="upper right")
-        bx.grid(alpha=0.3)
-    bx.set_xlabel("iteration")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--schedules", default=DEFAULT_RUNS,
+                   help="runs: schedules, a 2BW compensation after '+' (2bw+predict, 2bw+predict-spike)")
     p.add_argument("--train-iters", type=int, default=300)
+    p.add_argument("--eval-interval", type=int, default=None,
+                   help="iterations between validation points (default: --train-iters / 15)")
+    p.add_argument("--eval-iters", type=int, default=4,
+                   help="held-out batches per validation point (the same ones every time)")
     p.add_argument("--nproc", type=int, default=2, help="processes per run (world size)")
     p.add_argument("--out-dir", default="convergence")
     p.add_argument("--wandb", action="store_true", help="log each run to wandb, one group")
     p.add_argument("--wandb-group", default=None, help="default: convergence-<model>-<time>")
     p.add_argument("--wandb-project", default="megatron-2bw-convergence")
     p.add_argument("--max-rel-diff", type=float, default=None,
-                   help="exit 1 if |2bw - gpipe| / gpipe final loss exceeds this (e.g. 0.03)")
+                   help="exit 1 if |2bw - gpipe| / gpipe final training loss exceeds this")
+    p.add_argument("--max-val-rel-diff", type=float, default=None,
+                   help="exit 1 if |compensated 2BW - gpipe| / gpipe final validation loss "
+                        "exceeds this (e.g. 0.005)")
     p.add_argument("--from-csv", default=None,
                    help="do not train: redraw the plot and the table from a losses.csv")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tests)")
@@ -205,17 +196,29 @@ def parse_args(argv=None):
     flags = list(args.pretrain_flags)
     if flags and flags[0] == "--":
         flags = flags[1:]
-    if "--pipeline-schedule" in flags:
-        p.error("--pipeline-schedule is set per run by this tool; use --schedules")
+    for flag in SET_PER_RUN:
+        if flag in flags:
+            p.error(f"{flag} is set by this tool; use --schedules (2bw+predict) or its own "
+                    "--eval-interval / --eval-iters")
     args.schedule_list = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    bad = [s for s in args.schedule_list if s not in SCHEDULES]
-    if bad or not args.schedule_list:
-        p.error(f"--schedules: choose from {', '.join(SCHEDULES)}")
+    if not args.schedule_list:
+        p.error(f"--schedules: name at least one of {', '.join(SCHEDULES)}")
+    for run in args.schedule_list:
+        error = run_error(run)
+        if error:
+            p.error(error)
     iters = 4 if args.tiny else args.train_iters
+    interval = args.eval_interval or (2 if args.tiny else max(1, iters // 15))
+    eval_iters = 1 if args.tiny else args.eval_iters
     args.flags = DEFAULT_FLAGS + (TINY_FLAGS if args.tiny else []) + \
         ["--train-iters", str(iters), "--log-interval", str(max(1, iters // 10)),
-         "--lr-warmup-iters", str(iters // 10)] + flags
+         "--lr-warmup-iters", str(iters // 10)] + flags + \
+        ["--eval-interval", str(interval), "--eval-iters", str(eval_iters)]
     return args
+
+
+def _delay(run: str) -> int:
+    return schedule_kind(split_run(run)[0]).delay
 
 
 def main(argv=None) -> int:
@@ -229,7 +232,7 @@ def main(argv=None) -> int:
     print(f"# {' '.join(['python', 'tools/compare_convergence.py'] + (argv or sys.argv[1:]))}",
           flush=True)
     print(f"# pretrain flags: {' '.join(effective_flags(args.flags))}", flush=True)
-    curves, seconds = {}, {}
+    curves, validation, seconds = {}, {}, {}
     if args.from_csv:
         curves = read_csv(args.from_csv)
         seconds = {s: None for s in curves}
@@ -239,50 +242,42 @@ def main(argv=None) -> int:
                 prev = json.load(f)
             args.flags = prev.get("flags", args.flags)
             seconds.update(prev.get("seconds", {}))
-    for s in [] if args.from_csv else args.schedule_list:
+            validation = prev.get("validation", {})
+    for run in [] if args.from_csv else args.schedule_list:
         t0 = time.time()
-        curves[s] = run_schedule(s, args.model_type, args.flags, args.nproc, args.out_dir, group,
-                                 args.wandb_project)
-        seconds[s] = time.time() - t0
-    finals = {s: final_loss(v) for s, v in curves.items()}
+        curves[run], validation[run] = run_one(run, args.model_type, args.flags, args.nproc,
+                                               args.out_dir, group, args.wandb_project)
+        seconds[run] = time.time() - t0
+    summary = {"flags": effective_flags(args.flags), "model_type": args.model_type,
+               **summarize(curves, validation, seconds), "wandb_group": group}
     csv_path = os.path.join(args.out_dir, "losses.csv")
+    val_path = os.path.join(args.out_dir, "validation.csv")
     png_path = os.path.join(args.out_dir, "convergence.png")
     write_csv(csv_path, curves)
-    n = max(len(v) for v in curves.values())
+    write_validation_csv(val_path, validation)
     title = f"{args.model_type.upper()} {' '.join(effective_flags(args.flags))}"
-    plot(png_path, curves, finals, _wrap(title, 110))
-    ref = finals.get(BASELINE)
+    plot(png_path, curves, summary, wrap(title, 120), _delay)
     print()
-    print("| schedule | first loss | final loss (mean of last 10%) | vs gpipe | time (s) |")
-    print("|----------|------------|-------------------------------|----------|----------|")
-    summary = {"flags": effective_flags(args.flags), "model_type": args.model_type, "iterations": n,
-               "final_loss": finals, "first_loss": {s: v[0] for s, v in curves.items()},
-               "seconds": seconds, "rel_diff_vs_gpipe": {}, "wandb_group": group}
-    for s in curves:
-        rel = (finals[s] - ref) / ref if ref else None
-        if rel is not None and abs(rel) < 5e-5:
-            rel = 0.0  # print +0.00%, not -0.00%, for float-order noise
-        summary["rel_diff_vs_gpipe"][s] = rel
-        secs = "-" if seconds.get(s) is None else f"{seconds[s]:.0f}"
-        print(f"| {s:8} | {curves[s][0]:10.4f} | {finals[s]:29.4f} | "
-              f"{'-' if rel is None else f'{100 * rel:+.2f}%':>8} | {secs:>8} |")
-    print(f"\nwrote {csv_path}, {png_path}")
+    print(table(summary))
+    print(f"\nwrote {csv_path}, {val_path}, {png_path}")
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    status = 0
     rel = summary["rel_diff_vs_gpipe"].get("2bw")
     if rel is not None:
         print(f"2bw final loss vs gpipe: {100 * rel:+.2f}% "
               f"({'within' if abs(rel) <= 0.03 else 'NOT within'} 3%)")
         if args.max_rel_diff is not None and abs(rel) > args.max_rel_diff:
-            return 1
+            status = 1
+    for run, rel in summary["validation_rel_diff_vs_gpipe"].items():
+        if split_run(run)[1] == NONE or rel is None:
+            continue
+        print(f"{run} final validation loss vs gpipe: {100 * rel:+.2f}%")
+        if args.max_val_rel_diff is not None and abs(rel) > args.max_val_rel_diff:
+            status = 1
     if group:
         print(f"wandb group {group}: runs under {os.path.join(args.out_dir, 'wandb')}")
-    return 0
-
-
-def _wrap(text: str, width: int) -> str:
-    import textwrap
-    return "\n".join(textwrap.wrap(text, width))
+    return status
 
 
 if __name__ == "__main__":

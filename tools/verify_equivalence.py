@@ -5,6 +5,9 @@ Example:
   python tools/verify_equivalence.py --schedule 2bw --pipeline-model-parallel-size 2 \
       --data-parallel-size 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
       --seq-length 32 --micro-batch-size 2 --global-batch-size 16 --train-iters 6
+  python tools/verify_equivalence.py --schedule 2bw --2bw-compensation predict-spike \
+      --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
+      --seq-length 16 --micro-batch-size 2 --global-batch-size 8 --train-iters 5
 """
 import os
 import sys

@@ -36,6 +36,13 @@ elements as the unsharded optimizer would (its state is the slice [lo, hi) of th
 state): bit for bit with the unfused kernel; torch's fused kernels round the few elements of a
 vector tail at a cut differently (1 ulp). tests/test_fused_optim.py checks a split step against
 the whole one.
+
+Two pure functions of the state serve 2BW's staleness compensation (pipeline/compensation.py);
+neither changes the optimizer's state, and a fused `step` must keep the state's meaning for them:
+- `predict(src, dst, lr)`: dst = the weights the next step would make of src if its gradient were
+  the one the state expects (Adam: the bias-corrected moments' update; SGD: the momentum buffer).
+- `spike(dst, grad, lr)` (Adam), right after a step with `grad`: adds to dst the part of grad's
+  momentum contribution that a one-step-late gradient missed (spike compensation for delay 1).
 """
 from __future__ import annotations
 
@@ -150,13 +157,43 @@ class FlatAdamW(_Ranges):
         b1, b2 = c.adam_beta1, c.adam_beta2
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bias1, bias2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
+        bias1 = 1 - b1 ** self.steps
         if self._scratch is None:
             self._scratch = torch.empty_like(self.exp_avg_sq)
-        denom = torch.sqrt(v, out=self._scratch[lo:hi]).div_(math.sqrt(bias2)).add_(c.adam_eps)
+        denom = self._denom(lo, hi, out=self._scratch[lo:hi])
         if wd:
             p.mul_(1 - lr * wd)
         p.addcdiv_(m, denom, value=-lr / bias1)
+
+    def _denom(self, lo: int = 0, hi: int | None = None, out=None) -> torch.Tensor:
+        """sqrt(v / bias2) + eps of the current state over [lo, hi) (into `out`, else a new fp32
+        buffer): the one owner of Adam's denominator (the unfused step, predict and spike)."""
+        bias2 = 1 - self.cfg.adam_beta2 ** self.steps
+        v = self.exp_avg_sq[lo:hi]
+        return torch.sqrt(v, out=out).div_(math.sqrt(bias2)).add_(self.cfg.adam_eps)
+
+    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+        """dst = src after the step the current moments imply at `lr`: src * (1 - lr * wd) on the
+        decayed range, minus lr * m_hat / (sqrt(v_hat) + eps), bias corrections of the steps taken
+        (a gradient equal to m_hat would leave m_hat and v_hat unchanged). The arithmetic is fp32;
+        dst (any float dtype) is written once. No state changes; before any step, dst = src."""
+        if self.steps == 0:
+            dst.copy_(src)
+            return
+        c = self.cfg
+        out = self._denom()
+        torch.div(self.exp_avg, out, out=out).mul_(-lr / (1 - c.adam_beta1 ** self.steps))
+        if c.weight_decay and self.decay_end:
+            out[:self.decay_end].add_(src[:self.decay_end], alpha=-lr * c.weight_decay)
+        dst.copy_(out.add_(src))
+
+    def spike(self, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """Right after step(..., grad, dst, lr): move dst from the momentum update
+        m_hat(t+1) to the delay-compensated one (b1 * m(t+1) + (1 - b1) * grad) / bias1, i.e.
+        add -lr * (1 - b1) * (grad - m(t+1)) / bias1 / (sqrt(v_hat) + eps). No state changes."""
+        b1 = self.cfg.adam_beta1
+        coef = -lr * (1 - b1) / (1 - b1 ** self.steps)
+        dst.addcdiv_(torch.sub(grad, self.exp_avg), self._denom(), value=coef)
 
     def state_dict(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
@@ -200,6 +237,12 @@ class FlatSGD(_Ranges):
                 update = mom
             p.add_(update, alpha=-lr)
         self.steps += 1
+
+    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+        """dst = src - lr * momentum buffer: the next step if the momentum keeps its direction
+        (weight decay is inside the buffer, as torch.optim.SGD couples it). Arithmetic in fp32,
+        dst written once; no state changes; zero buffer (no step yet): dst = src."""
+        dst.copy_(torch.add(src, self.momentum, alpha=-lr))
 
     def state_dict(self) -> dict:
         return {"momentum": self.momentum, "steps": self.steps}

@@ -19,11 +19,13 @@ N(t)  wait for the data-parallel reduction (and, on the first stage, the tied on
       distributed optimizer it is > 0 when any shard of stage s is not finite).
 S(t)  wait for everything, hand [loss, *flags, *stage bits] to the host without blocking, clip
       by the global norm, unscale (fp16), step the optimizer from the version the schedule names
-      into the slot it names, zero the buffer. Distributed: step this rank's shard and start the
-      all-gather of the new weights into that slot; the engine waits for it (`wait_weights`)
-      right before the first forward that reads the slot (or anything else that reads weights:
-      eval, checkpoints), so it overlaps whatever the schedule runs in between (at least the
-      activation receive that precedes that forward on every stage but the first).
+      into the slot it names (through the master when there is one), let the 2BW compensation
+      write what the slot's next batch runs on (compensation.py), zero the buffer. Distributed:
+      step this rank's shard (and compensate it) and start the all-gather of the new weights (or
+      their prediction) into that slot; the engine waits for it (`wait_weights`) right before
+      the first forward that reads the slot (or anything else that reads weights: eval,
+      checkpoints), so it overlaps whatever the schedule runs in between (at least the activation
+      receive that precedes that forward on every stage but the first).
 
 Every collective goes through the grid's Comm (parallel/comm.py). Nothing here synchronizes with
 the host except fp16's overflow check (one read per batch). A skipped fp16 step is counted; more
@@ -40,6 +42,7 @@ from ..optim import LRSchedule, make_loss_scaler, make_optimizer
 from ..optim.distributed import DistributedOptimizer
 from ..parallel.grid import ProcessGrid
 from ..reliability import NumericsError, describe
+from .compensation import Compensator
 from .flags import ControlFlags
 from .weights import VersionedWeights
 
@@ -66,6 +69,8 @@ class BatchStepper:
                                   and sp_hi > sp_lo)
         self.scaler = make_loss_scaler(cfg.precision)
         self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters)
+        self.compensation = Compensator(cfg.compensation, self.optimizer, weights, self.lr,
+                                        self._gather, self.wait_weights)
         self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
         self.pending: dict[int, dict] = {}
         self.skipped = 0
@@ -173,9 +178,9 @@ class BatchStepper:
                 self.skipped_in_a_row += 1
                 self._check_skips(batch, scale)
                 self.wait_weights(src_slot)
-                if w.master is not None and not self.sharded:
-                    w.slots[dst_slot].copy_(w.master)
-                elif dst_slot != src_slot:  # the slot holds the master's rounding already
+                if w.master is not None:  # sharded: this rank's pieces, then the all-gather
+                    self.compensation.publish(batch + 1, dst_slot)
+                elif dst_slot != src_slot:
                     w.slots[dst_slot].copy_(w.slots[src_slot])
                 buf.zero_()
                 return
@@ -192,14 +197,14 @@ class BatchStepper:
             grad.mul_(coef)
         dst = w.slots[dst_slot]
         src = dst if src_slot == dst_slot else w.slots[src_slot]
-        if self.sharded:
+        if self.sharded:  # this rank's pieces (through its master piece when there is one)
             self.optimizer.step(src, buf, dst, lr)
-            self._gather(dst_slot)
         elif w.master is not None:
             self.optimizer.step(w.master, buf[:n], w.master, lr)
-            dst.copy_(w.master)
         else:
             self.optimizer.step(src, buf[:n], dst, lr)
+        # writes dst from the master (sharded: its pieces, then starts the all-gather)
+        self.compensation.after_step(batch, buf if self.sharded else buf[:n], dst_slot)
         buf.zero_()
 
     def _gather(self, slot: int) -> None:

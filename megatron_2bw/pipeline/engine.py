@@ -31,6 +31,7 @@ from ..parallel.grid import ProcessGrid
 from ..parallel.p2p import P2P
 from . import actions as A
 from .batch_step import BatchStepper
+from .compensation import compensation_method
 from .host_memory import keep_freed_memory
 from .interpreter import Interpreter
 from .module import LayerSpec, StageModule
@@ -65,10 +66,11 @@ class PipelineEngine(Interpreter):
                              recompute_num_layers=cfg.model.recompute_num_layers)
         self.kind = schedule_kind(cfg.schedule)
         shards = grid.data if cfg.parallel.distributed_optimizer else 1
-        self.weights = VersionedWeights(module, self.kind.num_slots, cfg.precision.dtype,
-                                        self.device, tied=module.tied, shard_count=shards,
-                                        shard_rank=grid.dp_rank if shards > 1 else 0,
-                                        split_tied=grid.pipeline > 1)
+        self.weights = VersionedWeights(
+            module, self.kind.num_slots, cfg.precision.dtype, self.device, tied=module.tied,
+            shard_count=shards, shard_rank=grid.dp_rank if shards > 1 else 0,
+            split_tied=grid.pipeline > 1,
+            separate_master=compensation_method(cfg.compensation).separate_weights)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
@@ -99,6 +101,7 @@ class PipelineEngine(Interpreter):
         if s is None or self.iteration >= s.first_batch + s.num_batches:
             self.start()
         check_schedule(self.schedule)
+        self.stepper.compensation.resume(self.iteration, self._newest_slot())
         self._data = data_iter
         self._run(self.schedule.window(self.stage, self.iteration), self._handlers)
         self._data = None
@@ -150,12 +153,14 @@ class PipelineEngine(Interpreter):
     # -- checkpoint state -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything needed to continue exactly at the current iteration boundary: the newest
-        weights (fp32), the version the next batch runs on (2BW: W(t-1)), optimizer and loss
-        scaler state. In-flight microbatches of the next batch are not saved: a resumed run
-        redoes them from the same data. Weights are the parameters back to back (no padding).
-        With the distributed optimizer this rank's call is local: "optimizer" is its shard
-        (optim/distributed.py, with the exact fp32 master of bf16/fp16 runs) and "newest" the
-        newest version slot in fp32."""
+        weights (fp32), the version the next batch runs on (2BW: W(t-1), or its compensation's
+        prediction of W(t)), optimizer and loss scaler state. In-flight microbatches of the next
+        batch are not saved: a resumed run redoes them from the same data. Weights are the
+        parameters back to back (no padding). With the distributed optimizer this rank's call is
+        local: "optimizer" is its shard (optim/distributed.py, with the exact fp32 master of
+        bf16/fp16 runs) and "newest" the newest version slot in fp32 (a compensation's prediction
+        leaves it until the next batch: `show_newest`)."""
+        self.stepper.compensation.show_newest(self._newest_slot())
         self.stepper.wait_weights()
         w, t, kind = self.weights, self.iteration, self.kind
         state = {"iteration": t, "schedule": self.cfg.schedule, "names": list(w.names),
@@ -191,8 +196,6 @@ class PipelineEngine(Interpreter):
             master = optimizer.get("master") if isinstance(optimizer, dict) else None
             if w.master is not None and not w.sharded:
                 w.master.copy_(master if master is not None else state["newest"])
-                if master is not None:
-                    newest.copy_(w.master)
             for g in w.grads:
                 g.zero_()
         restored = self.stepper.optimizer.load_state_dict(optimizer) \
@@ -201,6 +204,8 @@ class PipelineEngine(Interpreter):
             for p, piece in zip(w.pieces, w.master_pieces()):
                 lo, hi = p.global_range
                 piece[:p.real].copy_(state["newest"][lo:hi])
+        # what batch t+1 runs on: the master, or a compensation's prediction
+        self.stepper.compensation.restore(t, self.kind.newest_slot(t))
         self.stepper.scaler.load_state_dict(state["scaler"])
         self.stepper.skipped = int(state["skipped"])
         self._clear_stash()
@@ -209,13 +214,17 @@ class PipelineEngine(Interpreter):
 
     @property
     def module(self) -> StageModule:
-        """The stage module holding the newest weights."""
+        """The stage module holding the newest weights (under 2BW's `predict` compensation its
+        slot holds them until the next train_batch puts the prediction back)."""
+        slot = self._newest_slot()
+        self.stepper.compensation.show_newest(slot)
         self.stepper.wait_weights()
-        return self.weights.modules[self._newest_slot()]
+        return self.weights.modules[slot]
 
     def fp32_state(self) -> dict[str, torch.Tensor]:
         """Newest weights in fp32 by global parameter name (the master weights, or with the
         distributed optimizer in bf16/fp16 the newest slot: no rank holds the whole master)."""
+        self.stepper.compensation.show_newest(self._newest_slot())
         self.stepper.wait_weights()
         return self.weights.named_tensors(self.weights.fp32_weights(self._newest_slot()))
 

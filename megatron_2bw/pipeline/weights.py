@@ -19,6 +19,12 @@ its own replica of the stage module whose parameters are views into that slot (`
 switching versions is choosing a module: nothing is copied per microbatch. The two replicas share
 every non-parameter object; building the second one copies no weights.
 
+Master: bf16/fp16 runs keep the fp32 weights the optimizer steps in `master` and copy them into a
+slot after each step. fp32 runs have none: the optimizer steps from one slot into the other,
+unless the slots hold something other than the weights (`separate_master=True`: 2BW's `predict`
+compensation writes a prediction there, pipeline/compensation.py); then `master` is one more
+stage-sized fp32 buffer holding the real weights, the only extra memory of that method.
+
 Gradients: fp32 runs accumulate straight into `grads[k]` (the parameters' `.grad` are views of
 it). bf16/fp16 runs accumulate one microbatch in the low-precision `model_grad` buffer and the
 engine folds it into the fp32 `grads[k]` after each backward (one flat add, no per-parameter work).
@@ -27,10 +33,11 @@ Distributed optimizer (`shard_count` w > 1, --use-distributed-optimizer): the fl
 into regions padded to multiples of w (`shards.py`: the tied weight is its own region on the
 stages that hold one copy of it) and `pieces` are this data-parallel rank's parts of them. The
 weight slots, `grads` and `model_grad` keep the whole padded stage (forward and backward need
-every weight, and every microbatch's gradient); `master` (bf16/fp16) holds only this rank's
-shard: the pieces' fp32 weights back to back. Padding elements are zero in every buffer and stay
-zero (their gradient is zero). `numel` is the padded length; `pack` / `unpack_into` convert to
-and from the unpadded concatenation of the parameters, the layout of checkpoints.
+every weight, and every microbatch's gradient); `master` (bf16/fp16, or `separate_master`)
+holds only this rank's shard: the pieces' fp32 weights back to back. Padding elements are zero in
+every buffer and stay zero (their gradient is zero). `numel` is the padded length; `pack` /
+`unpack_into` convert to and from the unpadded concatenation of the parameters, the layout of
+checkpoints.
 """
 from __future__ import annotations
 
@@ -65,10 +72,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class VersionedWeights:
     def __init__(self, module: nn.Module, num_slots: int, dtype: str, device,
                  tied: dict[str, nn.Parameter] | None = None, shard_count: int = 1,
-                 shard_rank: int = 0, split_tied: bool = False):
+                 shard_rank: int = 0, split_tied: bool = False, separate_master: bool = False):
         """`shard_count`/`shard_rank`: the data-parallel size and rank of a distributed optimizer
         (1/0: none); `split_tied`: the tied weight is a region of its own (a stage holding one
-        copy of a cross-stage tied weight, see shards.py)."""
+        copy of a cross-stage tied weight, see shards.py); `separate_master`: keep an fp32 master
+        in fp32 runs too (a 2BW compensation whose slots hold predictions, compensation.py)."""
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.num_slots = num_slots
@@ -97,10 +105,11 @@ class VersionedWeights:
         if params:
             self.unpack_into(init, torch.cat([p.detach().reshape(-1).float() for p in params]))
         mixed = self.dtype != torch.float32
-        if mixed and self.sharded:
+        keep = mixed or separate_master
+        if keep and self.sharded:
             self.master = torch.cat([init[p.lo:p.hi] for p in self.pieces])
         else:
-            self.master = init.clone() if mixed else None
+            self.master = init.clone() if keep else None
         self.slots = [init.to(self.dtype).clone() for _ in range(num_slots)]
         self.grads = [torch.zeros(self.numel + TAIL, dtype=torch.float32, device=self.device)
                       for _ in range(num_slots)]
@@ -144,11 +153,20 @@ class VersionedWeights:
     # -- views ------------------------------------------------------------------------------------
     def fp32_weights(self, slot: int | None = None) -> torch.Tensor:
         """The newest fp32 weights of the whole (padded) stage: the master, or the given slot in
-        fp32 runs. Sharded bf16/fp16 runs hold no whole fp32 copy: the slot, in fp32."""
+        fp32 runs without one. Sharded runs hold no whole fp32 master: the slot, in fp32."""
         if self.master is not None and not self.sharded:
             return self.master
         flat = self.slots[slot if slot is not None else 0]
         return flat if flat.dtype == torch.float32 else flat.float()
+
+    def master_into(self, slot: int) -> None:
+        """Copy the master into `slot` (sharded: into this rank's pieces of it; the caller
+        all-gathers the rest)."""
+        if not self.sharded:
+            self.slots[slot].copy_(self.master)
+            return
+        for p, m in zip(self.pieces, self.master_pieces()):
+            self.slots[slot][p.lo:p.hi].copy_(m)
 
     def master_pieces(self) -> list[torch.Tensor]:
         """Views of `master` for every piece of this rank's shard (sharded bf16/fp16 runs)."""

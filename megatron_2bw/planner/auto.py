@@ -140,7 +140,7 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
                       micro_batches=_only(cfg, "batch.micro_batch_size"),
                       num_microbatches=_only(cfg, "batch.num_microbatches"),
                       rank_orders=_only(cfg, "parallel.rank_order") or RANK_ORDERS,
-                      top_k=top_k, arch=cfg.model.family)
+                      top_k=top_k, arch=cfg.model.family, compensation=cfg.compensation)
     except PlanError as e:
         fixed = [f.source for f in cfg.fixed
                  if f.path in PLANNED + ("batch.global_batch_size",)]

@@ -28,7 +28,8 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   messages by t (models/flops.py); its all-gathers and reduce-scatters move what the all-reduces
   moved.
 - memory: exactly the engine's buffers (`pipeline/weights.py`, `optim/optimizer.py`): weight
-  versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16), fp32
+  versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16, and
+  fp32 with a 2BW compensation whose slots hold predictions: `compensation.keeps_master`), fp32
   gradient buffer per version slot (+ the loss and control flags), the low-precision gradient
   buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies); with the distributed optimizer
   every buffer is padded to a multiple of w (`pipeline/shards.py`) and master weights and optimizer
@@ -44,6 +45,7 @@ from ..config import ModelConfig
 from ..pipeline.weights import TAIL
 from ..models.flops import DTYPE_BYTES, layer_costs
 from ..parallel.grid import ProcessGrid
+from ..pipeline.compensation import NONE as NO_COMPENSATION, keeps_master
 from ..pipeline.registry import ScheduleKind, schedule_kind
 from ..pipeline.shards import padded_numel
 from .partition import partition
@@ -102,22 +104,24 @@ class Setup:
     optimizer: str = "adam"
     arch: str = "gpt"
     flash: bool = True
+    compensation: str = NO_COMPENSATION  # --2bw-compensation (memory: `state_bytes`)
 
 
 # ---- memory ----------------------------------------------------------------------------------
 
 
 def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam",
-                shards: int = 1, tied: int = 0) -> dict:
+                shards: int = 1, tied: int = 0, compensation: str = NO_COMPENSATION) -> dict:
     """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
     the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
-    which form a region of their own)."""
+    which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
+    hold predictions keeps an fp32 master in fp32 runs too, sharded like the bf16/fp16 one)."""
     p = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
     n = padded_numel(params, tied, shards) if shards > 1 else params
     shard = n // shards
     return {"weights": num_slots * n * p,
-            "master": shard * 4 if mixed else 0,
+            "master": shard * 4 if keeps_master(dtype, compensation) else 0,
             "grads": num_slots * (n + TAIL) * 4,   # + loss and control flags
             "model_grad": n * p if mixed else 0,
             "optimizer": OPTIMIZER_COPIES[optimizer] * shard * 4}
@@ -171,13 +175,14 @@ def _kept(cost, recompute: bool, selective: bool = False) -> float:
 
 def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, stage: int,
                  dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
-                 selective: bool = False, shards: int = 1) -> tuple[dict, int]:
+                 selective: bool = False, shards: int = 1,
+                 compensation: str = NO_COMPENSATION) -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
     "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
     layout's sequence parallelism; `shards` is w with the distributed optimizer."""
     kind = schedule_kind(schedule)
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
-                      shards, stage_tied(costs, lo, hi, d))
+                      shards, stage_tied(costs, lo, hi, d), compensation)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
     peak = kind.in_flight(d, m, stage)
     mem["activations"] = peak * per_mb + extra
@@ -351,7 +356,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)
         params = stage_params(costs, lo, hi, P)
         mem, peak = stage_memory(costs, lo, hi, L.schedule, d, m, s, setup.dtype,
-                                 setup.optimizer, L.recompute, P, L.selective, shards)
+                                 setup.optimizer, L.recompute, P, L.selective, shards,
+                                 setup.compensation)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)

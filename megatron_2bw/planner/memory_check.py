@@ -56,7 +56,7 @@ def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
     shards = resolved.data_parallel_size if cfg.parallel.distributed_optimizer else 1
     return [stage_memory(costs, bounds[s], bounds[s + 1], cfg.schedule, d, m, s,
                          cfg.precision.dtype, cfg.optimizer.name, cfg.model.full_recompute,
-                         None, cfg.model.selective_recompute, shards)[0]
+                         None, cfg.model.selective_recompute, shards, cfg.compensation)[0]
             for s in range(d)]
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from ..config import RANK_ORDERS, ModelConfig
 from ..config import num_microbatches as config_microbatches
 from ..models.flops import DTYPE_BYTES
+from ..pipeline.compensation import NONE as NO_COMPENSATION
 from ..pipeline.registry import schedule_kind, schedule_names
 from .cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
 from .simulate import Estimate, predict
@@ -140,12 +141,12 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            rank_orders=RANK_ORDERS, top_k: int = 5, exhaustive: bool = False,
            arch: str = "gpt", pipeline_sizes=None, data_sizes=None,
            num_microbatches=None, distributed_optimizer=(False, True),
-           sequence_parallel=(False, True)) -> SearchResult:
+           sequence_parallel=(False, True), compensation: str = NO_COMPENSATION) -> SearchResult:
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
     profile.check_model(model, dtype)
-    setup = Setup(model, dtype, optimizer, arch)
+    setup = Setup(model, dtype, optimizer, arch, compensation=compensation)
     times = LayerTimes(setup, profile, topology)
     usable = topology.usable_memory_gb * GB
     considered, smallest, cands = 0, float("inf"), []

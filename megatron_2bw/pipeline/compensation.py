@@ -1,0 +1,198 @@
+"""2BW staleness compensation (`--2bw-compensation`): what a batch runs on, and how a step treats a
+one-step-late gradient.
+
+2BW (docs/ARCHITECTURE.md section 1) runs batch t forward and backward on W(t-1) and steps
+W(t+1) = step(W(t), g_t). Every method acts at one moment, S(t): the step that writes into the slot
+batch t+2 runs on (the kind's `step_writes_slot(t)`), while batch t+1 already runs on the other.
+
+    none     the slot gets W(t+1); batch t+2 runs on W(t+1) (plain 2BW).
+    predict  the slot gets P(t+2) = optimizer.predict(W(t+1), lr(t+1)): W(t+1) moved by the update
+             the optimizer's state after S(t) implies for S(t+1), at S(t+1)'s lr (Adam: the bias-
+             corrected moments with decoupled weight decay; SGD: the momentum buffer). Batch t+2
+             runs forward and backward on P(t+2) ~ W(t+2), so its gradient is nearly the
+             synchronous one; S(t+2) applies it to the real W(t+2), never to the prediction:
+             W(t+3) = step(W(t+2), g_{t+2}(P(t+2))).
+    predict-spike  Adam only: after S(t), W(t+1) first gets the spike compensation for a delay
+             of one step (`optimizer.spike`: the momentum term weighs b1 * m(t+1) and the late
+             gradient gets the (1 - b1) share it missed at once), then the slot gets the
+             prediction made from the corrected W(t+1), as in `predict`.
+
+Measured (bench/README.md, "2BW staleness compensation"): predict-spike comes closest to GPipe,
+predict next; the spike alone (V(t) = W(t-1)) was tried and did no better than predict, so it is
+not offered.
+
+Batches 0 and 1 run on W(0) with every method: no step has been taken to predict from. After a
+skipped fp16 step, W(t+1) = W(t) and the prediction is made from the unchanged state.
+
+Memory. The slots hold the versions the batches run on; the optimizer reads the real weights.
+bf16/fp16 keep them anyway (`weights.master`, fp32): the prediction is written where the
+low-precision W would have been, at no extra memory. fp32 runs have no master: `predict` adds one
+stage-sized fp32 buffer for the real W (`weights.master`; `separate_weights`; 1/w of it, this
+rank's shard, under the distributed optimizer), counted by the planner's memory model
+(`planner.cost_model.state_bytes`) and bench/memory.py. Both methods use one transient
+stage-sized fp32 buffer inside the step (as the Adam step itself does).
+
+Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
+for evaluation and for whoever asks the engine for its newest module; `resume` writes the
+prediction back before the next batch runs: bitwise the same, since it is a pure function of
+master, optimizer state and lr. Checkpoints save the master as the newest weights and the slot of
+the next batch (its prediction) as the previous version; loading recomputes the newest slot's.
+
+Distributed optimizer (`--use-distributed-optimizer`, optim/distributed.py: master and optimizer
+state sharded over the w data-parallel ranks). `predict` and `spike` are elementwise, so each rank
+computes them on its shard's pieces (master piece -> slot piece, the distributed optimizer's
+`predict`/`spike`) and `gather` all-gathers the pieces into the slot, as after a plain sharded
+step: `publish` (every step, a resume, a load) starts it, and the engine waits for it before the
+slot's first forward. `show_newest` copies the master pieces and gathers at once, so under a
+sharding distributed optimizer it is a collective of the stage's data-parallel group: evaluation,
+checkpoints (`state_dict`, `fp32_state`) and `engine.module` must be asked on all its ranks
+together, as they are by training, evaluation and checkpointing.
+"""
+from __future__ import annotations
+
+from .registry import schedule_kind, schedule_names
+
+NONE = "none"
+
+
+class Method:
+    name = NONE
+    predicts = False      # the slot of batch t+2 gets a prediction of W(t+2), not W(t+1)
+    spikes = False        # the step adds the spike correction
+    optimizers = ("adam", "sgd")
+    needs_momentum = False  # SGD: the method reads the momentum buffer
+
+    @property
+    def separate_weights(self) -> bool:
+        """The slots do not hold the real weights: fp32 runs keep them in one more buffer."""
+        return self.predicts
+
+
+class Predict(Method):
+    name = "predict"
+    predicts = True
+    needs_momentum = True
+
+
+class PredictSpike(Method):
+    name = "predict-spike"
+    predicts = True
+    spikes = True
+    needs_momentum = True
+    optimizers = ("adam",)
+
+
+_METHODS = {m.name: m for m in (Method(), Predict(), PredictSpike())}
+
+
+def method_names() -> tuple:
+    return tuple(_METHODS)
+
+
+def compensation_method(name: str) -> Method:
+    method = _METHODS.get(name)
+    if method is None:
+        raise ValueError(f"unknown --2bw-compensation {name!r}: use one of "
+                         f"{', '.join(method_names())}")
+    return method
+
+
+def keeps_master(dtype: str, name: str = NONE) -> bool:
+    """An fp32 copy of the weights beside the slots: low precision, or slots that hold something
+    else than the weights (a prediction)."""
+    return dtype != "fp32" or compensation_method(name).separate_weights
+
+
+def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: float
+                       ) -> str | None:
+    """A one-line error when `name` does not apply to this schedule and optimizer, else None."""
+    if name not in _METHODS:
+        return f"unknown --2bw-compensation {name!r}: use one of {', '.join(method_names())}"
+    method = _METHODS[name]
+    if not method.predicts and not method.spikes:
+        return None
+    kind = schedule_kind(schedule)
+    if kind.delay != 1:
+        stale = [n for n in schedule_names() if schedule_kind(n).delay == 1]
+        return (f"--2bw-compensation {name} compensates one-step-stale weights, which "
+                f"--pipeline-schedule {kind.name} does not have: use --pipeline-schedule "
+                f"{' or '.join(stale)}, or drop --2bw-compensation")
+    if optimizer not in method.optimizers:
+        return (f"--2bw-compensation {name} is defined for --optimizer "
+                f"{' or '.join(method.optimizers)}, not {optimizer}: use --2bw-compensation "
+                "predict")
+    if optimizer == "sgd" and method.needs_momentum and not sgd_momentum:
+        return (f"--2bw-compensation {name} with SGD predicts from the momentum buffer: set "
+                "--sgd-momentum > 0 (or use --optimizer adam)")
+    return None
+
+
+class Compensator:
+    """The engine's side: called by BatchStepper after every step, and by the engine around
+    views of the newest weights. `lr(t)` is the lr of S(t); `gather(slot)` starts the all-gather
+    of every data-parallel rank's pieces into `slot` and `wait(slot)` waits for it (sharded
+    weights only: the distributed optimizer)."""
+
+    def __init__(self, name: str, optimizer, weights, lr, gather=None, wait=None):
+        self.method = compensation_method(name)
+        self.optimizer, self.w, self.lr = optimizer, weights, lr
+        self.gather, self.wait = gather, wait
+        if self.method.separate_weights and weights.master is None:
+            raise ValueError(f"--2bw-compensation {name} needs the weights apart from the slots: "
+                             "build VersionedWeights with separate_master=True")
+        if weights.sharded and (gather is None or wait is None):
+            raise ValueError("sharded weights (distributed optimizer) need the Compensator's "
+                             "gather and wait")
+        self.showing = False
+
+    def after_step(self, batch: int, grad, dst_slot: int) -> None:
+        """S(batch) has written W(batch+1) (into the master, or into slot `dst_slot` without one;
+        sharded: this rank's pieces) with `grad`: compensate, then publish what batch + 2 runs on
+        into `dst_slot`."""
+        if self.method.spikes:
+            new = self.w.master if self.w.master is not None else self.w.slots[dst_slot]
+            self.optimizer.spike(new, grad, self.lr(batch))
+        self.publish(batch + 1, dst_slot)
+
+    def publish(self, t: int, slot: int) -> None:
+        """From W(t) in the master: write what batch t + 1 runs on into `slot` (fp32 runs
+        without a master: the step wrote W(t) there already); sharded: this rank's pieces, then
+        start the all-gather of the rest."""
+        w = self.w
+        self.showing = False
+        if w.sharded:
+            self.wait(slot)  # an all-gather still writing the slot (after a load, a view)
+        if w.master is not None:
+            if self.method.predicts:
+                self.optimizer.predict(w.master, w.slots[slot], self.lr(t))
+            else:
+                w.master_into(slot)
+        if w.sharded:
+            self.gather(slot)
+
+    def restore(self, t: int, slot: int) -> None:
+        """After a checkpoint load wrote W(t) into `slot` (the newest) and the master: what batch
+        t + 1 runs on. Sharded runs without a prediction already hold it: no collective."""
+        if not self.w.sharded or self.method.predicts:
+            self.publish(t, slot)
+
+    def show_newest(self, slot: int) -> None:
+        """Make `slot` (the newest) hold W(t) until `resume` (sharded: a collective of the
+        data-parallel group, see the module docstring)."""
+        if self.method.predicts and not self.showing:
+            if self.w.sharded:
+                self.wait(slot)
+            self.w.master_into(slot)
+            if self.w.sharded:
+                self.gather(slot)
+                self.wait(slot)
+            self.showing = True
+
+    def resume(self, t: int, slot: int) -> None:
+        """Before batch t runs (t steps taken): the prediction back into the newest slot."""
+        if self.showing:
+            self.publish(t, slot)
+
+
+__all__ = ["NONE", "Method", "method_names", "compensation_method", "keeps_master",
+           "compensation_error", "Compensator"]
