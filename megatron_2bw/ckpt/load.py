@@ -98,7 +98,8 @@ def read_full(directory: str, prefix: str = MODEL) -> dict[str, torch.Tensor]:
     (one process; the converters' and tools' reader)."""
     sums = read_checksums(directory)
     metadata = read_metadata(directory, sums)
-    targets = [Shard(name, torch.empty(tuple(md.size), dtype=md.properties.dtype),
+    targets = [Shard(name, torch.empty(tuple(md.size), dtype=md.properties.dtype,
+                                      device="cpu"),
                      tuple(md.size), (0,) * len(md.size))
                for name, md in metadata.state_dict_metadata.items()
                if name.startswith(prefix) and hasattr(md, "size")]

@@ -80,7 +80,7 @@ def _private(shards: list, engine) -> list:
     for s in shards:
         t = s.tensor
         if t.device.type == "cuda":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
             host.copy_(t, non_blocking=True)
             device = t.device
         elif t.untyped_storage().data_ptr() in live:

@@ -188,7 +188,7 @@ def empty_state(numel: int, previous_dtype: torch.dtype | None, optimizer_state:
     """CPU buffers to load a checkpoint into, shaped like an engine's state dict: the newest
     weights (fp32), the previous version (2BW: `previous_dtype`, else None) and the optimizer's
     tensors (like `optimizer_state`'s, flat or pieces form; its other entries as they are)."""
-    return {"newest": torch.empty(numel, dtype=torch.float32),
-            "previous": None if previous_dtype is None else torch.empty(numel,
-                                                                        dtype=previous_dtype),
+    return {"newest": torch.empty(numel, dtype=torch.float32, device="cpu"),
+            "previous": None if previous_dtype is None else torch.empty(
+                numel, dtype=previous_dtype, device="cpu"),
             "optimizer": _empty_like(optimizer_state)}

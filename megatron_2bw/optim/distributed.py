@@ -138,7 +138,7 @@ def full_state(state) -> dict:
                 if key == "range":
                     continue
                 if key not in out:
-                    out[key] = torch.zeros(n, dtype=value.dtype)
+                    out[key] = torch.zeros(n, dtype=value.dtype, device=value.device)
                 out[key][lo:hi].copy_(value)
     return out
 
