@@ -81,7 +81,7 @@ def test_resume_is_bitwise_identical(schedule, fmt):
         for a, b in zip(newest_weights(f"{d}/a"), newest_weights(f"{d}/b")):
             assert a["iteration"] == b["iteration"] == 6
             assert torch.equal(a["newest"], b["newest"])
-            assert ("previous" in a) == (schedule == "2bw")
+            assert ("previous" in a) == (name == "2bw")
             if "previous" in a:
                 assert torch.equal(a["previous"], b["previous"])
 
