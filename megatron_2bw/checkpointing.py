@@ -261,8 +261,10 @@ def _restore_rng(payload: dict, cfg: Config, grid, device) -> None:
     the rank's coordinates mean another rank; dropout masks are a function of the seed, the
     stage and the microbatch anyway: engine._seed_microbatch)."""
     rng = payload.get("rng")
-    saved = payload["common"].get("parallel", {})
-    if rng is None or saved != common_parallel(cfg, grid):
+    saved = dict(payload["common"].get("parallel", {}))
+    ours = common_parallel(cfg, grid)
+    saved.pop("compensation", None), ours.pop("compensation")  # the RNG streams do not use it
+    if rng is None or saved != ours:
         return
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.device(device).type == "cuda":
@@ -271,7 +273,7 @@ def _restore_rng(payload: dict, cfg: Config, grid, device) -> None:
 
 def common_parallel(cfg: Config, grid) -> dict:
     return {"tensor": grid.tensor, "pipeline": grid.pipeline, "data": grid.data,
-            "world": grid.world_size, "schedule": cfg.schedule}
+            "world": grid.world_size, "schedule": cfg.schedule, "compensation": cfg.compensation}
 
 
 def _scaling_name(scaling: tuple) -> str:

@@ -18,6 +18,7 @@ current, `init_process_group(device_id=...)`, then the grid's groups. How a run 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -29,7 +30,8 @@ from .data.arguments import add_data_args
 from .data.build import build_pretrain_data, pretrain_tokenizer
 from .parallel.distributed import (backend_device, default_backend, destroy_process_group,
                                    env_rank_world, launched, start_process_group)
-from .reliability import NO_FAULTS, FaultHooks, NumericsError, describe, watch_launcher
+from .reliability import (NO_FAULTS, FaultHooks, NumericsError, abort_on_sigint, describe,
+                          watch_launcher)
 
 
 def build_parser(family: str) -> FlagParser:
@@ -142,11 +144,15 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
               f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
               f"{cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}, "
               f"seq {cfg.model.seq_length})", flush=True)
+    interrupted = (f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
+                   "(one Ctrl-C saves one when --save is set)")
+    previous = abort_on_sigint(interrupted)  # (reliability.py: a KeyboardInterrupt can be lost)
     try:
         _train(cfg, grid, device, data, hooks, lr_schedule)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     except KeyboardInterrupt:
-        _exit(f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
-              "(one Ctrl-C saves one when --save is set)", 130)
+        _exit(interrupted, 130)
     except BaseException as e:  # noqa: BLE001 - name the failed rank, let the launcher stop the rest
         if isinstance(e, SystemExit) and not e.code:
             raise

@@ -9,6 +9,10 @@ rank and stage, non-finite losses and gradients, and the fault-injection hooks t
   (pipeline/flags.py), so two iterations later every rank agrees on the same boundary, where the
   run saves a checkpoint and exits 0. The next job resumes from it. A second Ctrl-C, a second or
   more after the first, aborts at once.
+- Abort on Ctrl-C: training ranks handle SIGINT with `abort_on_sigint` (print one line, exit 130
+  at once), not with KeyboardInterrupt: Python drops an exception that a signal raises inside a
+  finalizer (a `__del__`, a weakref callback, a generator's close) after printing it, and the run
+  would go on. Preemption's second Ctrl-C calls that handler.
 - Failures: an exception on any rank is printed as one line naming the rank, stage, data and
   tensor coordinates, and the process exits non-zero, so the launcher (torchrun, srun
   --kill-on-bad-exit, torch.multiprocessing) stops the others; ranks blocked on a dead peer fail
@@ -100,6 +104,22 @@ def watch_launcher(poll_seconds: float = 1.0) -> None:
     threading.Thread(target=watch, name=WATCHER, daemon=True).start()
 
 
+def abort_on_sigint(line: str, code: int = 130):
+    """From now on SIGINT prints `line` on stderr and exits `code` at once, whatever Python code
+    the main thread is running (no exception that a finalizer could swallow, no atexit, no
+    waiting on peers). Returns the previous handler for `signal.signal(SIGINT, previous)`; off the
+    main thread signals are left alone and it returns None."""
+    def abort(signum, frame) -> None:
+        try:
+            os.write(2, (line + "\n").encode())
+        finally:
+            os._exit(code)
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, abort)
+
+
 class Preemption:
     """Catches SIGTERM/SIGUSR1/SIGINT and turns them into a checkpoint-and-exit at a safe point."""
 
@@ -123,8 +143,11 @@ class Preemption:
         if signum == signal.SIGINT:
             now = time.monotonic()
             if self._interrupted_at is not None and now - self._interrupted_at >= \
-                    self.ABORT_AFTER_S:
-                raise KeyboardInterrupt  # the second Ctrl-C: abort without the checkpoint
+                    self.ABORT_AFTER_S:  # the second Ctrl-C: abort without the checkpoint
+                previous = self._previous.get(signum)
+                if callable(previous):  # abort_on_sigint's handler, or Python's default
+                    previous(signum, frame)
+                raise KeyboardInterrupt
             self._interrupted_at = self._interrupted_at or now
         self.requested = True
         self.signal_name = self.signal_name or signal.Signals(signum).name

@@ -46,7 +46,7 @@ def test_the_report_of_a_whole_torch_dist_checkpoint(two_ranks):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"checkpoint {two_ranks} iteration 2 (torch_dist)"
-    assert lines[1] == "  saved by t=1 d=2 w=1 schedule 2bw; consumed samples 16"
+    assert lines[1] == "  saved by t=1 d=2 w=1 schedule 2bw compensation none; consumed samples 16"
     assert lines[2] == "  model gpt layers 4 hidden 32 heads 4 vocab 512"
     files = [line.split()[0] for line in lines[lines.index("files:") + 1:lines.index("tensors:")]]
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt"]
@@ -62,7 +62,7 @@ def test_the_report_of_a_torch_format_checkpoint(capsys):
     code, out, err = _inspect(capsys, LEGACY)
     assert code == 0 and err == []
     assert out[0].startswith(f"checkpoint {LEGACY} iteration 3 (torch: Megatron's layout")
-    assert out[1] == "  saved by t=2 d=2 w=? schedule 2bw; consumed samples 12"
+    assert out[1] == "  saved by t=2 d=2 w=? schedule 2bw compensation none; consumed samples 12"
     assert out[-1] == "complete: every stage file is present and matches its checksum"
 
 

@@ -61,6 +61,21 @@ def test_a_new_layout_is_logged_with_what_changed(one_rank_checkpoints, monkeypa
     assert code == 0 and out == [], "the same layout says nothing"
 
 
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_a_checkpoint_records_its_compensation_and_a_change_is_logged(
+        one_rank_checkpoints, monkeypatch, capsys, fmt):
+    ck = one_rank_checkpoints / fmt
+    code, out, err = _front_door(["--load", ck, "--pipeline-schedule", "2bw", "--ckpt-format",
+                                  fmt, "--2bw-compensation", "predict"], 1, monkeypatch, capsys)
+    assert code == 0, err
+    world = " on 1 ranks" if fmt == "torch_dist" else ""
+    assert out == [f"resuming iteration 2 of --load {ck} ({fmt}) saved with t=1 d=1 w="
+                   f"{1 if fmt == 'torch_dist' else '?'} 2bw{world}, now t=1 d=1 w=1 "
+                   "2bw+predict on 1 ranks: compensation changed; batch 2 runs on the version "
+                   "the checkpoint saved for it (W(1)), later batches on the predict prediction "
+                   "of W(t)"]
+
+
 def test_auto_plan_chooses_the_layout_for_the_new_world_size(one_rank_checkpoints, monkeypatch,
                                                              capsys):
     ck = one_rank_checkpoints / "torch_dist"

@@ -134,6 +134,23 @@ def test_spike_equals_the_torch_state_formula():
         torch.testing.assert_close(mine[n], p.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_predict_spike_pays_one_denominator_and_never_a_stale_one():
+    w, opt, _, _, flat = stepped("adam", 3)
+    fresh = copy.deepcopy(opt)  # never spiked: predict computes its own denominator
+    a = w.slots[0].clone()
+    opt.spike(a, flat, 0.01)
+    mine, theirs = torch.empty_like(a), torch.empty_like(a)
+    opt.predict(a, mine, 0.02)  # the spike's denominator
+    fresh.predict(a, theirs, 0.02)
+    assert torch.equal(mine, theirs)
+    opt.spike(a, flat, 0.01)
+    opt.step(a, flat, a, 0.01)  # a new state: the spike's denominator is stale
+    fresh.step(a.clone(), flat, a.clone(), 0.01)
+    opt.predict(a, mine, 0.02)
+    fresh.predict(a, theirs, 0.02)
+    assert torch.equal(mine, theirs)
+
+
 # -- memory ---------------------------------------------------------------------------------------
 def test_fp32_predict_adds_one_stage_buffer_and_mixed_precision_none():
     m = _model()

@@ -147,6 +147,34 @@ def test_ctrl_c_without_save_is_one_line_and_exit_130(tmp_path):
                                         "point (one Ctrl-C saves one when --save is set)"]
 
 
+_FINALIZER_GETS_SIGINT = """
+import os, signal, sys
+from megatron_2bw.reliability import abort_on_sigint
+if sys.argv[1] == "abort":
+    abort_on_sigint("error: aborted by SIGINT")
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(10))  # the handler runs at a bytecode boundary inside the finalizer
+Finalized()
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["python", "abort"])
+def test_ctrl_c_inside_a_finalizer_still_stops_the_run(handler):
+    """Python drops a KeyboardInterrupt raised inside a finalizer and goes on (the cause of a run
+    that ignored Ctrl-C once); the training ranks' SIGINT handler exits anyway."""
+    proc = subprocess.run([sys.executable, "-c", _FINALIZER_GETS_SIGINT, handler], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    if handler == "python":
+        assert (proc.returncode, proc.stdout) == (0, "still running\n"), proc.stderr[-2000:]
+        assert "KeyboardInterrupt" in proc.stderr
+    else:
+        assert (proc.returncode, proc.stdout) == (130, ""), proc.stderr[-2000:]
+        assert proc.stderr.splitlines() == ["error: aborted by SIGINT"]
+
+
 def test_corrupted_shard_is_a_clear_error(tmp_path):
     d = str(tmp_path)
     run(make_cfg(["--train-iters", "2", "--save", d]), f"{d}/x")

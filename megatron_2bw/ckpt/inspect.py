@@ -39,7 +39,8 @@ def _header(root: str, it: int, fmt: str, common: dict) -> list[str]:
         par.get("data")
     return [f"checkpoint {root} iteration {it} ({fmt})",
             f"  saved by t={t} d={d} w={w if w is not None else '?'} schedule "
-            f"{common.get('schedule')}; consumed samples {common.get('consumed_samples')}",
+            f"{common.get('schedule')} compensation {par.get('compensation', 'none')}; "
+            f"consumed samples {common.get('consumed_samples')}",
             f"  model {m.get('family')} layers {m.get('num_layers')} hidden "
             f"{m.get('hidden_size')} heads {m.get('num_attention_heads')} vocab "
             f"{m.get('vocab_size')}"]

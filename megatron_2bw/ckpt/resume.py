@@ -16,13 +16,15 @@ import torch
 
 from ..checkpoint_files import CheckpointError, iteration_dir, latest_iteration
 from ..config import Config
+from ..pipeline.compensation import NONE as NO_COMPENSATION
 from ..pipeline.registry import schedule_kind
 from .load import is_dist_checkpoint, read_common
 from .torch_format import first_stage_file
 
 
 def _saved(load: str, it: int) -> tuple[str, dict, int]:
-    """(format, {tensor, pipeline, data, world, schedule} as saved, consumed samples)."""
+    """(format, {tensor, pipeline, data, world, schedule, compensation} as saved, consumed
+    samples)."""
     directory = iteration_dir(load, it)
     if is_dist_checkpoint(directory):
         common = read_common(directory)
@@ -34,14 +36,18 @@ def _saved(load: str, it: int) -> tuple[str, dict, int]:
     payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     lay = payload.get("layout") or {}
     return "torch", {"tensor": lay.get("tensor"), "pipeline": lay.get("pipeline"),
-                     "schedule": payload["engine"]["schedule"]}, payload["consumed_samples"]
+                     "schedule": payload["engine"]["schedule"],
+                     "compensation": (payload.get("parallel") or {}).get("compensation")
+                     }, payload["consumed_samples"]
 
 
 def _describe(p: dict) -> str:
     w = p.get("data")
     ranks = f" on {p['world']} ranks" if p.get("world") else ""
+    comp = p.get("compensation")
+    comp = f"+{comp}" if comp not in (None, NO_COMPENSATION) else ""
     return (f"t={p.get('tensor')} d={p.get('pipeline')} w={w if w is not None else '?'} "
-            f"{p.get('schedule')}{ranks}")
+            f"{p.get('schedule')}{comp}{ranks}")
 
 
 def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | None:
@@ -53,7 +59,8 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
         return None
     fmt, saved, consumed = _saved(load, it)
     ours = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
-            "data": cfg.data_parallel_size, "world": world_size, "schedule": cfg.schedule}
+            "data": cfg.data_parallel_size, "world": world_size, "schedule": cfg.schedule,
+            "compensation": cfg.compensation}
     how = " (chosen by --auto-plan)" if planned else ""
     B = cfg.global_batch_size
     if not cfg.train.finetune and consumed != it * B:
@@ -69,7 +76,7 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
                               f"d={ours['pipeline']}{how}: convert it with "
                               f"tools/checkpoint_convert.py to-dist --load {load} --save NEW "
                               "and --load NEW, or use matching flags")
-    changed = [k for k in ("tensor", "pipeline", "data", "world", "schedule")
+    changed = [k for k in ("tensor", "pipeline", "data", "world", "schedule", "compensation")
                if saved.get(k) is not None and saved[k] != ours[k]]
     if not changed:
         return None
@@ -84,4 +91,17 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
         elif before.num_slots < now.num_slots:
             note += (f"; the checkpoint holds one weight version, so {cfg.schedule}'s first "
                      f"batch runs on W({it}) instead of W({it - 1})")
+    if "compensation" in changed and "schedule" not in changed and \
+            schedule_kind(cfg.schedule).num_slots > 1:
+        note += (f"; batch {it} runs on the version the checkpoint saved for it ("
+                 f"{_runs_on(saved['compensation'], it)}), later batches on "
+                 f"{_runs_on(cfg.compensation, '...')}")
     return note
+
+
+def _runs_on(compensation: str, it) -> str:
+    """What a 2BW batch `it` runs on under `compensation` (pipeline/compensation.py)."""
+    if compensation == NO_COMPENSATION:
+        return f"W({it - 1})" if isinstance(it, int) else "W(t-1)"
+    return (f"the {compensation} prediction of W({it})" if isinstance(it, int)
+            else f"the {compensation} prediction of W(t)")

@@ -127,12 +127,14 @@ class FlatAdamW(_Ranges):
         self.steps = 0
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels'
         self._scratch = None  # unfused: the denominator, allocated once
+        self._shared = None   # (steps, scaled denominator) from `spike`, for one `predict`
         if self.impl == "apex":
             self._apex = _apex_adam()
             self._overflow = torch.zeros(1, dtype=torch.int32, device=device)
 
     def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
         self.steps += 1
+        self._shared = None
         if dst is not src:
             dst.copy_(src)
         c = self.cfg
@@ -165,35 +167,58 @@ class FlatAdamW(_Ranges):
             p.mul_(1 - lr * wd)
         p.addcdiv_(m, denom, value=-lr / bias1)
 
-    def _denom(self, lo: int = 0, hi: int | None = None, out=None) -> torch.Tensor:
+    def _denom(self, lo: int = 0, hi: int | None = None, out=None, scaled: bool = False
+               ) -> torch.Tensor:
         """sqrt(v / bias2) + eps of the current state over [lo, hi) (into `out`, else a new fp32
-        buffer): the one owner of Adam's denominator (the unfused step, predict and spike)."""
+        buffer): the one owner of Adam's denominator (the unfused step, predict and spike).
+        `scaled`: sqrt(bias2) times it, sqrt(v) + eps * sqrt(bias2), one pass fewer (the caller
+        multiplies its coefficient by sqrt(bias2))."""
         bias2 = 1 - self.cfg.adam_beta2 ** self.steps
         v = self.exp_avg_sq[lo:hi]
+        if scaled:
+            return torch.sqrt(v, out=out).add_(self.cfg.adam_eps * math.sqrt(bias2))
         return torch.sqrt(v, out=out).div_(math.sqrt(bias2)).add_(self.cfg.adam_eps)
+
+    def _scaled_denom(self) -> torch.Tensor:
+        """The scaled denominator of the current state: the one `spike` made for this state, once
+        (predict-spike runs both on the same state and pays for it once), else a new buffer."""
+        shared, self._shared = self._shared, None
+        if shared is not None and shared[0] == self.steps:
+            return shared[1]
+        return self._denom(scaled=True)
 
     def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
         """dst = src after the step the current moments imply at `lr`: src * (1 - lr * wd) on the
         decayed range, minus lr * m_hat / (sqrt(v_hat) + eps), bias corrections of the steps taken
         (a gradient equal to m_hat would leave m_hat and v_hat unchanged). The arithmetic is fp32;
-        dst (any float dtype) is written once. No state changes; before any step, dst = src."""
+        dst (any float dtype) is written once. No state changes; before any step, dst = src.
+        Two passes over v and one over src, m (and src's decayed range again with weight decay)."""
         if self.steps == 0:
             dst.copy_(src)
             return
         c = self.cfg
-        out = self._denom()
-        torch.div(self.exp_avg, out, out=out).mul_(-lr / (1 - c.adam_beta1 ** self.steps))
-        if c.weight_decay and self.decay_end:
+        d = self._scaled_denom()
+        coef = -lr * math.sqrt(1 - c.adam_beta2 ** self.steps) / (1 - c.adam_beta1 ** self.steps)
+        decay = c.weight_decay and self.decay_end
+        # fp32 dst, or nothing to add after: straight into dst (computed in fp32, rounded once)
+        out = torch.addcdiv(src, self.exp_avg, d, value=coef,
+                            out=dst if dst.dtype == torch.float32 or not decay else d)
+        if decay:
             out[:self.decay_end].add_(src[:self.decay_end], alpha=-lr * c.weight_decay)
-        dst.copy_(out.add_(src))
+        if out is not dst:
+            dst.copy_(out)
 
     def spike(self, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         """Right after step(..., grad, dst, lr): move dst from the momentum update
         m_hat(t+1) to the delay-compensated one (b1 * m(t+1) + (1 - b1) * grad) / bias1, i.e.
-        add -lr * (1 - b1) * (grad - m(t+1)) / bias1 / (sqrt(v_hat) + eps). No state changes."""
-        b1 = self.cfg.adam_beta1
-        coef = -lr * (1 - b1) / (1 - b1 ** self.steps)
-        dst.addcdiv_(torch.sub(grad, self.exp_avg), self._denom(), value=coef)
+        add -lr * (1 - b1) * (grad - m(t+1)) / bias1 / (sqrt(v_hat) + eps). No state changes;
+        the denominator is kept for a `predict` of the same state."""
+        c = self.cfg
+        b1 = c.adam_beta1
+        coef = -lr * (1 - b1) * math.sqrt(1 - c.adam_beta2 ** self.steps) / (1 - b1 ** self.steps)
+        d = self._denom(scaled=True)
+        dst.addcdiv_(torch.sub(grad, self.exp_avg), d, value=coef)
+        self._shared = (self.steps, d)
 
     def state_dict(self) -> dict:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
@@ -202,6 +227,7 @@ class FlatAdamW(_Ranges):
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
         self.steps = int(state["steps"])
+        self._shared = None
 
 
 class FlatSGD(_Ranges):
@@ -242,7 +268,7 @@ class FlatSGD(_Ranges):
         """dst = src - lr * momentum buffer: the next step if the momentum keeps its direction
         (weight decay is inside the buffer, as torch.optim.SGD couples it). Arithmetic in fp32,
         dst written once; no state changes; zero buffer (no step yet): dst = src."""
-        dst.copy_(torch.add(src, self.momentum, alpha=-lr))
+        torch.add(src, self.momentum, alpha=-lr, out=dst)  # computed in fp32, rounded once
 
     def state_dict(self) -> dict:
         return {"momentum": self.momentum, "steps": self.steps}
