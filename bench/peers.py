@@ -70,6 +70,7 @@ ALL = OURS + DS_API + PEERS + BOUNDS
 CHECKED_BATCHES = 3
 TODAY = dict(layers=4, hidden=256, heads=8, seq=64, micro=8)   # 35-56 ms per stage here
 SMALL = dict(stack="mlp", layers=8, hidden=512, heads=8, seq=1, micro=8)  # 15-20 ms
+BATCHES, SMALL_BATCHES = 6, 18  # timed batches: a few seconds per run at either shape
 
 
 def schedule_of(name: str) -> str | None:
@@ -205,10 +206,23 @@ def targets(out: dict, best_peer, fb, d) -> list:
             v = rate("ours-flush") / rate(peer)
             res.append((f"our flush >= {peer}", f"{v:.3f}", v >= 1.0))
     if tb and rate(native):
-        v = rate(native) / tb
-        res.append(("2bw through the DeepSpeed API >= 0.97 x the native engine", f"{v:.3f}",
-                    v >= 0.97))
+        v = paired(out, native, ours)
+        res.append(("2bw through the DeepSpeed API >= 0.97 x the native engine (paired)",
+                    f"{v:.3f}", v >= 0.97))
+    for name in OURS:  # a 2BW compensation's cost (issue 19: under 3%)
+        if "+" in name and tb and rate(name):
+            v = paired(out, name, ours)
+            res.append((f"{name} >= 0.97 x 2bw (paired)", f"{v:.3f}", v >= 0.97))
     return res
+
+
+def paired(out: dict, a: str, b: str) -> float:
+    """a's samples/s over b's: the median of the per-repeat ratios when both ran every repeat
+    (interleaved, so each pair shares the machine's state of the moment), else of the medians."""
+    ra, rb = (out[n].get("samples_per_s_runs") or [] for n in (a, b))
+    if ra and len(ra) == len(rb):
+        return C.median([x / y for x, y in zip(ra, rb)])
+    return out[a]["samples_per_s"] / out[b]["samples_per_s"]
 
 
 def _ratio(x) -> str:
@@ -281,7 +295,9 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--warmup-batches", type=int, default=2)
-    p.add_argument("--batches", type=int, default=6, help="timed batches per run")
+    p.add_argument("--batches", type=int, default=None,
+                   help=f"timed batches per run (default {BATCHES}; {SMALL_BATCHES} at the "
+                        "small-compute shape, whose batches are about 3x shorter)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--runs", default=",".join(ALL),
                    help=f"comma-separated subset of {','.join(ALL)} (single is always run)")
@@ -323,8 +339,8 @@ SHAPE_FLAGS = {"--num-layers": "layers", "--hidden-size": "hidden",
 def specs_from_args(args) -> list:
     """One spec per shape and stack: today's shapes (or the flags') per stack, then SMALL."""
     base = dict(d=args.pipeline_stages, m=args.num_microbatches, lr=args.lr, seed=args.seed,
-                warmup=args.warmup_batches, batches=args.batches, repeats=args.repeats,
-                breakdown=args.breakdown)
+                warmup=args.warmup_batches, batches=args.batches or BATCHES,
+                repeats=args.repeats, breakdown=args.breakdown)
     stacks = C.STACKS if args.stack == "both" else (args.stack,)
     if args.tiny:
         return [dict(base, **TINY, stack=s, shape="tiny") for s in stacks]
@@ -333,7 +349,7 @@ def specs_from_args(args) -> list:
     if args.shapes in ("today", "both"):
         specs += [dict(base, **args.shape, stack=s, shape=label) for s in stacks]
     if args.shapes in ("small", "both") and SMALL["stack"] in stacks:
-        specs.append(dict(base, **SMALL, shape="small"))
+        specs.append(dict(base, **SMALL, shape="small", batches=args.batches or SMALL_BATCHES))
     return specs
 
 

@@ -44,9 +44,19 @@ def test_peers_tiny_every_run_measured_or_unavailable(tmp_path):
             assert "max rel diff" in runs[name]["check"], (name, runs[name])
     assert "target: 2bw >= 0.95 x ideal" in out and "| run" in out
     for target in ("2bw >= 0.92 x no-comm", "2bw >= 1.08 x torch-1f1b",
-                   "2bw through the DeepSpeed API >= 0.97 x the native engine"):
+                   "2bw through the DeepSpeed API >= 0.97 x the native engine (paired)",
+                   "ours-2bw+predict >= 0.97 x 2bw (paired)"):
         assert f"target: {target}" in out, target
     assert "where the time goes" in out and len(runs["ours-2bw"]["breakdown"]) == 2
+
+
+def test_peers_paired_ratio_pairs_the_interleaved_repeats():
+    import peers
+    out = {"a": {"samples_per_s_runs": [10.0, 20.0, 30.0], "samples_per_s": 20.0},
+           "b": {"samples_per_s_runs": [5.0, 20.0, 60.0], "samples_per_s": 20.0},
+           "c": {"samples_per_s_runs": [5.0, 40.0], "samples_per_s": 22.5}}
+    assert peers.paired(out, "a", "b") == 1.0    # ratios 2, 1, 0.5: their median
+    assert peers.paired(out, "a", "c") == 20.0 / 22.5  # a repeat missing: the medians
 
 
 def test_peers_loss_check_excludes_a_broken_run():

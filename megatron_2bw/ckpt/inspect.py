@@ -86,14 +86,9 @@ def inspect_dist(root: str, it: int, tensors: bool) -> list[str]:
         tensor_lines.append(f"  {name:<56} {str(tuple(md.size)):<16} "
                             f"{str(md.properties.dtype).replace('torch.', ''):<9} "
                             f"{len(md.chunks)} chunk{'s' if len(md.chunks) > 1 else ''}")
-    common = read_common(directory, sums)
-    out = _header(root, it, "torch_dist", common)
-    out.append(f"  {len(tensor_lines)} tensors in {len(stored)} shard files, {_size(total)}")
-    out += ["files:"] + lines
-    if tensors:
-        out += ["tensors:"] + tensor_lines
-    out.append("complete: every shard is present and matches its checksum")
-    return out
+    return _report(_header(root, it, "torch_dist", read_common(directory, sums)),
+                   f"{len(tensor_lines)} tensors in {len(stored)} shard files, {_size(total)}",
+                   lines, ("tensors:", tensor_lines) if tensors else None, "every shard")
 
 
 def inspect_torch(root: str, it: int, tensors: bool) -> list[str]:
@@ -123,13 +118,19 @@ def inspect_torch(root: str, it: int, tensors: bool) -> list[str]:
             lines.append(f"  {rel:<40} {_size(size):>10}  sha256 ok")
             tensor_lines += [f"  stage {stage} tensor rank {r}: {n}" for n in state["names"]]
     common = dict(payload, schedule=payload["engine"]["schedule"])
-    out = _header(root, it, "torch: Megatron's layout, loads into the same layout only", common)
-    out.append(f"  {t * d} stage files, {_size(total)}")
-    out += ["files:"] + lines
+    return _report(_header(root, it, "torch: Megatron's layout, loads into the same layout only",
+                           common), f"{t * d} stage files, {_size(total)}", lines,
+                   ("tensors (flat per stage file, in this order):", tensor_lines)
+                   if tensors else None, "every stage file")
+
+
+def _report(header: list[str], summary: str, files: list[str], tensors, each: str) -> list[str]:
+    """The report: header, summary, the files, the tensors when asked ((title, lines)), and
+    the verdict on `each` file."""
+    out = header + [f"  {summary}", "files:"] + files
     if tensors:
-        out += ["tensors (flat per stage file, in this order):"] + tensor_lines
-    out.append("complete: every stage file is present and matches its checksum")
-    return out
+        out += [tensors[0]] + tensors[1]
+    return out + [f"complete: {each} is present and matches its checksum"]
 
 
 def inspect(root: str, iteration: int | None = None, tensors: bool = False) -> list[str]:
