@@ -35,9 +35,9 @@ made once for the spike and the prediction, and the late gradient's difference f
 momentum).
 
 Time. Once per batch and stage, elementwise over the stage's parameters (optim/optimizer.py):
-Adam `predict` is 4 passes (about 2x the fused Adam step), the spike 3 more. Against a batch's
-forward and backward that is under 1% at bench/peers.py's transformer shape and about 14% / 23%
-at its small-compute shape, where 64 tokens per batch meet 8 M parameters per stage (bench/README.md).
+Adam `predict` takes about 2x the fused Adam step, the spike 1.5x more. Against the batch that is
+under 2% at bench/peers.py's shapes of 4 x 256 and 11% / 15% at its small-compute shape, where 64
+tokens per batch meet 8 M parameters per stage (bench/README.md, "2BW staleness compensation").
 
 Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
 for evaluation and for whoever asks the engine for its newest module; `resume` writes the
