@@ -7,8 +7,9 @@ Every dataclass here is frozen: a change is a new config (`cfg.replace(batch={..
 `Config.validate(world_size)` checks everything that can be checked without a process group
 (the rules: config_checks.py), raises `ConfigError` with a one-line message naming the setting
 and the fix, and returns the config resolved for that world (the data-parallel size and
-Megatron's default global batch filled in). It never mutates. `Config.num_microbatches` (m) and `Config.data_parallel_size` (w) are
-properties of a resolved config: the one place m is computed (`num_microbatches` below).
+Megatron's default global batch filled in). It never mutates. `Config.num_microbatches` (m) and
+`Config.data_parallel_size` (w) are properties of a resolved config: the one place m is computed
+(`num_microbatches` below).
 
 `Config.fixed` records which settings the user fixed and where (a flag or a DeepSpeed key), so
 the planner keeps them and a contradiction names both sources; it is not part of the settings
@@ -316,5 +317,5 @@ class Config:
         return self.resolved(world_size)._check(world_size)
 
     def _check(self, world_size: int | None) -> "Config":
-        from .config_checks import check  # the rules live there (config_checks.py)
-        return check(self, world_size)
+        from .config_checks import check_config  # the rules (config_checks.py)
+        return check_config(self, world_size)

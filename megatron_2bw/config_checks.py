@@ -1,5 +1,6 @@
 """The rules of `Config.validate` (config.py): every check that needs no process group, each a
-one-line ConfigError naming the setting and the fix. `check` runs them on a resolved config."""
+one-line ConfigError naming the setting and the fix; `check_config` runs them on a resolved
+config."""
 from __future__ import annotations
 
 from .config import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FAMILIES, OPTIMIZERS, PRECISIONS,
@@ -9,7 +10,7 @@ from .pipeline.compensation import compensation_error
 from .pipeline.registry import schedule_kind
 
 
-def check(cfg: Config, world_size: int | None) -> Config:
+def check_config(cfg: Config, world_size: int | None) -> Config:
     """Config.validate's rules, on the resolved config `cfg`: ConfigError (one line) for the
     first bad setting, else `cfg`."""
     m, p, b, o, pr = cfg.model, cfg.parallel, cfg.batch, cfg.optimizer, cfg.precision
