@@ -96,24 +96,64 @@ def test_mixed_precision_predict_tracks_fp32_reference(precision, rtol, extra):
 
 
 # -- the optimizer's pure predictions ------------------------------------------------------------
-@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize("name,nesterov", [("adam", False), ("sgd", False), ("adam", True)],
+                         ids=["adam", "sgd", "adam-nesterov"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_predict_is_pure_and_equals_the_torch_state_formula(name, dtype):
-    w, opt, ref, ref_opt, _ = stepped(name, 3)
+def test_predict_is_pure_and_equals_the_torch_state_formula(name, nesterov, dtype):
+    """nesterov: the formula with b1 * m + (1 - b1) * g, g the torch parameters' .grad (the last
+    step's gradient), from the optimizer's kept copy of it."""
+    w, opt, ref, ref_opt, _ = stepped(name, 3, keep_grad=nesterov)
     before = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state_dict().items()}
     src = w.slots[0].clone()
     out = torch.empty(w.numel, dtype=dtype)
-    opt.predict(src, out, 0.02)
+    opt.predict(src, out, 0.02, nesterov=nesterov)
     after = opt.state_dict()
     assert all(torch.equal(before[k], after[k]) if torch.is_tensor(before[k])
                else before[k] == after[k] for k in before), "predict changed the state"
     assert torch.equal(src, w.slots[0])
-    expected = _predicted(ref, ref_opt, 0.02)
+    expected = _predicted(ref, ref_opt, 0.02, nesterov)
     mine = w.named_tensors(out)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     for n, _ in ref.named_parameters():
         torch.testing.assert_close(mine[n].float(), expected[n], rtol=tol, atol=tol)
     assert not torch.allclose(out.float(), src), "the prediction moves the weights"
+    if nesterov:
+        plain = torch.empty_like(out)
+        opt.predict(src, plain, 0.02)
+        assert not torch.allclose(out.float(), plain.float()), "the gradient moves it further"
+
+
+def test_nesterov_predict_needs_the_kept_gradient_and_adam():
+    _, adam, *_ = stepped("adam", 1)
+    _, sgd, *_ = stepped("sgd", 1)
+    x = torch.zeros(adam.numel)
+    with pytest.raises(ValueError, match=r"^predict\(nesterov=True\) reads the latest gradient: "
+                                         "make the optimizer with keep_grad=True$"):
+        adam.predict(x, x.clone(), 0.1, nesterov=True)
+    with pytest.raises(ValueError, match=r"defined for Adam only, not SGD"):
+        sgd.predict(x, x.clone(), 0.1, nesterov=True)
+
+
+def test_kept_gradient_is_state_and_loads_without_it_as_the_plain_prediction():
+    """last_grad is the latest step's gradient and round-trips through state_dict; a state
+    without it (another method, an older checkpoint) loads as last_grad = exp_avg, whose
+    nesterov prediction is bitwise `predict`'s; a state with it loads into an optimizer
+    without it."""
+    w, opt, _, _, flat = stepped("adam", 3, keep_grad=True)
+    state = opt.state_dict()
+    assert torch.equal(state["last_grad"], flat)
+    _, plain, *_ = stepped("adam", 3)
+    assert "last_grad" not in plain.state_dict()
+    plain.load_state_dict(state)  # the extra key is ignored
+    _, other, *_ = stepped("adam", 1, keep_grad=True)
+    other.load_state_dict({k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
+    assert all(torch.equal(other.state_dict()[k], state[k]) for k in ("last_grad", "exp_avg"))
+    other.load_state_dict(plain.state_dict())
+    assert torch.equal(other.last_grad, state["exp_avg"])
+    src, nest, ref = w.slots[0], torch.empty_like(w.slots[0]), torch.empty_like(w.slots[0])
+    other.predict(src, nest, 0.02, nesterov=True)
+    plain.predict(src, ref, 0.02)
+    assert torch.equal(nest, ref)
 
 
 def test_predict_before_any_step_is_the_weights():
