@@ -77,10 +77,12 @@ def test_checker_catches_an_engine_that_ignores_the_compensation(method):
     assert not rep.passed(1e-5) and rep.max_rel_diff > 1e-4, rep
 
 
-def test_evaluation_between_batches_shows_real_weights_and_keeps_prediction():
+@pytest.mark.parametrize("method", ["predict", "predict-nesterov"])
+def test_evaluation_between_batches_shows_real_weights_and_keeps_prediction(method):
     """eval_batch asks for the newest module (the real W(t), not the prediction in its slot);
-    the next batch must run on the prediction again: losses and weights stay exact."""
-    cfg, _ = parse(flags("predict", 1, 2, 2))
+    the next batch must run on the prediction again (nesterov: from the kept gradient, the
+    gradient buffer being zero by then): losses and weights stay exact."""
+    cfg, _ = parse(flags(method, 1, 2, 2))
     rep = run(cfg, timeout_minutes=1, eval_interval=2)
     assert rep.passed(1e-5) and not rep.problems, rep
 
@@ -210,6 +212,20 @@ def test_fp32_predict_adds_one_stage_buffer_and_mixed_precision_none():
         state_bytes(n, 2, "fp32", "adam")
 
 
+def test_memory_model_counts_the_kept_gradient_as_optimizer_state():
+    """predict-nesterov: predict's fp32 master plus one fp32 copy in the optimizer state (the
+    kept gradient), sharded with it under the distributed optimizer; in bf16 only the latter."""
+    n, w = 1001, 4
+    for dtype in ("fp32", "bf16"):
+        extra = {k: state_bytes(n, 2, dtype, "adam", compensation="predict-nesterov")[k] - v
+                 for k, v in state_bytes(n, 2, dtype, "adam", compensation="predict").items()}
+        assert extra == {"weights": 0, "master": 0, "grads": 0, "model_grad": 0,
+                         "optimizer": 4 * n}, dtype
+    mem = state_bytes(n, 2, "fp32", "adam", shards=w, compensation="predict-nesterov")
+    padded = -(-n // w) * w
+    assert mem["master"] == 4 * padded // w and mem["optimizer"] == 12 * padded // w
+
+
 def test_memory_model_counts_the_compensation_master_and_the_distributed_optimizer_together():
     """The two terms compose: the predict master is one more fp32 buffer, sharded like the
     distributed optimizer's master and state (1/w of the padded stage)."""
@@ -230,6 +246,9 @@ def test_memory_model_counts_the_compensation_master_and_the_distributed_optimiz
      r"--pipeline-schedule flush does not have: use --pipeline-schedule 2bw"),
     (["--2bw-compensation", "predict-spike", "--optimizer", "sgd"],
      r"^--2bw-compensation predict-spike is defined for --optimizer adam, not sgd"),
+    (["--2bw-compensation", "predict-nesterov", "--optimizer", "sgd"],
+     r"^--2bw-compensation predict-nesterov is defined for --optimizer adam, not sgd: use "
+     r"--2bw-compensation predict$"),
     (["--2bw-compensation", "predict", "--optimizer", "sgd", "--sgd-momentum", "0"],
      r"^--2bw-compensation predict with SGD predicts from the momentum buffer: set "
      r"--sgd-momentum > 0"),
