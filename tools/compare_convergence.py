@@ -68,7 +68,9 @@ DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--
 TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8"]
 COMPENSATIONS = [m for m in method_names() if m != NONE]
-DEFAULT_RUNS = ",".join(["2bw", *(f"2bw+{m}" for m in COMPENSATIONS), "flush", "gpipe"])
+# every schedule, each one-step-stale one followed by its compensated runs
+DEFAULT_RUNS = ",".join(run for s in SCHEDULES for run in [s] + (
+    [f"{s}+{m}" for m in COMPENSATIONS] if schedule_kind(s).delay == 1 else []))
 SET_PER_RUN = ("--pipeline-schedule", "--2bw-compensation", "--eval-interval", "--eval-iters")
 
 
