@@ -23,7 +23,8 @@ mock data, Adam) on d x w fresh gloo processes for a few batches and reports, pe
   in_flight), and measured / predicted.
 
 A run is a schedule, optionally with a 2BW compensation after a `+` (`--schedules 2bw,2bw+predict`:
-fp32 `predict` keeps the real weights in one more stage-sized buffer, the `master` column).
+fp32 `predict` keeps the real weights in one more stage-sized buffer, the `master` column;
+`predict-nesterov`'s optimizer also keeps the latest gradient, one more in the `optimizer` one).
 
 Targets (reported, not asserted): 2BW's stage-0 stash peaks at <= d microbatches; 2BW's stage
 memory (buffers + stash) <= 0.6 x GPipe's at m = 8 without recomputation; with the distributed

@@ -18,8 +18,9 @@ once; the reference on one):
     ours-2bw-ds                        the same engine through its DeepSpeed API (the
                                        run_deepspeed script with `import megatron_2bw as
                                        deepspeed`), to compare both paths in one run
-    ours-2bw+predict, ...+predict-spike  the same with --2bw-compensation (their losses are
-                                       checked on batches 0, 1: batch 2 runs on a prediction)
+    ours-2bw+predict, ...+predict-spike  the same with --2bw-compensation, one run per method
+                                       (their losses are checked on batches 0, 1: batch 2 runs
+                                       on a prediction)
     deepspeed-1f1b                     deepspeed.pipe.PipelineModule + DeepSpeed's PipelineEngine
                                        (its TrainSchedule: 1F1B with a flush)
     torch-gpipe, torch-1f1b            torch.distributed.pipelining ScheduleGPipe / Schedule1F1B

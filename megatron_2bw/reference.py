@@ -17,6 +17,9 @@ schedule kind's `weight_of_batch(t)` (pipeline/registry.py).
              -lr * (1 - b1) / (1 - b1^(t+1)) * (grad - m) / (sqrt(v_hat) + eps) (m, v after
              the step: the spike; the momentum term weighs b1 * m and the late gradient gets
              its missed share (1 - b1) at once); V(t) is `predict`'s, made from the spiked W.
+    predict-nesterov  V(t) as `predict`'s with m replaced by b1 * m + (1 - b1) * g, g the latest
+             gradient (each parameter's .grad as AdamW's step k used it, clipped; it is still
+             there when V(t) is made, before batch t's gradient reaches the model).
 The predictions and the spike are computed here from torch.optim's state, not by the engine's code.
 """
 from __future__ import annotations
@@ -81,8 +84,9 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
                 total += loss.item() / (m * w)
         losses.append(total)
         if delayed:
-            versions[t] = (_predicted(model, optimizer, lr_at(t)) if method.predicts
-                           else copy.deepcopy(model.state_dict()))  # from W(t), before step t
+            versions[t] = (_predicted(model, optimizer, lr_at(t), method.nesterov)
+                           if method.predicts  # from W(t), before step t
+                           else copy.deepcopy(model.state_dict()))
             for (_, p), (_, q) in zip(params, grad_model.named_parameters()):
                 p.grad = q.grad
         if cfg.optimizer.clip_grad > 0:
@@ -128,9 +132,10 @@ def _resume(model, grad_model, optimizer, start: dict, versions: dict, kind) -> 
     return t0
 
 
-def _predicted(model, optimizer, lr: float) -> dict:
+def _predicted(model, optimizer, lr: float, nesterov: bool = False) -> dict:
     """model's state dict with every parameter moved by the update torch.optim's state implies
-    at `lr` (see the module docstring); unchanged before the first step."""
+    at `lr` (see the module docstring; `nesterov`: with each parameter's .grad, the latest
+    gradient, in the momentum term); unchanged before the first step."""
     moved = {}
     with torch.no_grad():
         for group in optimizer.param_groups:
@@ -142,8 +147,9 @@ def _predicted(model, optimizer, lr: float) -> dict:
                     b1, b2 = group["betas"]
                     k = float(st["step"])
                     denom = st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** k) + group["eps"]
+                    m = b1 * st["exp_avg"] + (1 - b1) * p.grad if nesterov else st["exp_avg"]
                     moved[id(p)] = (p * (1 - lr * group["weight_decay"])
-                                    - lr / (1 - b1 ** k) * st["exp_avg"] / denom)
+                                    - lr / (1 - b1 ** k) * m / denom)
                 else:
                     moved[id(p)] = p - lr * st["momentum_buffer"]
     return {name: moved.get(id(v), v).detach().clone()

@@ -81,17 +81,20 @@ def test_peers_loss_check_excludes_a_broken_run():
 
 def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
     out = _run(["bench/memory.py", "--tiny", "--json", tmp_path / "m.json", "--schedules",
-                "gpipe,flush,2bw,2bw+predict"])
+                "gpipe,flush,2bw,2bw+predict,2bw+predict-nesterov"])
     data = json.loads((tmp_path / "m.json").read_text())
     rows = {(r["schedule"], r["m"]): r for r in data["rows"]}
-    assert set(rows) == {("gpipe", 2), ("flush", 2), ("2bw", 2), ("2bw+predict", 2)}
+    assert set(rows) == {("gpipe", 2), ("flush", 2), ("2bw", 2), ("2bw+predict", 2),
+                         ("2bw+predict-nesterov", 2)}
     for (sched, m), r in rows.items():
         for s in r["stages"]:
             model = s["model"]
             for key in ("weights", "master", "grads", "model_grad", "optimizer"):
                 assert s[key] == model[key], (sched, s["stage"], key)
-            # fp32: only predict keeps the real weights apart from the slots (one stage buffer)
-            assert s["master"] == (4 * s["params"] if sched == "2bw+predict" else 0)
+            # fp32: only a prediction keeps the real weights apart from the slots (one stage
+            # buffer); predict-nesterov's optimizer keeps the gradient too (Adam: 2 + 1 copies)
+            assert s["master"] == (4 * s["params"] if "+predict" in sched else 0)
+            assert s["optimizer"] == 4 * s["params"] * (3 if "nesterov" in sched else 2)
             assert s["versions"] == (2 if sched.startswith("2bw") else 1)
             assert s["in_flight_peak"] == model["in_flight"], (sched, s["stage"])
             assert s["stash_peak"] > 0
@@ -175,12 +178,12 @@ def test_compare_convergence_tiny(tmp_path):
     out = _run(["tools/compare_convergence.py", "--tiny", "--out-dir", tmp_path], timeout=600)
     with open(tmp_path / "losses.csv") as f:
         rows = list(csv.reader(f))
-    runs = ["2bw", "2bw+predict", "2bw+predict-spike", "flush", "gpipe"]
+    runs = ["2bw", "2bw+predict", "2bw+predict-spike", "2bw+predict-nesterov", "flush", "gpipe"]
     assert rows[0] == ["iteration"] + runs
     assert len(rows) == 1 + 4
     col = lambda run: [float(r[1 + runs.index(run)]) for r in rows[1:]]  # noqa: E731
     assert col("2bw")[0] == pytest.approx(col("gpipe")[0], rel=1e-6)  # batch 0: same for all
-    for run in ("2bw+predict", "2bw+predict-spike"):
+    for run in ("2bw+predict", "2bw+predict-spike", "2bw+predict-nesterov"):
         assert col(run)[:2] == pytest.approx(col("2bw")[:2], rel=1e-6)  # 0, 1 run on W(0)
         assert col(run)[2:] != pytest.approx(col("2bw")[2:], rel=1e-6)  # 2 on a prediction
     assert col("flush") == pytest.approx(col("gpipe"), rel=1e-5)  # one version: the same
@@ -196,7 +199,7 @@ def test_compare_convergence_tiny(tmp_path):
     assert summary["to_target"]["gpipe"]["iterations"] in (2, 4)
     with open(tmp_path / "validation.csv") as f:
         vrows = list(csv.reader(f))
-    assert vrows[0][:6] == ["iteration"] + runs
+    assert vrows[0][:1 + len(runs)] == ["iteration"] + runs
     assert [r[0] for r in vrows[1:]] == ["2", "4"]
     assert "2bw final loss vs gpipe" in out and "2bw+predict final validation loss" in out
     (tmp_path / "convergence.png").unlink()

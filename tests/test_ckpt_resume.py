@@ -74,6 +74,13 @@ def test_a_checkpoint_records_its_compensation_and_a_change_is_logged(
                    "2bw+predict on 1 ranks: compensation changed; batch 2 runs on the version "
                    "the checkpoint saved for it (W(1)), later batches on the predict prediction "
                    "of W(t)"]
+    code, out, err = _front_door(["--load", ck, "--pipeline-schedule", "2bw", "--ckpt-format",
+                                  fmt, "--2bw-compensation", "predict-nesterov"], 1, monkeypatch,
+                                 capsys)
+    assert code == 0, err
+    assert out[0].endswith("later batches on the predict-nesterov prediction of W(t); the "
+                           "checkpoint keeps no gradient, so batch 3 runs on the predict "
+                           "prediction (the optimizer's last_grad starts as its momentum)"), out
 
 
 def test_auto_plan_chooses_the_layout_for_the_new_world_size(one_rank_checkpoints, monkeypatch,

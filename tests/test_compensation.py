@@ -77,10 +77,12 @@ def test_checker_catches_an_engine_that_ignores_the_compensation(method):
     assert not rep.passed(1e-5) and rep.max_rel_diff > 1e-4, rep
 
 
-def test_evaluation_between_batches_shows_real_weights_and_keeps_prediction():
+@pytest.mark.parametrize("method", ["predict", "predict-nesterov"])
+def test_evaluation_between_batches_shows_real_weights_and_keeps_prediction(method):
     """eval_batch asks for the newest module (the real W(t), not the prediction in its slot);
-    the next batch must run on the prediction again: losses and weights stay exact."""
-    cfg, _ = parse(flags("predict", 1, 2, 2))
+    the next batch must run on the prediction again (nesterov: from the kept gradient, the
+    gradient buffer being zero by then): losses and weights stay exact."""
+    cfg, _ = parse(flags(method, 1, 2, 2))
     rep = run(cfg, timeout_minutes=1, eval_interval=2)
     assert rep.passed(1e-5) and not rep.problems, rep
 
@@ -96,24 +98,64 @@ def test_mixed_precision_predict_tracks_fp32_reference(precision, rtol, extra):
 
 
 # -- the optimizer's pure predictions ------------------------------------------------------------
-@pytest.mark.parametrize("name", ["adam", "sgd"])
+@pytest.mark.parametrize("name,nesterov", [("adam", False), ("sgd", False), ("adam", True)],
+                         ids=["adam", "sgd", "adam-nesterov"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_predict_is_pure_and_equals_the_torch_state_formula(name, dtype):
-    w, opt, ref, ref_opt, _ = stepped(name, 3)
+def test_predict_is_pure_and_equals_the_torch_state_formula(name, nesterov, dtype):
+    """nesterov: the formula with b1 * m + (1 - b1) * g, g the torch parameters' .grad (the last
+    step's gradient), from the optimizer's kept copy of it."""
+    w, opt, ref, ref_opt, _ = stepped(name, 3, keep_grad=nesterov)
     before = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state_dict().items()}
     src = w.slots[0].clone()
     out = torch.empty(w.numel, dtype=dtype)
-    opt.predict(src, out, 0.02)
+    opt.predict(src, out, 0.02, nesterov=nesterov)
     after = opt.state_dict()
     assert all(torch.equal(before[k], after[k]) if torch.is_tensor(before[k])
                else before[k] == after[k] for k in before), "predict changed the state"
     assert torch.equal(src, w.slots[0])
-    expected = _predicted(ref, ref_opt, 0.02)
+    expected = _predicted(ref, ref_opt, 0.02, nesterov)
     mine = w.named_tensors(out)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     for n, _ in ref.named_parameters():
         torch.testing.assert_close(mine[n].float(), expected[n], rtol=tol, atol=tol)
     assert not torch.allclose(out.float(), src), "the prediction moves the weights"
+    if nesterov:
+        plain = torch.empty_like(out)
+        opt.predict(src, plain, 0.02)
+        assert not torch.allclose(out.float(), plain.float()), "the gradient moves it further"
+
+
+def test_nesterov_predict_needs_the_kept_gradient_and_adam():
+    _, adam, *_ = stepped("adam", 1)
+    _, sgd, *_ = stepped("sgd", 1)
+    x = torch.zeros(adam.numel)
+    with pytest.raises(ValueError, match=r"^predict\(nesterov=True\) reads the latest gradient: "
+                                         "make the optimizer with keep_grad=True$"):
+        adam.predict(x, x.clone(), 0.1, nesterov=True)
+    with pytest.raises(ValueError, match=r"defined for Adam only, not SGD"):
+        sgd.predict(x, x.clone(), 0.1, nesterov=True)
+
+
+def test_kept_gradient_is_state_and_loads_without_it_as_the_plain_prediction():
+    """last_grad is the latest step's gradient and round-trips through state_dict; a state
+    without it (another method, an older checkpoint) loads as last_grad = exp_avg, whose
+    nesterov prediction is bitwise `predict`'s; a state with it loads into an optimizer
+    without it."""
+    w, opt, _, _, flat = stepped("adam", 3, keep_grad=True)
+    state = opt.state_dict()
+    assert torch.equal(state["last_grad"], flat)
+    _, plain, *_ = stepped("adam", 3)
+    assert "last_grad" not in plain.state_dict()
+    plain.load_state_dict(state)  # the extra key is ignored
+    _, other, *_ = stepped("adam", 1, keep_grad=True)
+    other.load_state_dict({k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
+    assert all(torch.equal(other.state_dict()[k], state[k]) for k in ("last_grad", "exp_avg"))
+    other.load_state_dict(plain.state_dict())
+    assert torch.equal(other.last_grad, state["exp_avg"])
+    src, nest, ref = w.slots[0], torch.empty_like(w.slots[0]), torch.empty_like(w.slots[0])
+    other.predict(src, nest, 0.02, nesterov=True)
+    plain.predict(src, ref, 0.02)
+    assert torch.equal(nest, ref)
 
 
 def test_predict_before_any_step_is_the_weights():
@@ -170,6 +212,20 @@ def test_fp32_predict_adds_one_stage_buffer_and_mixed_precision_none():
         state_bytes(n, 2, "fp32", "adam")
 
 
+def test_memory_model_counts_the_kept_gradient_as_optimizer_state():
+    """predict-nesterov: predict's fp32 master plus one fp32 copy in the optimizer state (the
+    kept gradient), sharded with it under the distributed optimizer; in bf16 only the latter."""
+    n, w = 1001, 4
+    for dtype in ("fp32", "bf16"):
+        extra = {k: state_bytes(n, 2, dtype, "adam", compensation="predict-nesterov")[k] - v
+                 for k, v in state_bytes(n, 2, dtype, "adam", compensation="predict").items()}
+        assert extra == {"weights": 0, "master": 0, "grads": 0, "model_grad": 0,
+                         "optimizer": 4 * n}, dtype
+    mem = state_bytes(n, 2, "fp32", "adam", shards=w, compensation="predict-nesterov")
+    padded = -(-n // w) * w
+    assert mem["master"] == 4 * padded // w and mem["optimizer"] == 12 * padded // w
+
+
 def test_memory_model_counts_the_compensation_master_and_the_distributed_optimizer_together():
     """The two terms compose: the predict master is one more fp32 buffer, sharded like the
     distributed optimizer's master and state (1/w of the padded stage)."""
@@ -190,6 +246,9 @@ def test_memory_model_counts_the_compensation_master_and_the_distributed_optimiz
      r"--pipeline-schedule flush does not have: use --pipeline-schedule 2bw"),
     (["--2bw-compensation", "predict-spike", "--optimizer", "sgd"],
      r"^--2bw-compensation predict-spike is defined for --optimizer adam, not sgd"),
+    (["--2bw-compensation", "predict-nesterov", "--optimizer", "sgd"],
+     r"^--2bw-compensation predict-nesterov is defined for --optimizer adam, not sgd: use "
+     r"--2bw-compensation predict$"),
     (["--2bw-compensation", "predict", "--optimizer", "sgd", "--sgd-momentum", "0"],
      r"^--2bw-compensation predict with SGD predicts from the momentum buffer: set "
      r"--sgd-momentum > 0"),

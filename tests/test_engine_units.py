@@ -21,14 +21,15 @@ def _model():
                                                    seq_length=8)), 0, 4)
 
 
-def stepped(name, steps=4):
+def stepped(name, steps=4, keep_grad=False):
     """A flat optimizer and torch.optim after the same `steps` random steps: (versioned weights,
-    flat optimizer, torch model, torch optimizer, the last flat gradient)."""
+    flat optimizer (`keep_grad`: keeping its latest gradient), torch model (each .grad the last
+    step's), torch optimizer, the last flat gradient)."""
     cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1)
     ref = _model()
     mine = copy.deepcopy(ref)
     w = VersionedWeights(mine, 1, "fp32", "cpu", tied=mine.tied)
-    opt = make_optimizer(cfg, w.numel, w.decay_end, "cpu")
+    opt = make_optimizer(cfg, w.numel, w.decay_end, "cpu", keep_grad=keep_grad)
     ref_opt = torch_reference_optimizer(cfg, list(ref.named_parameters()))
     gen = torch.Generator().manual_seed(0)
     flat_grad = None

@@ -62,6 +62,8 @@ def newest_weights(save_dir):
 
 @pytest.mark.parametrize("schedule,fmt", [("2bw", "torch_dist"), ("2bw+predict", "torch_dist"),
                                           ("2bw+predict-spike", "torch_dist"),
+                                          ("2bw+predict-nesterov", "torch_dist"),
+                                          ("2bw+predict-nesterov", "torch"),
                                           ("flush", "torch_dist"), ("gpipe", "torch_dist"),
                                           ("2bw", "torch")])
 def test_resume_is_bitwise_identical(schedule, fmt):

@@ -60,7 +60,6 @@ from megatron_2bw.pipeline.compensation import (NONE, compensation_error,  # noq
 from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
-DEFAULT_RUNS = "2bw,2bw+predict,2bw+predict-spike,flush,gpipe"
 DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
                  "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4",
                  "--global-batch-size", "32", "--init-method-std", "0.1",
@@ -69,6 +68,9 @@ DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--
 TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8"]
 COMPENSATIONS = [m for m in method_names() if m != NONE]
+# every schedule, each one-step-stale one followed by its compensated runs
+DEFAULT_RUNS = ",".join(run for s in SCHEDULES for run in [s] + (
+    [f"{s}+{m}" for m in COMPENSATIONS] if schedule_kind(s).delay == 1 else []))
 SET_PER_RUN = ("--pipeline-schedule", "--2bw-compensation", "--eval-interval", "--eval-iters")
 
 
@@ -171,7 +173,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--schedules", default=DEFAULT_RUNS,
-                   help="runs: schedules, a 2BW compensation after '+' (2bw+predict, 2bw+predict-spike)")
+                   help="runs: schedules, a 2BW compensation after '+' (2bw+predict, ...)")
     p.add_argument("--train-iters", type=int, default=300)
     p.add_argument("--eval-interval", type=int, default=None,
                    help="iterations between validation points (default: --train-iters / 15)")

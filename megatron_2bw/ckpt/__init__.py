@@ -13,8 +13,8 @@ torch.distributed.checkpoint (DCP), as Megatron's torch_dist and torchtitan are:
                                                computed while writing
 
 Tensors are named globally (shards.py: `model.<name>`, `model_previous.<name>` under 2BW,
-`optimizer.<exp_avg|exp_avg_sq|momentum>.<name>`), each rank writes its own boxes and
-data-parallel replicas share the work, so a job with any (t, d, w), any schedule and any
+`optimizer.<exp_avg|exp_avg_sq|momentum|last_grad>.<name>`), each rank writes its own boxes
+and data-parallel replicas share the work, so a job with any (t, d, w), any schedule and any
 optimizer sharding loads it (load.py); loading into flush or gpipe takes the newest version.
 Saving (save.py) is all-or-nothing: files go to `.tmp-iter_XXXXXXX` and the directory is renamed
 and `latest` moved only after every rank's files are durable; with --async-save the files are

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checkpoint_files import CheckpointError
+from ..optim.optimizer import OPTIONAL_STATE
 from .save import COMMON, rng_key
 from .shards import (MODEL, OPTIMIZER, PREVIOUS, ParamBox, Shard, empty_state, param_boxes,
                      state_shards)
@@ -78,6 +79,7 @@ def read_engine_state(directory: str, engine, view: StageBoxes, grid, cfg,
                               "--no-load-optim to start its state fresh")
     buffers = empty_state(view.numel, engine.weights.dtype if previous else None,
                           engine.optimizer.state_dict() if want_optim else {})
+    _drop_unsaved(buffers["optimizer"], keys)
     targets, _ = state_shards(buffers, view.params, view.numel, reading=True)
     key = rng_key(grid)
     objects = read_boxes(directory, targets, [key] if key in keys else [], sums, metadata)
@@ -91,6 +93,17 @@ def read_engine_state(directory: str, engine, view: StageBoxes, grid, cfg,
     return {"engine": state, "iteration": common["iteration"],
             "consumed_samples": common["consumed_samples"], "layout": common["layout"],
             "config": common["config"], "rng": objects.get(key), "common": common}
+
+
+def _drop_unsaved(optimizer: dict, keys) -> None:
+    """Leave out of the buffers to read (flat or pieces form) the optional optimizer buffers
+    (`OPTIONAL_STATE`: Adam's kept gradient) the checkpoint lacks (saved by another
+    --2bw-compensation or an older version): the optimizer's load_state_dict fills them in."""
+    saved = {k[len(OPTIMIZER):].split(".", 1)[0] for k in keys if k.startswith(OPTIMIZER)}
+    for entry in [optimizer, *optimizer.get("pieces", ())]:
+        for key in OPTIONAL_STATE:
+            if key not in saved:
+                entry.pop(key, None)
 
 
 def read_full(directory: str, prefix: str = MODEL) -> dict[str, torch.Tensor]:

@@ -16,7 +16,8 @@ import torch
 
 from ..checkpoint_files import CheckpointError, iteration_dir, latest_iteration
 from ..config import Config
-from ..pipeline.compensation import NONE as NO_COMPENSATION
+from ..pipeline.compensation import (NONE as NO_COMPENSATION, Predict, compensation_method,
+                                     method_names)
 from ..pipeline.registry import schedule_kind
 from .load import is_dist_checkpoint, read_common
 from .torch_format import first_stage_file
@@ -96,7 +97,15 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
         note += (f"; batch {it} runs on the version the checkpoint saved for it ("
                  f"{_runs_on(saved['compensation'], it)}), later batches on "
                  f"{_runs_on(cfg.compensation, '...')}")
+        if _keeps_grad(cfg.compensation) and not _keeps_grad(saved["compensation"]):
+            note += (f"; the checkpoint keeps no gradient, so batch {it + 1} runs on the "
+                     f"{Predict.name} prediction (the optimizer's last_grad starts as its "
+                     "momentum)")
     return note
+
+
+def _keeps_grad(compensation: str) -> bool:
+    return compensation in method_names() and compensation_method(compensation).keeps_grad
 
 
 def _runs_on(compensation: str, it) -> str:

@@ -7,7 +7,9 @@ or the optimizer's sharding:
     model.<name>               the newest weights W(t), fp32
     model_previous.<name>      2BW only: the version the next batch runs on, W(t-1) (model dtype)
     optimizer.<key>.<name>     each per-element optimizer buffer: exp_avg, exp_avg_sq (Adam),
-                               momentum (SGD)
+                               momentum (SGD), last_grad (Adam keeping its latest gradient:
+                               --2bw-compensation predict-nesterov; optional when loading,
+                               load.py)
 
 <name> is the parameter's name in the one-process model (`layers.<spec index>.<path>`, a tied
 embedding once, under its first name: convert/native.py). A rank holds boxes (offsets, sizes) of

@@ -20,33 +20,35 @@ Checkpoint state (`state_dict`, what `checkpointing.py` writes per data-parallel
      "steps": k,
      "pieces": [{"range": (lo, hi),     global offsets in the unpadded parameter layout
                  "master": fp32 [hi - lo]           (bf16/fp16 only: the exact master weights)
-                 "exp_avg", "exp_avg_sq": [hi - lo] (Adam) | "momentum": [hi - lo] (SGD)}]}
+                 "exp_avg", "exp_avg_sq": [hi - lo] (Adam) | "momentum": [hi - lo] (SGD),
+                 "last_grad": [hi - lo]             (Adam with keep_grad: its latest gradient)}]}
 
 Padding is never saved. `full_state([shard dicts of all ranks])` reassembles the unsharded form
 ({"exp_avg": [n], ..., "steps": k, "master": [n]}, the same keys as the flat optimizers'
 state_dict plus "master"), and `load_state_dict` takes a shard dict of the same layout, every
 rank's shard dicts (any w), or the unsharded form: a checkpoint moves between w and between
-sharded and unsharded runs.
+sharded and unsharded runs. A state without a key the optimizer may miss (`OPTIONAL_STATE`:
+last_grad) loads as the flat optimizers load it.
 """
 from __future__ import annotations
 
 import torch
 
 from ..config import OptimizerConfig
-from .optimizer import make_optimizer
+from .optimizer import OPTIONAL_STATE, make_optimizer
 
 
 class DistributedOptimizer:
     """Steps this rank's shard of a stage's flat weights (`weights`: a sharded VersionedWeights)."""
 
-    def __init__(self, cfg: OptimizerConfig, weights, device):
+    def __init__(self, cfg: OptimizerConfig, weights, device, keep_grad: bool = False):
         self.weights = weights
         self.pieces = weights.pieces
         self.count = weights.layout.count
         self.rank = weights.shard_rank
         self.numel = weights.layout.real_numel
         self.inner = [make_optimizer(cfg, p.size, min(max(weights.decay_end - p.lo, 0), p.size),
-                                     device) for p in self.pieces]
+                                     device, keep_grad=keep_grad) for p in self.pieces]
 
     def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
         """Update this rank's pieces of the padded flat `dst` from `src` (or the master) and
@@ -61,11 +63,12 @@ class DistributedOptimizer:
                 opt.step(d if src is dst else src[p.lo:p.hi], g, d, lr)
 
     # -- 2BW compensation (pipeline/compensation.py): the flat optimizers' pure functions, per piece
-    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float, nesterov: bool = False
+                ) -> None:
         """This rank's pieces of the padded flat `dst` <- the prediction from `src`'s pieces (the
         sharded master, or a padded flat buffer); the caller all-gathers `dst`."""
         for s, p, opt in zip(self._pieces(src), self.pieces, self.inner):
-            opt.predict(s, dst[p.lo:p.hi], lr)
+            opt.predict(s, dst[p.lo:p.hi], lr, nesterov=nesterov)
 
     def spike(self, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         """Spike compensation of `dst`'s pieces (the sharded master, or a padded flat buffer)
@@ -104,7 +107,8 @@ class DistributedOptimizer:
         masters = self.weights.master_pieces() if self.weights.master is not None else None
         for i, (p, opt, saved) in enumerate(zip(self.pieces, self.inner, state["pieces"])):
             own = opt.state_dict()
-            padded = {k: _padded(saved[k], v) for k, v in own.items() if torch.is_tensor(v)}
+            padded = {k: _padded(saved[k], v) for k, v in own.items()
+                      if torch.is_tensor(v) and (k in saved or k not in OPTIONAL_STATE)}
             opt.load_state_dict({**padded, "steps": state["steps"]})
             if masters is not None and "master" in saved:
                 masters[i][:p.real].copy_(saved["master"])

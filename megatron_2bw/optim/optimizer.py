@@ -20,7 +20,11 @@ Kernels (`impl`; `make_optimizer` picks the first that works on the device, `imp
                  buffer: no allocation per step; the fallback on any device.
 
 State (`state_dict`): {"exp_avg", "exp_avg_sq", "steps"} / {"momentum", "steps"}, the same for
-every kernel, so a checkpoint moves between machines with different kernels.
+every kernel, so a checkpoint moves between machines with different kernels. Adam made with
+`keep_grad=True` also keeps the gradient of its latest step, "last_grad" (one more fp32 buffer and
+one copy per step; `predict(..., nesterov=True)` reads it); a state without it (an older
+checkpoint, another method's) loads with last_grad = exp_avg, so the next nesterov prediction is
+the plain one (`OPTIONAL_STATE`: the keys a loaded state may lack).
 
 Layout of every buffer an optimizer touches (src, grad, dst and its state), element i of each
 being the same parameter element (pipeline/weights.py owns the order):
@@ -41,6 +45,9 @@ Two pure functions of the state serve 2BW's staleness compensation (pipeline/com
 neither changes the optimizer's state, and a fused `step` must keep the state's meaning for them:
 - `predict(src, dst, lr)`: dst = the weights the next step would make of src if its gradient were
   the one the state expects (Adam: the bias-corrected moments' update; SGD: the momentum buffer).
+  `nesterov=True` (Adam with keep_grad): the latest gradient stands in for the next one, the
+  Nesterov (NAdam) form of the next update: m_hat is replaced by (b1 * m + (1 - b1) * last_grad)
+  / bias1.
 - `spike(dst, grad, lr)` (Adam), right after a step with `grad`: adds to dst the part of grad's
   momentum contribution that a one-step-late gradient missed (spike compensation for delay 1).
 """
@@ -54,6 +61,7 @@ import torch
 from ..config import OptimizerConfig
 
 IMPLS = ("torch-fused", "apex", "unfused")
+OPTIONAL_STATE = ("last_grad",)  # state keys a loaded state may lack (see the docstring)
 
 
 def _apex_adam():
@@ -119,11 +127,14 @@ class _Ranges:
 
 class FlatAdamW(_Ranges):
     def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig,
-                 impl: str | None = None):
+                 impl: str | None = None, keep_grad: bool = False):
         self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
         self.impl = _check_impl(impl, "adam", device) if impl else choose_impl(device, "adam")
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
+        # the gradient of the latest step (keep_grad: `predict(..., nesterov=True)` reads it)
+        self.last_grad = torch.zeros(numel, dtype=torch.float32, device=device) \
+            if keep_grad else None
         self.steps = 0
         self._step_t = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernels'
         self._scratch = None  # unfused: the denominator, allocated once
@@ -137,6 +148,8 @@ class FlatAdamW(_Ranges):
         self._shared = None
         if dst is not src:
             dst.copy_(src)
+        if self.last_grad is not None:
+            self.last_grad.copy_(grad)
         c = self.cfg
         if self.impl == "torch-fused":
             self._step_t.fill_(self.steps)  # a device fill, no host sync
@@ -187,12 +200,19 @@ class FlatAdamW(_Ranges):
             return shared[1]
         return self._denom(scaled=True)
 
-    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float, nesterov: bool = False
+                ) -> None:
         """dst = src after the step the current moments imply at `lr`: src * (1 - lr * wd) on the
         decayed range, minus lr * m_hat / (sqrt(v_hat) + eps), bias corrections of the steps taken
-        (a gradient equal to m_hat would leave m_hat and v_hat unchanged). The arithmetic is fp32;
-        dst (any float dtype) is written once. No state changes; before any step, dst = src.
-        Two passes over v and one over src, m (and src's decayed range again with weight decay)."""
+        (a gradient equal to m_hat would leave m_hat and v_hat unchanged). `nesterov` (keep_grad
+        only): m_hat becomes (b1 * m + (1 - b1) * last_grad) / bias1, the latest gradient standing
+        in for the next one. The arithmetic is fp32; dst (any float dtype) is written once. No
+        state changes; before any step, dst = src. Two passes over v and one over src, m (and
+        src's decayed range again with weight decay); nesterov one more over m and last_grad, into
+        dst (fp32, not src) or a transient stage-sized buffer."""
+        if nesterov and self.last_grad is None:
+            raise ValueError("predict(nesterov=True) reads the latest gradient: make the "
+                             "optimizer with keep_grad=True")
         if self.steps == 0:
             dst.copy_(src)
             return
@@ -200,9 +220,15 @@ class FlatAdamW(_Ranges):
         d = self._scaled_denom()
         coef = -lr * math.sqrt(1 - c.adam_beta2 ** self.steps) / (1 - c.adam_beta1 ** self.steps)
         decay = c.weight_decay and self.decay_end
+        fp32_dst = dst.dtype == torch.float32
+        momentum = self.exp_avg
+        if nesterov:  # b1 * m + (1 - b1) * g, in dst when that does not overwrite src
+            own = fp32_dst and dst.data_ptr() != src.data_ptr()
+            momentum = torch.lerp(self.exp_avg, self.last_grad, 1 - c.adam_beta1,
+                                  out=dst if own else None)
         # fp32 dst, or nothing to add after: straight into dst (computed in fp32, rounded once)
-        out = torch.addcdiv(src, self.exp_avg, d, value=coef,
-                            out=dst if dst.dtype == torch.float32 or not decay else d)
+        out = torch.addcdiv(src, momentum, d, value=coef,
+                            out=dst if fp32_dst or not decay else d)
         if decay:
             out[:self.decay_end].add_(src[:self.decay_end], alpha=-lr * c.weight_decay)
         if out is not dst:
@@ -221,11 +247,18 @@ class FlatAdamW(_Ranges):
         self._shared = (self.steps, d)
 
     def state_dict(self) -> dict:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+        state = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}
+        if self.last_grad is not None:
+            state["last_grad"] = self.last_grad
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """A state with or without "last_grad" (without: last_grad = exp_avg, see the module
+        docstring); one with it loads into an optimizer that keeps none too."""
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        if self.last_grad is not None:
+            self.last_grad.copy_(state.get("last_grad", state["exp_avg"]))
         self.steps = int(state["steps"])
         self._shared = None
 
@@ -264,10 +297,14 @@ class FlatSGD(_Ranges):
             p.add_(update, alpha=-lr)
         self.steps += 1
 
-    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float, nesterov: bool = False
+                ) -> None:
         """dst = src - lr * momentum buffer: the next step if the momentum keeps its direction
         (weight decay is inside the buffer, as torch.optim.SGD couples it). Arithmetic in fp32,
-        dst written once; no state changes; zero buffer (no step yet): dst = src."""
+        dst written once; no state changes; zero buffer (no step yet): dst = src. No nesterov
+        form (compensation.py allows it with Adam only)."""
+        if nesterov:
+            raise ValueError("predict(nesterov=True) is defined for Adam only, not SGD")
         torch.add(src, self.momentum, alpha=-lr, out=dst)  # computed in fp32, rounded once
 
     def state_dict(self) -> dict:
@@ -279,10 +316,14 @@ class FlatSGD(_Ranges):
 
 
 def make_optimizer(cfg: OptimizerConfig, numel: int, decay_end: int, device,
-                   impl: str | None = None):
-    """The flat optimizer of `cfg.name` with the best kernel for `device` (or `impl`)."""
-    cls = {"adam": FlatAdamW, "sgd": FlatSGD}[cfg.name]
-    return cls(numel, decay_end, device, cfg, impl)
+                   impl: str | None = None, keep_grad: bool = False):
+    """The flat optimizer of `cfg.name` with the best kernel for `device` (or `impl`);
+    `keep_grad`: Adam keeps its latest gradient (the module docstring)."""
+    if cfg.name == "adam":
+        return FlatAdamW(numel, decay_end, device, cfg, impl, keep_grad=keep_grad)
+    if keep_grad:
+        raise ValueError(f"keep_grad is defined for --optimizer adam, not {cfg.name}")
+    return FlatSGD(numel, decay_end, device, cfg, impl)
 
 
 def torch_reference_optimizer(cfg: OptimizerConfig, named_params):

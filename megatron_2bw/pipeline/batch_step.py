@@ -42,7 +42,7 @@ from ..optim import LRSchedule, make_loss_scaler, make_optimizer
 from ..optim.distributed import DistributedOptimizer
 from ..parallel.grid import ProcessGrid
 from ..reliability import NumericsError, describe
-from .compensation import Compensator
+from .compensation import Compensator, compensation_method
 from .flags import ControlFlags
 from .weights import VersionedWeights
 
@@ -61,8 +61,10 @@ class BatchStepper:
         self._stage_slot[grid.stage] = 1.0
         self.dp_size = grid.data
         self.sharded = weights.sharded
-        self.optimizer = DistributedOptimizer(cfg.optimizer, weights, device) if self.sharded \
-            else make_optimizer(cfg.optimizer, weights.numel, weights.decay_end, device)
+        keep_grad = compensation_method(cfg.compensation).keeps_grad
+        self.optimizer = DistributedOptimizer(cfg.optimizer, weights, device, keep_grad) \
+            if self.sharded else make_optimizer(cfg.optimizer, weights.numel, weights.decay_end,
+                                                device, keep_grad=keep_grad)
         self.gathers: dict[int, list] = {}  # slot -> all-gathers still writing its weights
         sp_lo, sp_hi = weights.sequence_parallel_range
         self.sequence_parallel = (cfg.parallel.sequence_parallel and grid.group("tp") is not None

@@ -16,10 +16,19 @@ batch t+2 runs on (the kind's `step_writes_slot(t)`), while batch t+1 already ru
              of one step (`optimizer.spike`: the momentum term weighs b1 * m(t+1) and the late
              gradient gets the (1 - b1) share it missed at once), then the slot gets the
              prediction made from the corrected W(t+1), as in `predict`.
+    predict-nesterov  Adam only: the slot gets the Nesterov (NAdam) form of the prediction,
+             `optimizer.predict(W(t+1), lr(t+1), nesterov=True)`: the latest gradient g_t (the
+             one S(t) applied) stands in for the unknown next one, so the update's momentum term
+             is (b1 * m(t+1) + (1 - b1) * g_t) / bias1 instead of m_hat(t+1); the real weights
+             and the optimizer's trajectory stay plain Adam (unlike predict-spike). The
+             optimizer keeps g_t as part of its state (`keep_grad`: "last_grad"), so the
+             prediction stays a pure function of master, optimizer state and lr (views,
+             checkpoints: below). A checkpoint without it (another method's, an older one)
+             loads with last_grad = m, so the first prediction after such a load is `predict`'s.
 
 Measured (bench/README.md, "2BW staleness compensation"): predict-spike comes closest to GPipe,
-predict next; the spike alone (V(t) = W(t-1)) was tried and did no better than predict, so it is
-not offered.
+predict next (predict-nesterov, added later, is measured against them there); the spike alone
+(V(t) = W(t-1)) was tried and did no better than predict, so it is not offered.
 
 Batches 0 and 1 run on W(0) with every method: no step has been taken to predict from. After a
 skipped fp16 step, W(t+1) = W(t) and the prediction is made from the unchanged state.
@@ -29,15 +38,20 @@ bf16/fp16 keep them anyway (`weights.master`, fp32): the prediction is written w
 low-precision W would have been, at no extra memory. fp32 runs have no master: `predict` adds one
 stage-sized fp32 buffer for the real W (`weights.master`; `separate_weights`; 1/w of it, this
 rank's shard, under the distributed optimizer), counted by the planner's memory model
-(`planner.cost_model.state_bytes`) and bench/memory.py. Inside the step `predict` uses one
-transient stage-sized fp32 buffer (Adam's denominator), `predict-spike` two (the denominator,
-made once for the spike and the prediction, and the late gradient's difference from the
-momentum).
+(`planner.cost_model.state_bytes`) and bench/memory.py. `predict-nesterov` adds one more
+stage-sized fp32 buffer, the kept gradient (`keeps_grad`; optimizer state, so 1/w of it under the
+distributed optimizer), counted the same way. Inside the step `predict` uses one transient
+stage-sized fp32 buffer (Adam's denominator), `predict-spike` two (the denominator, made once for
+the spike and the prediction, and the late gradient's difference from the momentum),
+`predict-nesterov` one (the denominator; the momentum term is made in the slot when it is fp32,
+else in a second one).
 
 Time. Once per batch and stage, elementwise over the stage's parameters (optim/optimizer.py):
-Adam `predict` takes about 2x the fused Adam step, the spike 1.5x more. Against the batch that is
-under 2% at bench/peers.py's shapes of 4 x 256 and 11% / 15% at its small-compute shape, where 64
-tokens per batch meet 8 M parameters per stage (bench/README.md, "2BW staleness compensation").
+Adam `predict` takes about 2x the fused Adam step, the spike 1.5x more, the nesterov form one
+pass more plus the step's copy of the gradient. Against the batch that is under 2% at
+bench/peers.py's shapes of 4 x 256 and 11% / 15% (predict / predict-spike) at its small-compute
+shape, where 64 tokens per batch meet 8 M parameters per stage (bench/README.md, "2BW staleness
+compensation").
 
 Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
 for evaluation and for whoever asks the engine for its newest module; `resume` writes the
@@ -68,11 +82,17 @@ class Method:
     spikes = False        # the step adds the spike correction
     optimizers = ("adam", "sgd")
     needs_momentum = False  # SGD: the method reads the momentum buffer
+    nesterov = False      # the prediction takes the latest gradient for the next one
 
     @property
     def separate_weights(self) -> bool:
         """The slots do not hold the real weights: fp32 runs keep them in one more buffer."""
         return self.predicts
+
+    @property
+    def keeps_grad(self) -> bool:
+        """The optimizer keeps its latest gradient (one more stage-sized fp32 buffer)."""
+        return self.nesterov
 
 
 class Predict(Method):
@@ -89,7 +109,15 @@ class PredictSpike(Method):
     optimizers = ("adam",)
 
 
-_METHODS = {m.name: m for m in (Method(), Predict(), PredictSpike())}
+class PredictNesterov(Method):
+    name = "predict-nesterov"
+    predicts = True
+    nesterov = True
+    needs_momentum = True
+    optimizers = ("adam",)
+
+
+_METHODS = {m.name: m for m in (Method(), Predict(), PredictSpike(), PredictNesterov())}
 
 
 def method_names() -> tuple:
@@ -171,7 +199,8 @@ class Compensator:
             self.wait(slot)  # an all-gather still writing the slot (after a load, a view)
         if w.master is not None:
             if self.method.predicts:
-                self.optimizer.predict(w.master, w.slots[slot], self.lr(t))
+                self.optimizer.predict(w.master, w.slots[slot], self.lr(t),
+                                       nesterov=self.method.nesterov)
             else:
                 w.master_into(slot)
         if w.sharded:

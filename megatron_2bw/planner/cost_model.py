@@ -31,7 +31,8 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16, and
   fp32 with a 2BW compensation whose slots hold predictions: `compensation.keeps_master`), fp32
   gradient buffer per version slot (+ the loss and control flags), the low-precision gradient
-  buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies); with the distributed optimizer
+  buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies; one more, the kept gradient,
+  with a compensation that keeps it: `Method.keeps_grad`); with the distributed optimizer
   every buffer is padded to a multiple of w (`pipeline/shards.py`) and master weights and optimizer
   state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
   `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m); full recomputation stashes only
@@ -45,7 +46,7 @@ from ..config import ModelConfig
 from ..pipeline.weights import TAIL
 from ..models.flops import DTYPE_BYTES, layer_costs
 from ..parallel.grid import ProcessGrid
-from ..pipeline.compensation import NONE as NO_COMPENSATION, keeps_master
+from ..pipeline.compensation import NONE as NO_COMPENSATION, compensation_method, keeps_master
 from ..pipeline.registry import ScheduleKind, schedule_kind
 from ..pipeline.shards import padded_numel
 from .partition import partition
@@ -115,7 +116,8 @@ def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam"
     """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
     the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
     which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
-    hold predictions keeps an fp32 master in fp32 runs too, sharded like the bf16/fp16 one)."""
+    hold predictions keeps an fp32 master in fp32 runs too, sharded like the bf16/fp16 one; one
+    that keeps the latest gradient adds one fp32 copy to the optimizer state, sharded like it)."""
     p = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
     n = padded_numel(params, tied, shards) if shards > 1 else params
@@ -124,7 +126,8 @@ def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam"
             "master": shard * 4 if keeps_master(dtype, compensation) else 0,
             "grads": num_slots * (n + TAIL) * 4,   # + loss and control flags
             "model_grad": n * p if mixed else 0,
-            "optimizer": OPTIMIZER_COPIES[optimizer] * shard * 4}
+            "optimizer": (OPTIMIZER_COPIES[optimizer]
+                          + compensation_method(compensation).keeps_grad) * shard * 4}
 
 
 def stage_tied(costs: list, lo: int, hi: int, d: int) -> int:
