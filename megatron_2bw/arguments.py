@@ -128,9 +128,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "backward on the optimizer's prediction of the weights it would run on "
                         "synchronously (bf16/fp16: no extra memory; fp32: one stage-sized "
                         "buffer); predict-spike = predict plus spike compensation of Adam's "
-                        "momentum (closest to GPipe in bench/README.md); predict-nesterov = "
+                        "momentum (ahead of GPipe at the usual settings); predict-nesterov = "
                         "predict whose Adam update also takes the latest gradient (Nesterov "
-                        "form; the optimizer keeps it: one more stage-sized fp32 buffer); "
+                        "form; the optimizer keeps it: one more stage-sized fp32 buffer; "
+                        "closest to GPipe at high constant lr; bench/README.md); "
                         "none = plain 2BW (docs/ARCHITECTURE.md section 1)")
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
