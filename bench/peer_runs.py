@@ -82,15 +82,20 @@ def run_ours(rank, world, spec, schedule):
     engine = PipelineEngine(cfg, grid, specs, C.loss_fn, C.partition(spec["layers"], d), "cpu")
     it = iter(data)
 
+    comp = engine.stepper.compensation
+
     def step(t):
         if t == spec["warmup"] and spec.get("breakdown"):
             engine.enable_trace()
+            comp.chunks = comp.chunks_in_waits = 0
         return engine.train_batch(it)
 
     elapsed, losses = _timed_loop(step, spec, _barrier)
     out = {"elapsed": elapsed, "losses": _floats(losses), "memory": probe.result()}
     if engine.trace is not None:
         out["breakdown"] = breakdown(engine.trace, elapsed)
+        # the share of the deferred 2BW prediction done while waiting for a peer
+        out["in_waits"] = comp.chunks_in_waits / comp.chunks if comp.chunks else None
     return out
 
 

@@ -156,6 +156,9 @@ def summarize(spec: dict, names: list, runs: dict, rtol: float) -> dict:
                 entry["breakdown"] = [
                     {k: C.median([r[s]["breakdown"][k] / r[s]["elapsed"] for r in ok_runs])
                      for k in ok_runs[0][s]["breakdown"]} for s in range(stages)]
+                if all(rank.get("in_waits") is not None for r in ok_runs for rank in r):
+                    entry["prediction_in_waits"] = [
+                        C.median([r[s]["in_waits"] for r in ok_runs]) for s in range(stages)]
         if errors:
             entry["failed_repeats"] = errors
         out[name] = entry
@@ -263,13 +266,16 @@ def format_result(res: dict) -> str:
     for name, e in runs.items():
         for err in e.get("failed_repeats", []) if e.get("samples_per_s") else []:
             lines.append(f"note: {name}: a repeat failed and was not counted: {err}")
-    rows = [[name, s] + [f"{100 * share:.1f}%" for share in b.values()]
+    hidden = lambda e, s: (f"{100 * e['prediction_in_waits'][s]:.0f}%"  # noqa: E731
+                           if e.get("prediction_in_waits") else "-")
+    rows = [[name, s] + [f"{100 * share:.1f}%" for share in b.values()] + [hidden(e, s)]
             for name, e in runs.items() for s, b in enumerate(e.get("breakdown", []))]
     if rows:
         kinds = list(next(e for e in runs.values() if e.get("breakdown"))["breakdown"][0])
         lines.append("\nwhere the time goes (engine trace of the timed batches, share of the "
-                     "elapsed time, median of repeats):")
-        lines.append(C.table(["run", "stage"] + kinds, rows))
+                     "elapsed time, median of repeats; the last column: the share of a 2BW "
+                     "prediction's chunks done while waiting for a peer):")
+        lines.append(C.table(["run", "stage"] + kinds + ["prediction in waits"], rows))
     for name, value, met in res["targets"]:
         verdict = "info" if met is None else "met" if met else "MISSED"
         lines.append(f"target: {name}: {value} -> {verdict}")

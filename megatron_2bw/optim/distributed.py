@@ -5,7 +5,7 @@ only, 1/w of the stage.
 A sharding layer over the flat optimizers of optimizer.py: one inner optimizer per piece of this
 rank's shard (`pipeline/shards.py`: at most two contiguous ranges of the flat buffers), each
 stepped through the same `step(src, grad, dst, lr)` on views of its piece, so the update
-arithmetic is optimizer.py's alone (so is 2BW compensation's `predict` and `spike`, per piece).
+arithmetic is optimizer.py's alone (so is 2BW compensation's `predict`, per piece).
 The engine (`pipeline/batch_step.py`) reduce-scatters the gradients so each rank holds its
 shard's sum, calls `step`, and all-gathers the new weights (or their prediction) into the
 version slot the schedule names.
@@ -63,18 +63,14 @@ class DistributedOptimizer:
                 opt.step(d if src is dst else src[p.lo:p.hi], g, d, lr)
 
     # -- 2BW compensation (pipeline/compensation.py): the flat optimizers' pure functions, per piece
-    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float, nesterov: bool = False
-                ) -> None:
+    def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float, nesterov: bool = False,
+                spike: tuple | None = None) -> None:
         """This rank's pieces of the padded flat `dst` <- the prediction from `src`'s pieces (the
-        sharded master, or a padded flat buffer); the caller all-gathers `dst`."""
+        sharded master, or a padded flat buffer); `spike` = (padded flat grad, reduced on these
+        pieces; lr of its step) first corrects src's pieces. The caller all-gathers `dst`."""
         for s, p, opt in zip(self._pieces(src), self.pieces, self.inner):
-            opt.predict(s, dst[p.lo:p.hi], lr, nesterov=nesterov)
-
-    def spike(self, dst: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-        """Spike compensation of `dst`'s pieces (the sharded master, or a padded flat buffer)
-        with the padded flat `grad` (reduced on these pieces)."""
-        for d, p, opt in zip(self._pieces(dst), self.pieces, self.inner):
-            opt.spike(d, grad[p.lo:p.hi], lr)
+            opt.predict(s, dst[p.lo:p.hi], lr, nesterov=nesterov,
+                        spike=None if spike is None else (spike[0][p.lo:p.hi], spike[1]))
 
     def _pieces(self, flat: torch.Tensor) -> list:
         if flat is self.weights.master:

@@ -134,6 +134,15 @@ class P2P:
         """Post the receive of `buffers` from `peer` now; `wait_recv(key)` before using them."""
         self.pending[key] = (self._post([], [(t, peer) for t in buffers], peer), peer)
 
+    def arrived(self, key) -> bool:
+        """Whether the receive `key` has completed (no wait; a failed one counts as arrived:
+        `wait_recv` reports it)."""
+        works, _ = self.pending[key]
+        try:
+            return all(w.is_completed() for w in works)
+        except RuntimeError:
+            return True
+
     def wait_recv(self, key) -> None:
         works, peer = self.pending.pop(key)
         self._wait(works, [peer])

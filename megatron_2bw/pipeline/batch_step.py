@@ -20,7 +20,9 @@ N(t)  wait for the data-parallel reduction (and, on the first stage, the tied on
 S(t)  wait for everything, hand [loss, *flags, *stage bits] to the host without blocking, clip
       by the global norm, unscale (fp16), step the optimizer from the version the schedule names
       into the slot it names (through the master when there is one), let the 2BW compensation
-      write what the slot's next batch runs on (compensation.py), zero the buffer. Distributed:
+      write what the slot's next batch runs on (compensation.py; on a CPU a prediction is left
+      pending and done in chunks while the engine waits, the reductions' waits here included),
+      zero the buffer (or the part a pending prediction does not read yet). Distributed:
       step this rank's shard (and compensate it) and start the all-gather of the new weights (or
       their prediction) into that slot; the engine waits for it (`wait_weights`) right before
       the first forward that reads the slot (or anything else that reads weights: eval,
@@ -72,7 +74,8 @@ class BatchStepper:
         self.scaler = make_loss_scaler(cfg.precision)
         self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters)
         self.compensation = Compensator(cfg.compensation, self.optimizer, weights, self.lr,
-                                        self._gather, self.wait_weights)
+                                        self._gather, self.wait_weights,
+                                        defer=torch.device(device).type == "cpu")
         self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
         self.pending: dict[int, dict] = {}
         self.skipped = 0
@@ -161,8 +164,10 @@ class BatchStepper:
     # -- S --------------------------------------------------------------------------------------
     def step(self, batch: int, grad_slot: int, src_slot: int, dst_slot: int) -> None:
         works = self.pending.pop(batch)
-        _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)")
-        _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)")
+        idle = self.compensation.work if self.compensation.defer else None
+        _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)", idle)
+        _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)", idle)
+        self.compensation.finish()  # S(batch - 1)'s prediction reads what this step changes
         stats = works["stats"]
         self.flags.carried(batch, stats[1:])
         scale = self.scaler.scale
@@ -205,9 +210,10 @@ class BatchStepper:
             self.optimizer.step(w.master, buf[:n], w.master, lr)
         else:
             self.optimizer.step(src, buf[:n], dst, lr)
-        # writes dst from the master (sharded: its pieces, then starts the all-gather)
-        self.compensation.after_step(batch, buf if self.sharded else buf[:n], dst_slot)
-        buf.zero_()
+        # writes dst from the master (sharded: its pieces, then starts the all-gather); a pending
+        # prediction that still reads the gradient zeroes it as it goes
+        kept = self.compensation.after_step(batch, buf if self.sharded else buf[:n], dst_slot)
+        (buf[n:] if kept else buf).zero_()
 
     def _gather(self, slot: int) -> None:
         """Start the all-gather of every rank's new shard into `slot` (distributed optimizer):
@@ -220,6 +226,7 @@ class BatchStepper:
     def wait_weights(self, slot: int | None = None) -> None:
         """Wait until `slot` (None: every slot) holds all of its weights: the all-gathers a
         distributed step started into it are done. Free when none is pending."""
+        self.compensation.finish(slot)
         if not self.gathers:
             return
         for k in ([slot] if slot is not None else list(self.gathers)):
@@ -240,8 +247,13 @@ def squared_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x).square()
 
 
-def _wait(works, what: str = "collective") -> None:
+def _wait(works, what: str = "collective", idle=None) -> None:
+    """Wait for `works`; `idle` (a callable doing one piece of pending work, False when none is
+    left) runs while they are in flight."""
     try:
+        if idle is not None:
+            while not all(work.is_completed() for work in works) and idle():
+                pass
         for work in works:
             work.wait()
     except RuntimeError as e:

@@ -41,18 +41,24 @@ stage-sized fp32 buffer for the real W (`weights.master`; `separate_weights`; 1/
 rank's shard, under the distributed optimizer), counted by the planner's memory model
 (`planner.cost_model.state_bytes`) and bench/memory.py. `predict-nesterov` adds one more
 stage-sized fp32 buffer, the kept gradient (`keeps_grad`; optimizer state, so 1/w of it under the
-distributed optimizer), counted the same way. Inside the step `predict` uses one transient
-stage-sized fp32 buffer (Adam's denominator), `predict-spike` two (the denominator, made once for
-the spike and the prediction, and the late gradient's difference from the momentum),
-`predict-nesterov` one (the denominator; the momentum term is made in the slot when it is fp32,
-else in a second one).
+distributed optimizer), counted the same way. The prediction works in chunks
+(`optim.optimizer.chunk_elements`: 2^18 elements on a CPU, 2^24 on an accelerator) with two
+chunk-sized fp32 scratch buffers (the chunk's denominator, and the spike's difference or the
+nesterov momentum term), never a transient buffer of the stage's size.
 
-Time. Once per batch and stage, elementwise over the stage's parameters (optim/optimizer.py):
-Adam `predict` takes about 2x the fused Adam step, the spike 1.5x more, the nesterov form one
-pass more plus the step's copy of the gradient. Against the batch that is under 2% at
-bench/peers.py's shapes of 4 x 256 and 11% / 15% (predict / predict-spike) at its small-compute
-shape, where 64 tokens per batch meet 8 M parameters per stage (bench/README.md, "2BW staleness
-compensation").
+Time. Once per batch and stage, elementwise over the stage's parameters (optim/optimizer.py,
+`predict_chunks`): Adam `predict` takes about 1.7x the fused Adam step, the spike one pass over
+the gradient more, the nesterov form one pass more plus the step's copy of the gradient. On a CPU
+(`defer`, not sharded) the engine does not pay it in the step: S(t) leaves the prediction pending
+and the engine runs its chunks while it waits for a peer (a receive in interpreter.py, the
+reductions before the next step in batch_step.py), completing what is left (`finish`) right
+before the first forward that reads the slot, the next step, any view, checkpoint or load, or a
+reader of the optimizer; under predict-spike the pending work also owns batch t's gradient and
+zeroes each chunk of it when done (the buffer is next written by batch t + 2's backward). The
+order of the chunks never changes a bit. bench/peers.py measures the rest (bench/README.md, "2BW
+staleness compensation"). Under the distributed optimizer the prediction is made in the step (its
+all-gather is a collective: every rank must start it at the same point of the schedule), as on
+an accelerator, whose kernels queue behind the step's anyway.
 
 Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
 for evaluation and for whoever asks the engine for its newest module; `resume` writes the
@@ -61,9 +67,9 @@ master, optimizer state and lr. Checkpoints save the master as the newest weight
 the next batch (its prediction) as the previous version; loading recomputes the newest slot's.
 
 Distributed optimizer (`--use-distributed-optimizer`, optim/distributed.py: master and optimizer
-state sharded over the w data-parallel ranks). `predict` and `spike` are elementwise, so each rank
-computes them on its shard's pieces (master piece -> slot piece, the distributed optimizer's
-`predict`/`spike`) and `gather` all-gathers the pieces into the slot, as after a plain sharded
+state sharded over the w data-parallel ranks). The prediction (and the spike) is elementwise, so
+each rank computes it on its shard's pieces (master piece -> slot piece, the distributed
+optimizer's `predict`) and `gather` all-gathers the pieces into the slot, as after a plain sharded
 step: `publish` (every step, a resume, a load) starts it, and the engine waits for it before the
 slot's first forward. `show_newest` copies the master pieces and gathers at once, so under a
 sharding distributed optimizer it is a collective of the stage's data-parallel group: evaluation,
@@ -163,9 +169,13 @@ class Compensator:
     """The engine's side: called by BatchStepper after every step, and by the engine around
     views of the newest weights. `lr(t)` is the lr of S(t); `gather(slot)` starts the all-gather
     of every data-parallel rank's pieces into `slot` and `wait(slot)` waits for it (sharded
-    weights only: the distributed optimizer)."""
+    weights only: the distributed optimizer). `defer` (the engine passes it on a CPU): a
+    prediction is left pending after the step and done in chunks by `work`, which the engine
+    calls while it waits for its peers, and completed by `finish` before anything reads what it
+    writes (see "Time" in the module docstring)."""
 
-    def __init__(self, name: str, optimizer, weights, lr, gather=None, wait=None):
+    def __init__(self, name: str, optimizer, weights, lr, gather=None, wait=None,
+                 defer: bool = False):
         self.method = compensation_method(name)
         self.optimizer, self.w, self.lr = optimizer, weights, lr
         self.gather, self.wait = gather, wait
@@ -175,33 +185,73 @@ class Compensator:
         if weights.sharded and (gather is None or wait is None):
             raise ValueError("sharded weights (distributed optimizer) need the Compensator's "
                              "gather and wait")
+        # sharded: the all-gather after it is a collective, whose order must not depend on
+        # how long a rank waited
+        self.defer = defer and self.method.predicts and not weights.sharded
+        self.job = self.job_slot = self.job_grad = None  # the pending prediction
+        self.chunks = self.chunks_in_waits = 0  # deferred chunks done, of them in waits (`work`)
         self.showing = False
 
-    def after_step(self, batch: int, grad, dst_slot: int) -> None:
+    def after_step(self, batch: int, grad, dst_slot: int) -> bool:
         """S(batch) has written W(batch+1) (into the master, or into slot `dst_slot` without one;
         sharded: this rank's pieces) with `grad`: compensate, then publish what batch + 2 runs on
-        into `dst_slot`."""
-        if self.method.spikes:
-            new = self.w.master if self.w.master is not None else self.w.slots[dst_slot]
-            self.optimizer.spike(new, grad, self.lr(batch))
-        self.publish(batch + 1, dst_slot)
+        into `dst_slot`. Returns whether the pending work still reads `grad` (predict-spike,
+        deferred): then it zeroes each chunk of `grad` when done with it, else the caller zeroes
+        it."""
+        spike = (grad, self.lr(batch)) if self.method.spikes else None
+        self.publish(batch + 1, dst_slot, spike)
+        if self.job is not None and spike is not None:
+            self.job_grad = grad
+            return True
+        return False
 
-    def publish(self, t: int, slot: int) -> None:
-        """From W(t) in the master: write what batch t + 1 runs on into `slot` (fp32 runs
-        without a master: the step wrote W(t) there already); sharded: this rank's pieces, then
-        start the all-gather of the rest."""
+    def publish(self, t: int, slot: int, spike: tuple | None = None) -> None:
+        """From W(t) in the master (`spike`: corrected first): write what batch t + 1 runs on
+        into `slot` (fp32 runs without a master: the step wrote W(t) there already); sharded:
+        this rank's pieces, then start the all-gather of the rest. Deferred: left pending."""
         w = self.w
+        self.finish()
         self.showing = False
         if w.sharded:
             self.wait(slot)  # an all-gather still writing the slot (after a load, a view)
         if w.master is not None:
-            if self.method.predicts:
+            if self.defer:
+                self.job = self.optimizer.predict_chunks(w.master, w.slots[slot], self.lr(t),
+                                                         self.method.nesterov, spike)
+                self.job_slot = slot
+            elif self.method.predicts:
                 self.optimizer.predict(w.master, w.slots[slot], self.lr(t),
-                                       nesterov=self.method.nesterov)
+                                       nesterov=self.method.nesterov, spike=spike)
             else:
                 w.master_into(slot)
         if w.sharded:
             self.gather(slot)
+
+    def work(self) -> bool:
+        """One chunk of the pending prediction, while the engine waits; whether any is left."""
+        if self._chunk():
+            self.chunks_in_waits += 1
+            return True
+        return False
+
+    def _chunk(self) -> bool:
+        if self.job is None:
+            return False
+        done = next(self.job, None)
+        if done is None:
+            self.job = self.job_slot = self.job_grad = None
+            return False
+        if self.job_grad is not None:
+            self.job_grad[done[0]:done[1]].zero_()
+        self.chunks += 1
+        return True
+
+    def finish(self, slot: int | None = None) -> None:
+        """Complete the pending prediction (`slot`: only if it writes that slot) before anything
+        reads the slot, the master or the gradient it uses, or changes the optimizer's state."""
+        if self.job is not None and (slot is None or slot == self.job_slot):
+            while self._chunk():
+                pass
 
     def restore(self, t: int, slot: int) -> None:
         """After a checkpoint load wrote W(t) into `slot` (the newest) and the master: what batch
@@ -212,6 +262,7 @@ class Compensator:
     def show_newest(self, slot: int) -> None:
         """Make `slot` (the newest) hold W(t) until `resume` (sharded: a collective of the
         data-parallel group, see the module docstring)."""
+        self.finish()
         if self.method.predicts and not self.showing:
             if self.w.sharded:
                 self.wait(slot)

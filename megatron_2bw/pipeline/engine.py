@@ -73,6 +73,8 @@ class PipelineEngine(Interpreter):
             separate_master=compensation_method(cfg.compensation).separate_weights)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)
+        if self.stepper.compensation.defer:
+            self._idle_work = self.stepper.compensation.work
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
         self._seeded = module.draws_random  # no dropout on this stage: no seeding at all
@@ -236,6 +238,7 @@ class PipelineEngine(Interpreter):
     def optimizer(self):
         """The optimizer over this stage's flat weights (state_dict / load_state_dict); the
         engine steps it inside train_batch."""
+        self.stepper.compensation.finish()  # a pending prediction reads its state
         return self.stepper.optimizer
 
     @property

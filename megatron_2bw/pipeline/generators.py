@@ -89,10 +89,15 @@ def flush(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
 def twobw(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     """1F1B over the whole segment, then R/N/S inserted:
 
-    R(t) right after B of the batch's last microbatch; S(t) right after B((t+2)m - d + s) (the last
-    backward before F of batch t+2, the first forward that needs W(t+1)), S(last) at the very end;
-    N(t) right after the first compute action after R(t) (before S(t) in any case). Where one B
-    carries both S(t-1) and R(t) (last stage), S(t-1) goes first so that R(t) opens window t.
+    R(t) right after B of the batch's last microbatch; N(t) right after the first compute action
+    after R(t); S(t) right after B((t+1)m + s), s + 1 backwards after R(t): time for every stage
+    to post N(t) (stage 0 posts it last, about one backward per stage after stage s) so that S(t)
+    does not wait for the norm's all-reduce, and as early as that allows, so that what S(t)
+    leaves for later (a 2BW compensation's prediction, pipeline/compensation.py) can be done in
+    the waits before F of batch t+2, the first forward that needs W(t+1). With m = d that B is
+    the last one before F of batch t+2 (m >= d: never later). S(last) at the very end. Where one
+    B carries both S(t-1) and R(t) (last stage, m = d), S(t-1) goes first so that R(t) opens
+    window t.
     """
     base = one_f_one_b(s, d, list(range(t0 * m, (t0 + T) * m)), slot)
     last = t0 + T - 1
@@ -104,8 +109,8 @@ def twobw(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
         out += [N(t) for t in pending]
         pending = []
         if a.kind == BACKWARD:
-            if (a.mb + d - s) % m == 0 and t0 <= (a.mb + d - s) // m - 2 < last:
-                out.append(S((a.mb + d - s) // m - 2))
+            if (a.mb - s) % m == 0 and t0 <= (a.mb - s) // m - 1 < last:
+                out.append(S((a.mb - s) // m - 1))
             if (a.mb + 1) % m == 0:
                 out.append(R((a.mb + 1) // m - 1))
                 pending.append((a.mb + 1) // m - 1)

@@ -12,7 +12,9 @@ A communication group of the table (consecutive ra/sa/rg/sg) is run as:
     4. the sends of earlier groups are waited for (they are normally done by then).
 
 A receive is waited for right before the forward (ra) or backward (rg) that consumes it; the
-wait is timed as "p2p" and traced under the receive's label. At the end of every window
+wait is timed as "p2p" and traced under the receive's label. While it is in flight the stage
+does pending work in pieces (`_idle_work`: the engine's deferred 2BW prediction on a CPU,
+pipeline/compensation.py) and polls for it between pieces. At the end of every window
 everything still in flight is waited for, so windows stay self-contained: evaluation, a
 checkpoint or a new segment may run between any two windows. parallel/p2p.py says why this
 order cannot deadlock a table the validator accepted.
@@ -43,6 +45,8 @@ def comm_groups(actions: list) -> list[tuple[int, int]]:
 class Interpreter:
     """Needs `p2p` (parallel/p2p.P2P), `grid`, `first`, `last`, `_clock` and `_timed`; the
     stash dicts are its own (`_clear_stash`)."""
+
+    _idle_work = None  # a callable doing one piece of pending work; False when none is left
 
     def _clear_stash(self) -> None:
         self.inputs: dict[int, tuple] = {}      # received activations (pooled buffers)
@@ -88,6 +92,10 @@ class Interpreter:
         if key not in self.p2p.pending:
             return
         token = clock.start() if clock is not None else None
+        idle = self._idle_work
+        if idle is not None:
+            while not self.p2p.arrived(key) and idle():
+                pass
         self.p2p.wait_recv(key)
         if clock is not None:
             clock.stop(token, "p2p", [A.Action(kind, mb=a.mb)] if clock.tracing else None)
