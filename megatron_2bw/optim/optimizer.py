@@ -151,11 +151,14 @@ class FlatAdamW(_Ranges):
             self._apex = _apex_adam()
             self._overflow = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
+    def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float,
+             keep_grad: bool = True) -> None:
+        """`keep_grad=False` (keep_grad optimizers): leave the copy of `grad` into last_grad to
+        the next `predict_chunks(..., fresh_grad=grad)`, which makes it chunk by chunk."""
         self.steps += 1
         if dst is not src:
             dst.copy_(src)
-        if self.last_grad is not None:
+        if self.last_grad is not None and keep_grad:
             self.last_grad.copy_(grad)
         c = self.cfg
         if self.impl == "torch-fused":
@@ -200,7 +203,8 @@ class FlatAdamW(_Ranges):
         return torch.sqrt(v, out=out).div_(math.sqrt(bias2)).add_(self.cfg.adam_eps)
 
     def predict_chunks(self, src: torch.Tensor, dst: torch.Tensor, lr: float,
-                       nesterov: bool = False, spike: tuple | None = None):
+                       nesterov: bool = False, spike: tuple | None = None,
+                       fresh_grad: torch.Tensor | None = None):
         """A generator that writes dst = src after the step the current moments imply at `lr`,
         one chunk (`chunk_elements`) per item, yielding its range (lo, hi): src * (1 - lr * wd) on
         the decayed range, minus lr * m_hat / (sqrt(v_hat) + eps), bias corrections of the steps
@@ -211,6 +215,9 @@ class FlatAdamW(_Ranges):
         src (in place) from the momentum update m_hat to the delay-compensated one
         (b1 * m + (1 - b1) * grad) / bias1, i.e. add -lr_step * (1 - b1) * (grad - m) / bias1 /
         (sqrt(v_hat) + eps), then predict from it (one denominator for both).
+        `fresh_grad`: the latest step's gradient, which that step did not keep
+        (`step(..., keep_grad=False)`): each chunk copies it into last_grad first, so last_grad
+        is whole once the generator is done (and must not be read before).
         The arithmetic is fp32 and elementwise, so the chunking changes no bit; dst (any float
         dtype) is written once. No state changes; the state, src, dst (and grad) must not change
         until the generator is done. Before any step: dst = src. Per chunk: two passes over v,
@@ -239,6 +246,8 @@ class FlatAdamW(_Ranges):
             d = self._denom(lo, hi, out=self._chunk_scratch[:n], scaled=True)
             term = self._chunk_scratch[size:size + n]
             s, m = src[lo:hi], self.exp_avg[lo:hi]
+            if fresh_grad is not None:
+                self.last_grad[lo:hi].copy_(fresh_grad[lo:hi])
             if spike is not None:
                 grad, lr_step = spike
                 s.addcdiv_(torch.sub(grad[lo:hi], m, out=term), d,
@@ -305,7 +314,8 @@ class FlatSGD(_Ranges):
         self.steps += 1
 
     def predict_chunks(self, src: torch.Tensor, dst: torch.Tensor, lr: float,
-                       nesterov: bool = False, spike: tuple | None = None):
+                       nesterov: bool = False, spike: tuple | None = None,
+                       fresh_grad: torch.Tensor | None = None):
         """A generator that writes dst = src - lr * momentum buffer, one chunk per item, yielding
         its range (lo, hi): the next step if the momentum keeps its direction (weight decay is
         inside the buffer, as torch.optim.SGD couples it). Arithmetic in fp32, dst written once;

@@ -207,7 +207,10 @@ class BatchStepper:
         if self.sharded:  # this rank's pieces (through its master piece when there is one)
             self.optimizer.step(src, buf, dst, lr)
         elif w.master is not None:
-            self.optimizer.step(w.master, buf[:n], w.master, lr)
+            if self.compensation.keeps_grad_later:  # the pending work copies the kept gradient
+                self.optimizer.step(w.master, buf[:n], w.master, lr, keep_grad=False)
+            else:
+                self.optimizer.step(w.master, buf[:n], w.master, lr)
         else:
             self.optimizer.step(src, buf[:n], dst, lr)
         # writes dst from the master (sharded: its pieces, then starts the all-gather); a pending

@@ -192,22 +192,30 @@ class Compensator:
         self.chunks = self.chunks_in_waits = 0  # deferred chunks done, of them in waits (`work`)
         self.showing = False
 
+    @property
+    def keeps_grad_later(self) -> bool:
+        """The optimizer's copy of the gradient it keeps is left to the pending work."""
+        return self.defer and self.method.keeps_grad
+
     def after_step(self, batch: int, grad, dst_slot: int) -> bool:
         """S(batch) has written W(batch+1) (into the master, or into slot `dst_slot` without one;
         sharded: this rank's pieces) with `grad`: compensate, then publish what batch + 2 runs on
-        into `dst_slot`. Returns whether the pending work still reads `grad` (predict-spike,
+        into `dst_slot` (`keeps_grad_later`: the step left the optimizer's copy of `grad` to
+        this). Returns whether the pending work still reads `grad` (predict-spike, or the copy;
         deferred): then it zeroes each chunk of `grad` when done with it, else the caller zeroes
         it."""
         spike = (grad, self.lr(batch)) if self.method.spikes else None
-        self.publish(batch + 1, dst_slot, spike)
-        if self.job is not None and spike is not None:
+        fresh = grad if self.keeps_grad_later else None
+        self.publish(batch + 1, dst_slot, spike, fresh)
+        if self.job is not None and (spike is not None or fresh is not None):
             self.job_grad = grad
             return True
         return False
 
-    def publish(self, t: int, slot: int, spike: tuple | None = None) -> None:
+    def publish(self, t: int, slot: int, spike: tuple | None = None, fresh=None) -> None:
         """From W(t) in the master (`spike`: corrected first): write what batch t + 1 runs on
-        into `slot` (fp32 runs without a master: the step wrote W(t) there already); sharded:
+        into `slot` (`fresh`: the step's gradient, for the optimizer to keep as it goes; fp32
+        runs without a master: the step wrote W(t) there already); sharded:
         this rank's pieces, then start the all-gather of the rest. Deferred: left pending."""
         w = self.w
         self.finish()
@@ -217,7 +225,7 @@ class Compensator:
         if w.master is not None:
             if self.defer:
                 self.job = self.optimizer.predict_chunks(w.master, w.slots[slot], self.lr(t),
-                                                         self.method.nesterov, spike)
+                                                         self.method.nesterov, spike, fresh)
                 self.job_slot = slot
             elif self.method.predicts:
                 self.optimizer.predict(w.master, w.slots[slot], self.lr(t),
