@@ -9,6 +9,7 @@ PipelineModule, a torch.distributed.pipelining stage, the single-process referen
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import socket
@@ -288,6 +289,18 @@ class MemoryProbe:
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
+
+
+def median_interval(xs, level: float = 0.95):
+    """A distribution-free interval for the median of `xs` (independent draws): the order
+    statistics (x_(k), x_(n+1-k)) with the largest k whose binomial(n, 1/2) tail leaves at least
+    `level` between them; None when n is too small for `level` (n < 6 at 95%)."""
+    xs = sorted(x for x in xs if x is not None)
+    n, k = len(xs), 0
+    tail = lambda j: sum(math.comb(n, i) for i in range(j)) / 2 ** n  # noqa: E731  P(B < j)
+    while k + 1 <= n // 2 and 1 - 2 * tail(k + 1) >= level:
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None
 
 
 def mb(nbytes) -> str:

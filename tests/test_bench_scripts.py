@@ -57,6 +57,21 @@ def test_peers_paired_ratio_pairs_the_interleaved_repeats():
            "c": {"samples_per_s_runs": [5.0, 40.0], "samples_per_s": 22.5}}
     assert peers.paired(out, "a", "b") == 1.0    # ratios 2, 1, 0.5: their median
     assert peers.paired(out, "a", "c") == 20.0 / 22.5  # a repeat missing: the medians
+    assert peers.paired_interval(out, "a", "b") is None  # 3 pairs cannot bound a median
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    import _common as C
+    assert C.median_interval([1.0] * 5) is None  # under 6 draws nothing reaches 95%
+    assert C.median_interval([6, 5, 4, 3, 2, 1]) == (1, 6)  # 1 - 2/64 = 0.969
+    assert C.median_interval(list(range(16, 0, -1))) == (4, 13)  # 0.979; ranks 5, 12: 0.923
+    assert C.median_interval(range(1, 31)) == (10, 21)  # the textbook ranks for n = 30
+    assert C.median_interval(range(1, 31), level=0.5)[0] > 10  # a lower level, a narrower one
+    import peers
+    out = {"a": {"samples_per_s_runs": [float(x) for x in range(1, 17)]},
+           "b": {"samples_per_s_runs": [1.0] * 16}}
+    assert peers.paired_interval(out, "a", "b") == (4.0, 13.0)
+    assert "(95% interval of the median 4.000-13.000)" in peers._with_interval(8.5, (4.0, 13.0))
 
 
 def test_peers_loss_check_excludes_a_broken_run():
