@@ -303,6 +303,34 @@ def median_interval(xs, level: float = 0.95):
     return (xs[k - 1], xs[n - k]) if k else None
 
 
+# ---- paired runs: out = {run name: {"samples_per_s_runs": [per repeat], "samples_per_s": median}}
+
+def with_interval(v: float, interval) -> str:
+    if interval is None:
+        return f"{v:.3f}"
+    return f"{v:.3f} (95% interval of the median {interval[0]:.3f}-{interval[1]:.3f})"
+
+
+def paired(out: dict, a: str, b: str) -> float:
+    """a's samples/s over b's: the median of the per-repeat ratios when both ran every repeat
+    (interleaved, so each pair shares the machine's state of the moment), else of the medians."""
+    ra, rb = (out[n].get("samples_per_s_runs") or [] for n in (a, b))
+    if ra and len(ra) == len(rb):
+        return median([x / y for x, y in zip(ra, rb)])
+    return out[a]["samples_per_s"] / out[b]["samples_per_s"]
+
+
+def paired_interval(out: dict, a: str, b: str):
+    """The distribution-free 95% interval of `paired`'s median (`median_interval` over the
+    per-repeat ratios; the repeats are interleaved and rotated, so the pairs are taken as
+    independent): None without pairs or with fewer than 6 of them. A target is read as met on
+    the median; the interval says whether the machine's spread lets the run tell."""
+    ra, rb = (out[n].get("samples_per_s_runs") or [] for n in (a, b))
+    if ra and len(ra) == len(rb):
+        return median_interval([x / y for x, y in zip(ra, rb)])
+    return None
+
+
 def mb(nbytes) -> str:
     return "-" if nbytes is None else f"{nbytes / 2 ** 20:.1f}"
 

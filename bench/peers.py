@@ -210,41 +210,15 @@ def targets(out: dict, best_peer, fb, d) -> list:
             v = rate("ours-flush") / rate(peer)
             res.append((f"our flush >= {peer}", f"{v:.3f}", v >= 1.0))
     if tb and rate(native):
-        v = paired(out, native, ours)
+        v = C.paired(out, native, ours)
         res.append(("2bw through the DeepSpeed API >= 0.97 x the native engine (paired)",
-                    _with_interval(v, paired_interval(out, native, ours)), v >= 0.97))
+                    C.with_interval(v, C.paired_interval(out, native, ours)), v >= 0.97))
     for name in OURS:  # a 2BW compensation's cost (issue 19: under 3%)
         if "+" in name and tb and rate(name):
-            v = paired(out, name, ours)
+            v = C.paired(out, name, ours)
             res.append((f"{name} >= 0.97 x 2bw (paired)",
-                        _with_interval(v, paired_interval(out, name, ours)), v >= 0.97))
+                        C.with_interval(v, C.paired_interval(out, name, ours)), v >= 0.97))
     return res
-
-
-def _with_interval(v: float, interval) -> str:
-    if interval is None:
-        return f"{v:.3f}"
-    return f"{v:.3f} (95% interval of the median {interval[0]:.3f}-{interval[1]:.3f})"
-
-
-def paired(out: dict, a: str, b: str) -> float:
-    """a's samples/s over b's: the median of the per-repeat ratios when both ran every repeat
-    (interleaved, so each pair shares the machine's state of the moment), else of the medians."""
-    ra, rb = (out[n].get("samples_per_s_runs") or [] for n in (a, b))
-    if ra and len(ra) == len(rb):
-        return C.median([x / y for x, y in zip(ra, rb)])
-    return out[a]["samples_per_s"] / out[b]["samples_per_s"]
-
-
-def paired_interval(out: dict, a: str, b: str):
-    """The distribution-free 95% interval of `paired`'s median (C.median_interval over the
-    per-repeat ratios; the repeats are interleaved and rotated, so the pairs are taken as
-    independent): None without pairs or with fewer than 6 of them. A target is read as met on the median; the
-    interval says whether the machine's spread lets the run tell."""
-    ra, rb = (out[n].get("samples_per_s_runs") or [] for n in (a, b))
-    if ra and len(ra) == len(rb):
-        return C.median_interval([x / y for x, y in zip(ra, rb)])
-    return None
 
 
 def _ratio(x) -> str:

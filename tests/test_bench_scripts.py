@@ -51,13 +51,13 @@ def test_peers_tiny_every_run_measured_or_unavailable(tmp_path):
 
 
 def test_peers_paired_ratio_pairs_the_interleaved_repeats():
-    import peers
+    import _common as C
     out = {"a": {"samples_per_s_runs": [10.0, 20.0, 30.0], "samples_per_s": 20.0},
            "b": {"samples_per_s_runs": [5.0, 20.0, 60.0], "samples_per_s": 20.0},
            "c": {"samples_per_s_runs": [5.0, 40.0], "samples_per_s": 22.5}}
-    assert peers.paired(out, "a", "b") == 1.0    # ratios 2, 1, 0.5: their median
-    assert peers.paired(out, "a", "c") == 20.0 / 22.5  # a repeat missing: the medians
-    assert peers.paired_interval(out, "a", "b") is None  # 3 pairs cannot bound a median
+    assert C.paired(out, "a", "b") == 1.0    # ratios 2, 1, 0.5: their median
+    assert C.paired(out, "a", "c") == 20.0 / 22.5  # a repeat missing: the medians
+    assert C.paired_interval(out, "a", "b") is None  # 3 pairs cannot bound a median
 
 
 def test_median_interval_is_the_binomial_order_statistics():
@@ -67,11 +67,10 @@ def test_median_interval_is_the_binomial_order_statistics():
     assert C.median_interval(list(range(16, 0, -1))) == (4, 13)  # 0.979; ranks 5, 12: 0.923
     assert C.median_interval(range(1, 31)) == (10, 21)  # the textbook ranks for n = 30
     assert C.median_interval(range(1, 31), level=0.5)[0] > 10  # a lower level, a narrower one
-    import peers
     out = {"a": {"samples_per_s_runs": [float(x) for x in range(1, 17)]},
            "b": {"samples_per_s_runs": [1.0] * 16}}
-    assert peers.paired_interval(out, "a", "b") == (4.0, 13.0)
-    assert "(95% interval of the median 4.000-13.000)" in peers._with_interval(8.5, (4.0, 13.0))
+    assert C.paired_interval(out, "a", "b") == (4.0, 13.0)
+    assert "(95% interval of the median 4.000-13.000)" in C.with_interval(8.5, (4.0, 13.0))
 
 
 def test_peers_loss_check_excludes_a_broken_run():
