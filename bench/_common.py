@@ -311,13 +311,18 @@ def with_interval(v: float, interval) -> str:
     return f"{v:.3f} (95% interval of the median {interval[0]:.3f}-{interval[1]:.3f})"
 
 
-def paired(out: dict, a: str, b: str) -> float:
-    """a's samples/s over b's: the median of the per-repeat ratios when both ran every repeat
-    (interleaved, so each pair shares the machine's state of the moment), else of the medians."""
+def _pair_ratios(out: dict, a: str, b: str) -> list | None:
+    """a's samples/s over b's, repeat by repeat, when both ran every repeat (interleaved, so
+    each pair shares the machine's state of the moment); None otherwise."""
     ra, rb = (out[n].get("samples_per_s_runs") or [] for n in (a, b))
-    if ra and len(ra) == len(rb):
-        return median([x / y for x, y in zip(ra, rb)])
-    return out[a]["samples_per_s"] / out[b]["samples_per_s"]
+    return [x / y for x, y in zip(ra, rb)] if ra and len(ra) == len(rb) else None
+
+
+def paired(out: dict, a: str, b: str) -> float:
+    """a's samples/s over b's: the median of the per-repeat ratios (`_pair_ratios`), else of
+    the medians."""
+    ratios = _pair_ratios(out, a, b)
+    return median(ratios) if ratios else out[a]["samples_per_s"] / out[b]["samples_per_s"]
 
 
 def paired_interval(out: dict, a: str, b: str):
@@ -325,10 +330,8 @@ def paired_interval(out: dict, a: str, b: str):
     per-repeat ratios; the repeats are interleaved and rotated, so the pairs are taken as
     independent): None without pairs or with fewer than 6 of them. A target is read as met on
     the median; the interval says whether the machine's spread lets the run tell."""
-    ra, rb = (out[n].get("samples_per_s_runs") or [] for n in (a, b))
-    if ra and len(ra) == len(rb):
-        return median_interval([x / y for x, y in zip(ra, rb)])
-    return None
+    ratios = _pair_ratios(out, a, b)
+    return median_interval(ratios) if ratios else None
 
 
 def mb(nbytes) -> str:

@@ -47,21 +47,21 @@ chunk-sized fp32 scratch buffers (the chunk's denominator, and the spike's diffe
 nesterov momentum term), never a transient buffer of the stage's size.
 
 Time. Once per batch and stage, elementwise over the stage's parameters (optim/optimizer.py,
-`predict_chunks`): Adam `predict` takes about 1.7x the fused Adam step, the spike one pass over
-the gradient more, the nesterov form one pass more plus the copy of the gradient it keeps. On a
-CPU (`defer`, not sharded) the engine does not pay it in the step: S(t) leaves the prediction
-pending (with predict-nesterov also the copy of g_t into the optimizer's last_grad,
-`keeps_grad_later`) and the engine runs its chunks while it waits for a peer (a receive in
-interpreter.py, the reductions before the next step in batch_step.py), completing what is left
-(`finish`) right before the first forward that reads the slot, the next step, any view,
-checkpoint or load, or a reader of the optimizer; under predict-spike and predict-nesterov the
-pending work also owns batch t's gradient and zeroes each chunk of it when done (the buffer is
-next written by batch t + 2's backward). The order of the chunks never changes a bit. What that
-hides is bounded: 2BW has no bubble, so in its steady state a stage waits only for its peers'
-latency, and the rest of the work lengthens the waits (bench/README.md, "2BW staleness
-compensation", measures it with bench/peers.py). Under the distributed optimizer the prediction is made in the step (its
-all-gather is a collective: every rank must start it at the same point of the schedule), as on
-an accelerator, whose kernels queue behind the step's anyway.
+`predict_chunks`): Adam `predict` takes about 1.7x the fused Adam step, the spike one pass over the
+gradient more, the nesterov form one pass more plus the copy of the gradient it keeps. On a CPU
+(`defer`, not sharded) the engine does not pay it in the step: S(t) leaves the prediction pending
+(with predict-nesterov also the copy of g_t into the optimizer's last_grad, `keeps_grad_later`) and
+the engine runs its chunks while it waits for a peer (a receive in interpreter.py, the reductions
+before the next step in batch_step.py), completing what is left (`finish`) right before the first
+forward that reads the slot, the next step, any view, checkpoint or load, or a reader of the
+optimizer; under predict-spike and predict-nesterov the pending work also owns batch t's gradient
+and zeroes each chunk of it when done (the buffer is next written by batch t + 2's backward). The
+order of the chunks never changes a bit. What that hides is bounded: 2BW has no bubble, so in its
+steady state a stage waits only for its peers' latency, and the rest of the work lengthens the
+waits (bench/README.md, "2BW staleness compensation", measures it with bench/peers.py). Under the
+distributed optimizer the prediction is made in the step (its all-gather is a collective: every
+rank must start it at the same point of the schedule), as on an accelerator, whose kernels queue
+behind the step's anyway.
 
 Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
 for evaluation and for whoever asks the engine for its newest module; `resume` writes the
