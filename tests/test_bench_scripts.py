@@ -162,6 +162,19 @@ def test_overhead_tiny(tmp_path):
     assert "where the engine's fixed costs go" in out
 
 
+def test_step_kernels_tiny(tmp_path):
+    out = _run(["bench/step_kernels.py", "--numel", "5000", "--repeats", "2", "--json",
+                tmp_path / "k.json"])
+    rows = json.loads((tmp_path / "k.json").read_text())["rows"]
+    kernels = {r["kernel"] for r in rows}
+    assert "torch-fused" in kernels
+    assert len(rows) == 4 * len(kernels) and all(r["ms"] > 0 for r in rows)
+    assert {r["run"] for r in rows} == {"2bw", "2bw+predict", "2bw+predict-spike",
+                                        "2bw+predict-nesterov"}
+    assert all(r["vs_plain_same_kernel"] == 1.0 for r in rows if r["run"] == "2bw")
+    assert "/plain(torch)" in out
+
+
 def test_async_save_tiny(tmp_path):
     out = _run(["bench/async_save.py", "--tiny", "--json", tmp_path / "a.json"])
     data = json.loads((tmp_path / "a.json").read_text())

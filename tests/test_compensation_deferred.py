@@ -20,12 +20,31 @@ from test_engine_units import stepped
 COMPENSATED = [m for m in method_names() if m != "none"]
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """The optimizer's torch kernels: the native one predicts in the step, leaving nothing to
+    defer (test_native_adam.py)."""
+    monkeypatch.setattr(optim, "choose_impl", _torch_choice)
+
+
+def _torch_choice(device, kind):
+    return "torch-fused" if optim._torch_fused_works(torch.device(device), kind) else "unfused"
+
+
 # -- the optimizer: chunks change no bit ----------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("variant", ["adam", "nesterov", "spike", "sgd"])
-def test_predict_in_chunks_changes_no_bit_and_tiles_the_buffer(monkeypatch, variant, dtype):
+@pytest.mark.parametrize("variant,kernel", [  # the native kernel is Adam's
+    (v, "torch") for v in ("adam", "nesterov", "spike", "sgd")] + [
+    (v, "native") for v in ("adam", "nesterov", "spike")])
+def test_predict_in_chunks_changes_no_bit_and_tiles_the_buffer(monkeypatch, variant, dtype,
+                                                              kernel):
     name = "sgd" if variant == "sgd" else "adam"
+    if kernel == "torch":
+        monkeypatch.setattr(optim, "choose_impl", _torch_choice)
+    elif optim.native.library() is None:
+        pytest.skip("the native kernel (Adam's) is built where there is a C compiler")
     w, opt, _, _, flat = stepped(name, 3, keep_grad=variant == "nesterov")
+    assert (opt.impl == "native") == (kernel == "native")
     assert 0 < w.decay_end < w.numel  # a chunk straddles the end of the decayed range below
     kw = {"nesterov": variant == "nesterov",
           "spike": (flat, 0.01) if variant == "spike" else None}
@@ -58,7 +77,8 @@ def _engine(method):
 
 
 @pytest.mark.parametrize("method", COMPENSATED)
-def test_deferred_prediction_equals_the_immediate_one_through_views_and_checkpoints(method):
+def test_deferred_prediction_equals_the_immediate_one_through_views_and_checkpoints(
+        method, torch_kernels):
     """One stage, CPU: the prediction S(t) publishes stays pending through batch t + 1 (it writes
     the other slot) until S(t + 1) needs it done; evaluation views, a checkpoint's state and a
     load in between complete it first. Every loss and weight equals an engine that predicts at
@@ -148,7 +168,7 @@ def test_receive_waits_do_pending_chunks_until_the_receive_arrives():
     assert pending.done == 4 and it.p2p.waited == [(A.RECV_ACT, 0)]
 
 
-def test_a_step_completes_the_pending_prediction_before_it_changes_the_state():
+def test_a_step_completes_the_pending_prediction_before_it_changes_the_state(torch_kernels):
     """Today's tables run the forward that reads the predicted slot before the next step; a
     table that does not must still predict from the state the prediction started from."""
     engine, cfg = _engine("predict-spike")

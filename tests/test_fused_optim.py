@@ -13,8 +13,13 @@ from megatron_2bw.optim import optimizer as O
 from megatron_2bw.pipeline.weights import VersionedWeights
 from test_engine_units import _model
 
-KERNELS = [k for k in ("torch-fused", "unfused")
-           if k != "torch-fused" or O._torch_fused_works(torch.device("cpu"), "adam")]
+KERNELS = [k for k in ("native", "torch-fused", "unfused")
+           if (k != "torch-fused" or O._torch_fused_works(torch.device("cpu"), "adam"))
+           and (k != "native" or O.native.library() is not None)]
+
+
+KERNEL_OPTIMIZERS = [(k, n) for k in KERNELS for n in ("adam", "sgd")
+                     if k != "native" or n == "adam"]  # the native kernel is Adam's
 
 
 def _train(cfg, impl, steps=5, out_of_place=False):
@@ -40,8 +45,7 @@ def _train(cfg, impl, steps=5, out_of_place=False):
 
 
 @pytest.mark.parametrize("out_of_place", [False, True], ids=["in-place", "2bw"])
-@pytest.mark.parametrize("name", ["adam", "sgd"])
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl,name", KERNEL_OPTIMIZERS)
 def test_every_kernel_matches_torch_optim(impl, name, out_of_place):
     cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, adam_beta2=0.95)
     mine, ref, opt = _train(cfg, impl, out_of_place=out_of_place)
@@ -50,9 +54,11 @@ def test_every_kernel_matches_torch_optim(impl, name, out_of_place):
         torch.testing.assert_close(mine[n], p.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_the_fused_kernel_is_chosen_where_torch_has_it():
-    want = "torch-fused" if O._torch_fused_works(torch.device("cpu"), "adam") else "unfused"
+def test_the_fastest_kernel_is_chosen():
+    fused = "torch-fused" if O._torch_fused_works(torch.device("cpu"), "adam") else "unfused"
+    want = "native" if O.native.library() is not None else fused
     assert O.make_optimizer(OptimizerConfig(), 10, 5, "cpu").impl == want
+    assert O.make_optimizer(OptimizerConfig(name="sgd"), 10, 5, "cpu").impl == fused
 
 
 def test_out_of_place_leaves_the_source_untouched_with_every_kernel():
@@ -74,12 +80,12 @@ def test_state_moves_between_kernels():
     runs = {}
     for switch in (False, True):
         p = p0.clone()
-        opt = O.make_optimizer(cfg, 300, 200, "cpu", impl="torch-fused")
+        opt = O.make_optimizer(cfg, 300, 200, "cpu", impl=KERNELS[0])
         for i, g in enumerate(grads):
             if switch and i == 3:
                 state = {k: v.clone() if torch.is_tensor(v) else v
                          for k, v in opt.state_dict().items()}
-                opt = O.make_optimizer(cfg, 300, 200, "cpu", impl="unfused")
+                opt = O.make_optimizer(cfg, 300, 200, "cpu", impl=KERNELS[-1])
                 opt.load_state_dict(state)
             opt.step(p, g.clone(), p, cfg.lr)
         runs[switch] = p
@@ -143,13 +149,12 @@ def test_real_apex_kernel_matches_torch_on_cuda():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd"])
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl,name", KERNEL_OPTIMIZERS)
 def test_a_shard_steps_its_range_as_the_whole_buffer_does(impl, name):
     """The layout rule of optimizer.py's docstring, which a sharded (distributed) optimizer
     relies on: optimizers over contiguous ranges [lo, hi), with decay_end clamped into each,
     give the whole optimizer's result, out of place as 2BW steps: bit for bit with the unfused
-    kernel; torch's fused one rounds the elements of a vector tail (a cut) differently (1 ulp)."""
+    and the native kernel; torch's fused one rounds the elements of a vector tail (a cut) differently (1 ulp)."""
     cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, sgd_momentum=0.9)
     numel, decay_end, cuts = 1000, 613, (0, 250, 613, 700, 1000)  # one cut on decay_end
     gen = torch.Generator().manual_seed(2)
@@ -168,7 +173,7 @@ def test_a_shard_steps_its_range_as_the_whole_buffer_does(impl, name):
         for lo, hi, opt in shards:
             opt.step(b[lo:hi], gs[lo:hi], out[lo:hi], cfg.lr)
         b = out
-    tol = dict(rtol=0, atol=0) if impl == "unfused" else dict(rtol=1e-6, atol=1e-7)
+    tol = dict(rtol=0, atol=0) if impl in ("unfused", "native") else dict(rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(b, a, **tol)
     key = "exp_avg_sq" if name == "adam" else "momentum"
     torch.testing.assert_close(torch.cat([opt.state_dict()[key] for _, _, opt in shards]),

@@ -1,23 +1,14 @@
 """Optimizers over one flat fp32 buffer: one fused kernel per step where the device has one.
 
 `step(src, grad, dst, lr)` computes dst = update(src, grad). dst may be src (one weight version)
-or another buffer (2BW writes the new version next to the one still in use: dst is first set to
-src, then updated in place). The arithmetic matches torch.optim.AdamW / torch.optim.SGD, so a plain
+or another buffer (2BW writes the new version next to the one still in use: torch's kernels
+first set dst to src and update it in place, the native one reads src and writes dst). The arithmetic matches torch.optim.AdamW / torch.optim.SGD, so a plain
 PyTorch loop is the reference (tests/test_engine_units.py). The flat layout puts decayed
 parameters (matrices, embeddings) first: [0, decay_end), so a step is at most two kernel calls
 (the decayed range, then the rest with weight decay 0).
 
-Kernels (`impl`; `make_optimizer` picks the first that works on the device, `impl=` forces one):
-
-    torch-fused  torch._fused_adamw_ / torch._fused_sgd_ (the kernels behind
-                 torch.optim.AdamW(fused=True)): one pass over weights, gradient and state
-                 (CUDA; CPU from torch 2.4). Fused AdamW rounds differently from the unfused
-                 arithmetic (relative 1e-7 per step), well inside the equivalence tolerance.
-    apex         NVIDIA apex's FusedAdam kernel (amp_C.multi_tensor_adam, AdamW mode) when apex
-                 is importable, for a CUDA torch without _fused_adamw_; SGD has no apex kernel
-                 here and takes the next line.
-    unfused      a few elementwise ops per step (about 8 passes) into a persistent scratch
-                 buffer: no allocation per step; the fallback on any device.
+Kernels (`impl`): optim/kernels.py, which picks the fastest one that works on the device
+(native on a CPU for Adam, torch's fused ones, apex, unfused); `impl=` forces one.
 
 State (`state_dict`): {"exp_avg", "exp_avg_sq", "steps"} / {"momentum", "steps"}, the same for
 every kernel, so a checkpoint moves between machines with different kernels. Adam made with
@@ -54,67 +45,14 @@ the engine can run it piece by piece while it waits for its peers; the chunking 
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from ..config import OptimizerConfig
-
-IMPLS = ("torch-fused", "apex", "unfused")
+from . import native
+from .kernels import IMPLS, _apex_adam, _check_impl, _torch_fused_works, choose_impl  # noqa: F401
 OPTIONAL_STATE = ("last_grad",)  # state keys a loaded state may lack (see the docstring)
-
-
-def _apex_adam():
-    """(multi_tensor_applier, amp_C.multi_tensor_adam) when apex is importable, else None."""
-    try:
-        import amp_C  # noqa: F401  (apex's compiled kernels)
-        from apex.multi_tensor_apply import multi_tensor_applier
-    except ImportError:
-        return None
-    return multi_tensor_applier, amp_C.multi_tensor_adam
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_fused_works(device, kind: str) -> bool:
-    """Whether torch's fused kernel of `kind` ("adam" or "sgd") runs on `device` (tried once per
-    device on one element)."""
-    op = getattr(torch, "_fused_adamw_" if kind == "adam" else "_fused_sgd_", None)
-    if op is None:
-        return False
-    p, g, s = (torch.zeros(1, device=device) for _ in range(3))
-    try:
-        if kind == "adam":
-            op([p], [g], [s], [torch.zeros(1, device=device)], [], [torch.ones((), device=device)],
-               lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
-               maximize=False)
-        else:
-            op([p], [g], [s], weight_decay=0.0, momentum=0.9, lr=0.0, dampening=0.0,
-               nesterov=False, maximize=False, is_first_step=True)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-def choose_impl(device, kind: str) -> str:
-    """The fastest kernel available for optimizer `kind` on `device` (see the docstring)."""
-    if _torch_fused_works(torch.device(device), kind):
-        return "torch-fused"
-    if kind == "adam" and torch.device(device).type == "cuda" and _apex_adam() is not None:
-        return "apex"
-    return "unfused"
-
-
-def _check_impl(impl: str, kind: str, device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown optimizer kernel {impl!r}: use one of {IMPLS}")
-    if impl == "apex" and (kind != "adam" or _apex_adam() is None):
-        raise ValueError("the apex kernel needs Adam and an importable apex (pip install apex "
-                         "with its CUDA extensions): use impl='torch-fused' or 'unfused'")
-    if impl == "torch-fused" and not _torch_fused_works(torch.device(device), kind):
-        raise ValueError(f"this torch ({torch.__version__}) has no fused {kind} kernel for "
-                         f"{torch.device(device)}: use impl='unfused'")
-    return impl
 
 
 class _Ranges:
@@ -151,11 +89,24 @@ class FlatAdamW(_Ranges):
             self._apex = _apex_adam()
             self._overflow = torch.zeros(1, dtype=torch.int32, device=device)
 
+    def fuses_prediction(self, dtype: torch.dtype) -> bool:
+        """Whether `step(..., predict=)` can write a prediction of `dtype` in the step's pass."""
+        return self.impl == "native" and dtype in native.KINDS
+
     def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float,
-             keep_grad: bool = True) -> None:
+             keep_grad: bool = True, predict: tuple | None = None) -> None:
         """`keep_grad=False` (keep_grad optimizers): leave the copy of `grad` into last_grad to
-        the next `predict_chunks(..., fresh_grad=grad)`, which makes it chunk by chunk."""
+        the next `predict_chunks(..., fresh_grad=grad)`, which makes it chunk by chunk.
+        `predict` = (out, lr', nesterov, spike) (`fuses_prediction(out.dtype)` only): the step
+        also writes into `out` what `predict_chunks(dst, out, lr', nesterov, spike=(grad, lr) if
+        spike)` would, in the same pass (`spike`: dst gets the spike first, as there)."""
         self.steps += 1
+        if self.impl == "native":
+            self._native_step(src, grad, dst, lr, keep_grad, predict)
+            return
+        if predict is not None:
+            raise ValueError(f"the {self.impl} kernel does not predict in its step: call "
+                             "predict_chunks after it")
         if dst is not src:
             dst.copy_(src)
         if self.last_grad is not None and keep_grad:
@@ -176,6 +127,21 @@ class FlatAdamW(_Ranges):
                         c.adam_beta2, c.adam_eps, self.steps, 1, 1, wd)  # AdamW mode, bias corr.
             else:
                 self._unfused(p, g, m, v, lr, wd, lo, hi)
+
+    def _native_step(self, src, grad, dst, lr: float, keep_grad: bool, predict) -> None:
+        c = self.cfg
+        out, pred_lr, nesterov, spike = predict if predict is not None else (None, 0.0, 0, 0)
+        if nesterov and self.last_grad is None:
+            raise ValueError("predict(nesterov=True) reads the latest gradient: make the "
+                             "optimizer with keep_grad=True")
+        keep = self.last_grad if keep_grad else None
+        for lo, hi, wd in self.ranges(self.numel, c.weight_decay):
+            k = native.coefficients(c.adam_beta1, c.adam_beta2, c.adam_eps, self.steps, lr, wd,
+                                    pred_lr, lr if spike else 0.0)
+            native.step(native.library(), src[lo:hi], dst[lo:hi], grad[lo:hi],
+                        self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], k,
+                        keep[lo:hi] if keep is not None else None,
+                        out[lo:hi] if out is not None else None, bool(spike), bool(nesterov))
 
     def _unfused(self, p, g, m, v, lr: float, wd: float, lo: int, hi: int) -> None:
         c = self.cfg
@@ -240,9 +206,16 @@ class FlatAdamW(_Ranges):
         size = chunk_elements(src.device, self.numel)
         if self._chunk_scratch is None or self._chunk_scratch.numel() != 2 * size:
             self._chunk_scratch = torch.empty(2 * size, dtype=torch.float32, device=src.device)
+        lib = native.library() if self.impl == "native" and dst.dtype in native.KINDS else None
         for lo in range(0, self.numel, size):
             hi = min(lo + size, self.numel)
             n = hi - lo
+            if lib is not None:  # the same pass as a fused step's (native.py)
+                if fresh_grad is not None:
+                    self.last_grad[lo:hi].copy_(fresh_grad[lo:hi])
+                self._native_predict(lib, src, dst, lr, nesterov, spike, lo, hi, decay_end)
+                yield lo, hi
+                continue
             d = self._denom(lo, hi, out=self._chunk_scratch[:n], scaled=True)
             term = self._chunk_scratch[size:size + n]
             s, m = src[lo:hi], self.exp_avg[lo:hi]
@@ -262,6 +235,17 @@ class FlatAdamW(_Ranges):
                 if not fp32_dst:
                     dst[lo:hi].copy_(out)
             yield lo, hi
+
+    def _native_predict(self, lib, src, dst, lr, nesterov, spike, lo, hi, decay_end) -> None:
+        c = self.cfg
+        grad, lr_step = spike if spike is not None else (None, 0.0)
+        for a, b, wd in ((lo, min(hi, decay_end), c.weight_decay), (max(lo, decay_end), hi, 0.0)):
+            if b > a:
+                k = native.coefficients(c.adam_beta1, c.adam_beta2, c.adam_eps, self.steps, 0.0,
+                                        wd, lr, lr_step)
+                native.predict(lib, src[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], dst[a:b],
+                               k, grad[a:b] if grad is not None else None,
+                               self.last_grad[a:b] if nesterov else None)
 
     def state_dict(self) -> dict:
         state = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}

@@ -206,6 +206,10 @@ class BatchStepper:
         src = dst if src_slot == dst_slot else w.slots[src_slot]
         if self.sharded:  # this rank's pieces (through its master piece when there is one)
             self.optimizer.step(src, buf, dst, lr)
+        elif self.compensation.fused:  # the step writes the prediction into dst in its pass
+            self.compensation.fused_step(batch, buf[:n], dst_slot, lr)
+            buf.zero_()
+            return
         elif w.master is not None:
             if self.compensation.keeps_grad_later:  # the pending work copies the kept gradient
                 self.optimizer.step(w.master, buf[:n], w.master, lr, keep_grad=False)

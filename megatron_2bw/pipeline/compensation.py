@@ -41,15 +41,20 @@ stage-sized fp32 buffer for the real W (`weights.master`; `separate_weights`; 1/
 rank's shard, under the distributed optimizer), counted by the planner's memory model
 (`planner.cost_model.state_bytes`) and bench/memory.py. `predict-nesterov` adds one more
 stage-sized fp32 buffer, the kept gradient (`keeps_grad`; optimizer state, so 1/w of it under the
-distributed optimizer), counted the same way. The prediction works in chunks
-(`optim.optimizer.chunk_elements`: 2^18 elements on a CPU, 2^24 on an accelerator) with two
-chunk-sized fp32 scratch buffers (the chunk's denominator, and the spike's difference or the
+distributed optimizer), counted the same way. The native kernel needs no scratch; torch's
+prediction works in chunks (`optim.optimizer.chunk_elements`: 2^18 elements on a CPU, 2^24 on an
+accelerator) with two chunk-sized fp32 scratch buffers (the chunk's denominator, and the spike's difference or the
 nesterov momentum term), never a transient buffer of the stage's size.
 
-Time. Once per batch and stage, elementwise over the stage's parameters (optim/optimizer.py,
-`predict_chunks`): Adam `predict` takes about 1.7x the fused Adam step, the spike one pass over the
-gradient more, the nesterov form one pass more plus the copy of the gradient it keeps. On a CPU
-(`defer`, not sharded) the engine does not pay it in the step: S(t) leaves the prediction pending
+Time. Once per batch and stage, elementwise over the stage's parameters. On a CPU with the
+native Adam kernel (optim/native.py, the default where a C compiler builds it; fp32 or bf16
+slots, not sharded: `fused`) the step itself writes the prediction (and the spike, and the kept
+gradient) in its one pass over weights, gradient and moments: one more written stream, about 15%
+of the step (bench/step_kernels.py), nothing left for later. With torch's kernels (no compiler,
+fp16 slots; optim/optimizer.py, `predict_chunks`) Adam `predict` takes about 1.7x the fused Adam
+step, the spike one pass over the gradient more, the nesterov form one pass more plus the copy
+of the gradient it keeps, and on a CPU (`defer`, not sharded) the engine does not pay it in the
+step: S(t) leaves the prediction pending
 (with predict-nesterov also the copy of g_t into the optimizer's last_grad, `keeps_grad_later`) and
 the engine runs its chunks while it waits for a peer (a receive in interpreter.py, the reductions
 before the next step in batch_step.py), completing what is left (`finish`) right before the first
@@ -188,9 +193,13 @@ class Compensator:
         if weights.sharded and (gather is None or wait is None):
             raise ValueError("sharded weights (distributed optimizer) need the Compensator's "
                              "gather and wait")
+        # the step writes the prediction in its own pass (the native CPU kernel): nothing left
+        self.fused = (self.method.predicts and not weights.sharded and weights.master is not None
+                      and getattr(optimizer, "fuses_prediction", lambda dtype: False)(
+                          weights.slots[0].dtype))
         # sharded: the all-gather after it is a collective, whose order must not depend on
         # how long a rank waited
-        self.defer = defer and self.method.predicts and not weights.sharded
+        self.defer = defer and self.method.predicts and not weights.sharded and not self.fused
         self.job = self.job_slot = self.job_grad = None  # the pending prediction
         self.chunks = self.chunks_in_waits = 0  # deferred chunks done, of them in waits (`work`)
         self.showing = False
@@ -199,6 +208,16 @@ class Compensator:
     def keeps_grad_later(self) -> bool:
         """The optimizer's copy of the gradient it keeps is left to the pending work."""
         return self.defer and self.method.keeps_grad
+
+    def fused_step(self, batch: int, grad, dst_slot: int, lr: float) -> None:
+        """`fused` only: S(batch) from the master into the master with `grad` at `lr`, writing
+        what batch + 2 runs on into `dst_slot` in the same pass (what `after_step` would)."""
+        self.finish()
+        self.showing = False
+        m = self.method
+        self.optimizer.step(self.w.master, grad, self.w.master, lr,
+                            predict=(self.w.slots[dst_slot], self.lr(batch + 1), m.nesterov,
+                                     m.spikes))
 
     def after_step(self, batch: int, grad, dst_slot: int) -> bool:
         """S(batch) has written W(batch+1) (into the master, or into slot `dst_slot` without one;
