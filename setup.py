@@ -7,6 +7,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_2bw", "megatron_2bw.*"]),
+    # the native CPU AdamW kernel's source, compiled on first use (megatron_2bw/optim/native.py)
+    package_data={"megatron_2bw.optim": ["native_adam.c"]},
     python_requires=">=3.10",
     # a range for cluster users; development pins the CPU build in requirements-dev.txt
     # tqdm: the progress bar on a terminal (logger.py)

@@ -154,7 +154,8 @@ def test_a_shard_steps_its_range_as_the_whole_buffer_does(impl, name):
     """The layout rule of optimizer.py's docstring, which a sharded (distributed) optimizer
     relies on: optimizers over contiguous ranges [lo, hi), with decay_end clamped into each,
     give the whole optimizer's result, out of place as 2BW steps: bit for bit with the unfused
-    and the native kernel; torch's fused one rounds the elements of a vector tail (a cut) differently (1 ulp)."""
+    and the native kernel; torch's fused one rounds the elements of a vector tail (a cut)
+    differently (1 ulp)."""
     cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1, sgd_momentum=0.9)
     numel, decay_end, cuts = 1000, 613, (0, 250, 613, 700, 1000)  # one cut on decay_end
     gen = torch.Generator().manual_seed(2)

@@ -2,7 +2,12 @@
 CPU; its step with the 2BW prediction in the same pass writes the bits a later recomputation
 from the state writes (views, resumes, loads); any split of a range (chunks, threads) changes no
 bit; bf16 rounding is torch's; without a compiler torch's kernels take over."""
+import os
 import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,12 +98,17 @@ def test_any_split_of_the_range_changes_no_bit(monkeypatch):
         p, m, v = p0.clone(), m0.clone(), v0.clone()
         keep, pred = torch.empty(n), torch.empty(n, dtype=torch.bfloat16)
         for a, b in zip(cuts, cuts[1:]):
-            native.step(LIB, p[a:b], p[a:b], g[a:b], m[a:b], v[a:b], k, keep[a:b], pred[a:b],
-                        spike=True, nesterov=True)
+            native.adamw_step(LIB, p[a:b], p[a:b], g[a:b], m[a:b], v[a:b], k, keep[a:b],
+                              pred[a:b], spike=True, nesterov=True)
         outs.append((p, m, v, keep, pred))
     for other in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
     assert torch.equal(outs[0][3], g)
+    assert native._POOL  # the threaded call made the pool; a forked child starts without it
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not native._POOL else 1)
+    assert os.waitpid(pid, 0)[1] == 0
 
 
 def test_bf16_rounding_is_torch_s():
@@ -109,9 +119,11 @@ def test_bf16_rounding_is_torch_s():
     p = torch.cat([special, torch.randn(4000) * 10.0 ** torch.randint(-30, 30, (4000,))])
     n = p.numel()
     m, v, pred = torch.zeros(n), torch.ones(n), torch.empty(n, dtype=torch.bfloat16)
-    native.predict(LIB, p, m, v, pred, native.coefficients(0.9, 0.95, 1e-8, 2, 0.0, 0.0))
+    native.adamw_predict(LIB, p, m, v, pred,
+                         native.coefficients(0.9, 0.95, 1e-8, 2, 0.0, 0.0))
     want = p.to(torch.bfloat16)
-    assert torch.equal(pred.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+    real = ~want.isnan()
+    assert torch.equal(pred.view(torch.int16)[real], want.view(torch.int16)[real])
     assert torch.equal(pred.isnan(), want.isnan())
 
 
@@ -142,3 +154,14 @@ def test_a_compensated_engine_predicts_in_the_step_and_follows_the_torch_kernels
     for key in theirs:
         torch.testing.assert_close(mine[key], theirs[key], rtol=1e-5, atol=1e-6)
 
+
+
+def test_an_installed_package_carries_the_kernel_source(tmp_path):
+    """`pip install .` (cluster users): the wheel holds native_adam.c, which is built on first
+    use from the installed package."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps",
+                    "--no-build-isolation", "-q", "-w", str(tmp_path)], check=True,
+                   capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    assert "megatron_2bw/optim/native_adam.c" in zipfile.ZipFile(wheel).namelist()

@@ -14,7 +14,8 @@ torch headers, no Python headers: a plain shared object loaded with ctypes, whic
 GIL during a call) into $XDG_CACHE_HOME/megatron_2bw (default ~/.cache/megatron_2bw; else the
 temporary directory when that is not writable), named by a hash of the source and the flags, so
 a build is done once per machine and shared by every process; a process writes its own temporary
-file and renames it into place (concurrent ranks never see half a library). The source selects
+file (named by host and pid) and renames it into place (concurrent ranks never see half a
+library). The source selects
 the widest vector unit at load time (gcc's target_clones: avx512f, avx2, baseline), so one build
 serves every node of a cluster's shared home. The built library is checked once against the
 arithmetic below on a few elements; anything failing (no compiler, a build error, a wrong
@@ -32,10 +33,10 @@ b1^k, bias2 = 1 - b2^k after the k-th step:
     pred = p * (1 - lr' * wd) + (mn / ds) * (-lr' * sqrt(bias2) / bias1)    [prediction, lr']
 
 which is torch.optim.AdamW's update (rounded differently: relative 1e-7 per step) and the
-prediction of optim/optimizer.py's docstring. `predict` recomputes pred from the saved state with
-the same operations, so a prediction written by `step` and one recomputed after a view, a resume
-or a load are the same bits. The prediction is written as fp32 or bf16 (round to nearest even);
-fp16 slots take optimizer.py's torch ops.
+prediction of optim/optimizer.py's docstring. `adamw_predict` recomputes pred from the saved state
+with the same operations, so a prediction written by `adamw_step` and one recomputed after a view,
+a resume or a load are the same bits. The prediction is written as fp32 or bf16 (round to nearest
+even); fp16 slots take optimizer.py's torch ops.
 
 Threads: a call over n >= 2^20 elements is split into torch.get_num_threads() ranges run on a
 thread pool (the split changes no bit); one thread, as the launcher sets, runs it whole.
@@ -48,6 +49,7 @@ import hashlib
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -80,7 +82,8 @@ def library(compiler: str | None = None, cache_dir: str | None = None):
     dirs = [Path(cache_dir)] if cache_dir else [default_cache_dir(),
                                                 Path(tempfile.gettempdir()) / "megatron_2bw"]
     for directory in dirs:
-        path, tmp = directory / name, directory / f".{name}.{os.getpid()}.tmp"
+        # a shared home: ranks on other nodes may build at the same time, under the same pid
+        path, tmp = directory / name, directory / f".{name}.{socket.gethostname()}.{os.getpid()}"
         try:
             if not path.is_file():
                 directory.mkdir(parents=True, exist_ok=True)
@@ -118,7 +121,8 @@ def _ptr(t: torch.Tensor | None, lo: int) -> int | None:
     return None if t is None else t.data_ptr() + lo * t.element_size()
 
 
-_POOL: list = []
+_POOL: list = []  # the thread pool of large calls, made on first use
+os.register_at_fork(after_in_child=_POOL.clear)  # a forked child has none of its threads
 
 
 def _run(call, n: int) -> None:
@@ -142,7 +146,7 @@ def _check(*tensors) -> None:
                              "impl='torch-fused' for this device")
 
 
-def step(lib, src, dst, g, m, v, k, keep=None, pred=None, spike: bool = False,
+def adamw_step(lib, src, dst, g, m, v, k, keep=None, pred=None, spike: bool = False,
          nesterov: bool = False) -> None:
     """One AdamW step from src into dst (may be src) with coefficients k, over all of src;
     keep: receives g; pred: the prediction from the new state (fp32 or bf16)."""
@@ -153,7 +157,7 @@ def step(lib, src, dst, g, m, v, k, keep=None, pred=None, spike: bool = False,
         _ptr(pred, lo), kind, k, int(spike), int(nesterov), hi - lo), src.numel())
 
 
-def predict(lib, src, m, v, pred, k, grad=None, last=None) -> None:
+def adamw_predict(lib, src, m, v, pred, k, grad=None, last=None) -> None:
     """pred = the prediction from the current state; grad: the spike's (src += spike first);
     last: the kept gradient (the nesterov form)."""
     _check(src, m, v, pred, grad, last)
@@ -175,9 +179,9 @@ def _works(lib) -> bool:
     want_p = p * k[4] + (want_m / ds) * k[5]
     want_pred = want_p * k[7] + (want_m / ds) * k[8]
     dst, pred = torch.empty(37), torch.empty(37)
-    step(lib, p, dst, g, m, v, k, pred=pred)
+    adamw_step(lib, p, dst, g, m, v, k, pred=pred)
     return all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in
                ((m, want_m), (v, want_v), (dst, want_p), (pred, want_pred)))
 
 
-__all__ = ["library", "coefficients", "step", "predict", "default_cache_dir", "KINDS"]
+__all__ = ["library", "coefficients", "adamw_step", "adamw_predict", "default_cache_dir", "KINDS"]

@@ -1,11 +1,12 @@
 """Optimizers over one flat fp32 buffer: one fused kernel per step where the device has one.
 
-`step(src, grad, dst, lr)` computes dst = update(src, grad). dst may be src (one weight version)
-or another buffer (2BW writes the new version next to the one still in use: torch's kernels
-first set dst to src and update it in place, the native one reads src and writes dst). The arithmetic matches torch.optim.AdamW / torch.optim.SGD, so a plain
-PyTorch loop is the reference (tests/test_engine_units.py). The flat layout puts decayed
-parameters (matrices, embeddings) first: [0, decay_end), so a step is at most two kernel calls
-(the decayed range, then the rest with weight decay 0).
+`step(src, grad, dst, lr)` computes dst = update(src, grad). dst may be src (one weight version) or
+another buffer (2BW writes the new version next to the one still in use: torch's kernels first set
+dst to src and update it in place, the native one reads src and writes dst). The arithmetic matches
+torch.optim.AdamW / torch.optim.SGD, so a plain PyTorch loop is the reference
+(tests/test_engine_units.py). The flat layout puts decayed parameters (matrices, embeddings) first:
+[0, decay_end), so a step is at most two kernel calls (the decayed range, then the rest with weight
+decay 0).
 
 Kernels (`impl`): optim/kernels.py, which picks the fastest one that works on the device
 (native on a CPU for Adam, torch's fused ones, apex, unfused); `impl=` forces one.
@@ -138,10 +139,10 @@ class FlatAdamW(_Ranges):
         for lo, hi, wd in self.ranges(self.numel, c.weight_decay):
             k = native.coefficients(c.adam_beta1, c.adam_beta2, c.adam_eps, self.steps, lr, wd,
                                     pred_lr, lr if spike else 0.0)
-            native.step(native.library(), src[lo:hi], dst[lo:hi], grad[lo:hi],
-                        self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], k,
-                        keep[lo:hi] if keep is not None else None,
-                        out[lo:hi] if out is not None else None, bool(spike), bool(nesterov))
+            native.adamw_step(native.library(), src[lo:hi], dst[lo:hi], grad[lo:hi],
+                              self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], k,
+                              keep[lo:hi] if keep is not None else None,
+                              out[lo:hi] if out is not None else None, bool(spike), bool(nesterov))
 
     def _unfused(self, p, g, m, v, lr: float, wd: float, lo: int, hi: int) -> None:
         c = self.cfg
@@ -243,9 +244,9 @@ class FlatAdamW(_Ranges):
             if b > a:
                 k = native.coefficients(c.adam_beta1, c.adam_beta2, c.adam_eps, self.steps, 0.0,
                                         wd, lr, lr_step)
-                native.predict(lib, src[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], dst[a:b],
-                               k, grad[a:b] if grad is not None else None,
-                               self.last_grad[a:b] if nesterov else None)
+                native.adamw_predict(lib, src[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                                     dst[a:b], k, grad[a:b] if grad is not None else None,
+                                     self.last_grad[a:b] if nesterov else None)
 
     def state_dict(self) -> dict:
         state = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "steps": self.steps}

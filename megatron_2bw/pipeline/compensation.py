@@ -43,30 +43,30 @@ rank's shard, under the distributed optimizer), counted by the planner's memory 
 stage-sized fp32 buffer, the kept gradient (`keeps_grad`; optimizer state, so 1/w of it under the
 distributed optimizer), counted the same way. The native kernel needs no scratch; torch's
 prediction works in chunks (`optim.optimizer.chunk_elements`: 2^18 elements on a CPU, 2^24 on an
-accelerator) with two chunk-sized fp32 scratch buffers (the chunk's denominator, and the spike's difference or the
-nesterov momentum term), never a transient buffer of the stage's size.
+accelerator) with two chunk-sized fp32 scratch buffers (the chunk's denominator, and the spike's
+difference or the nesterov momentum term), never a transient buffer of the stage's size.
 
-Time. Once per batch and stage, elementwise over the stage's parameters. On a CPU with the
-native Adam kernel (optim/native.py, the default where a C compiler builds it; fp32 or bf16
-slots, not sharded: `fused`) the step itself writes the prediction (and the spike, and the kept
-gradient) in its one pass over weights, gradient and moments: one more written stream, about 15%
-of the step (bench/step_kernels.py), nothing left for later. With torch's kernels (no compiler,
-fp16 slots; optim/optimizer.py, `predict_chunks`) Adam `predict` takes about 1.7x the fused Adam
-step, the spike one pass over the gradient more, the nesterov form one pass more plus the copy
-of the gradient it keeps, and on a CPU (`defer`, not sharded) the engine does not pay it in the
-step: S(t) leaves the prediction pending
-(with predict-nesterov also the copy of g_t into the optimizer's last_grad, `keeps_grad_later`) and
-the engine runs its chunks while it waits for a peer (a receive in interpreter.py, the reductions
-before the next step in batch_step.py), completing what is left (`finish`) right before the first
-forward that reads the slot, the next step, any view, checkpoint or load, or a reader of the
-optimizer; under predict-spike and predict-nesterov the pending work also owns batch t's gradient
-and zeroes each chunk of it when done (the buffer is next written by batch t + 2's backward). The
-order of the chunks never changes a bit. What that hides is bounded: 2BW has no bubble, so in its
-steady state a stage waits only for its peers' latency, and the rest of the work lengthens the
-waits (bench/README.md, "2BW staleness compensation", measures it with bench/peers.py). Under the
-distributed optimizer the prediction is made in the step (its all-gather is a collective: every
-rank must start it at the same point of the schedule), as on an accelerator, whose kernels queue
-behind the step's anyway.
+Time. Once per batch and stage, elementwise over the stage's parameters. On a CPU with the native
+Adam kernel (optim/native.py, the default where a C compiler builds it; fp32 or bf16 slots, not
+sharded: `fused`) the step itself writes the prediction (and the spike, and the kept gradient) in
+its one pass over weights, gradient and moments: one more written stream (two with the kept
+gradient), 4% / 6% / 29% more than plain 2BW's step (predict / predict-spike / predict-nesterov;
+bench/step_kernels.py), nothing left for later. With torch's kernels (no compiler, fp16 slots;
+optim/optimizer.py, `predict_chunks`) Adam `predict` takes about 1.7x the fused Adam step, the
+spike one pass over the gradient more, the nesterov form one pass more plus the copy of the
+gradient it keeps, and on a CPU (`defer`, not sharded) the engine does not pay it in the step: S(t)
+leaves the prediction pending (with predict-nesterov also the copy of g_t into the optimizer's
+last_grad, `keeps_grad_later`) and the engine runs its chunks while it waits for a peer (a receive
+in interpreter.py, the reductions before the next step in batch_step.py), completing what is left
+(`finish`) right before the first forward that reads the slot, the next step, any view, checkpoint
+or load, or a reader of the optimizer; under predict-spike and predict-nesterov the pending work
+also owns batch t's gradient and zeroes each chunk of it when done (the buffer is next written by
+batch t + 2's backward). The order of the chunks never changes a bit. What that hides is bounded:
+2BW has no bubble, so in its steady state a stage waits only for its peers' latency, and the rest
+of the work lengthens the waits (bench/README.md, "2BW staleness compensation", measures it with
+bench/peers.py). Under the distributed optimizer the prediction is made in the step (its all-gather
+is a collective: every rank must start it at the same point of the schedule), as on an accelerator,
+whose kernels queue behind the step's anyway.
 
 Views. Between two batches the newest slot holds P(t+1), not W(t). `show_newest` writes W(t) there
 for evaluation and for whoever asks the engine for its newest module; `resume` writes the
