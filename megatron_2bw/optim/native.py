@@ -1,25 +1,25 @@
 """AdamW's CPU kernel, with 2BW's prediction in the same pass (`impl="native"`, native_adam.c).
 
 Why. On a CPU torch's fused AdamW is one pass over weights, gradient and moments, but the 2BW
-compensation's prediction (pipeline/compensation.py) is a second pass of its own over the same
-buffers in torch ops (a denominator, a divide, the weight decay: 8.4 M elements take 7 ms for the
-step and 15 ms for the prediction on one core), and a 2BW step out of place first copies the
-weights (4 ms). Here one loop reads src, gradient and moments once and writes the new weights,
+compensation's prediction (pipeline/compensation.py) is more passes of its own over the same
+buffers in torch ops (a denominator, a divide, the weight decay), and a 2BW step out of place first
+copies the weights. Here one loop reads src, gradient and moments once and writes the new weights,
 moments and, when asked, the prediction made from the new state (and the kept gradient of
-predict-nesterov): the prediction costs one more written stream (8 ms in all), and an
-out-of-place step no copy (7 ms).
+predict-nesterov): the prediction costs one more written stream, and an out-of-place step no copy.
+bench/step_kernels.py, 8.4 M elements, one thread: plain 2BW's step 6.4 ms (torch's kernel and
+copy: 9.5), with `predict` 6.6 ms (torch: 15.9).
 
-Build. `library()` compiles native_adam.c with the machine's C compiler (`cc`, else `gcc`; no
-torch headers, no Python headers: a plain shared object loaded with ctypes, which releases the
-GIL during a call) into $XDG_CACHE_HOME/megatron_2bw (default ~/.cache/megatron_2bw; else the
-temporary directory when that is not writable), named by a hash of the source and the flags, so
-a build is done once per machine and shared by every process; a process writes its own temporary
-file (named by host and pid) and renames it into place (concurrent ranks never see half a
-library). The source selects
+Build. `library()` compiles native_adam.c with the machine's C compiler (`cc`, else `gcc`; no torch
+headers, no Python headers: a plain shared object loaded with ctypes, which releases the GIL during
+a call) into the project's cache directory ($MEGATRON_2BW_CACHE, else ~/.cache/megatron_2bw:
+data/cache.py owns it; else the temporary directory when that is not writable), named by a hash of
+the source and the flags, so a build is done once per machine and shared by every process; a
+process writes its own temporary file (data/cache.py's `unique_temp`: host, pid and a random
+suffix) and renames it into place (concurrent ranks never see half a library). The source selects
 the widest vector unit at load time (gcc's target_clones: avx512f, avx2, baseline), so one build
 serves every node of a cluster's shared home. The built library is checked once against the
-arithmetic below on a few elements; anything failing (no compiler, a build error, a wrong
-result) leaves `library()` None, and `optim.optimizer.choose_impl` takes torch's fused kernel.
+arithmetic below on a few elements; anything failing (no compiler, a build error, a wrong result)
+leaves `library()` None, and `optim.kernels.choose_impl` takes torch's fused kernel.
 
 Arithmetic, fp32, each operation rounded as written (-ffp-contract=off, no fast math), so the
 vector loop and its tail agree and any split of a range gives the same bits; with bias1 = 1 -
@@ -49,7 +49,6 @@ import hashlib
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -63,27 +62,24 @@ KINDS = {torch.float32: 1, torch.bfloat16: 2}  # prediction dtypes the kernel wr
 SPLIT_ELEMENTS = 2 ** 20  # a call at least this long uses torch's intra-op thread count
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "megatron_2bw"
-
-
 @functools.lru_cache(maxsize=None)
 def library(compiler: str | None = None, cache_dir: str | None = None):
     """The loaded kernel (ctypes.CDLL), built on first use; None where it cannot be built or
     fails its check. `compiler`, `cache_dir`: tests pass them (default: cc or gcc, and
-    `default_cache_dir()` then the temporary directory)."""
+    the project's cache directory, `data.cache.user_cache_dir()`, then the temporary
+    directory)."""
+    from ..data.cache import unique_temp, user_cache_dir
     cc = compiler or shutil.which("cc") or shutil.which("gcc")
     if cc is None or not SOURCE.is_file():
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((cc,) + FLAGS + (platform.machine(),)).encode())
     name = f"native_adam-{key.hexdigest()[:16]}.so"
-    dirs = [Path(cache_dir)] if cache_dir else [default_cache_dir(),
+    dirs = [Path(cache_dir)] if cache_dir else [user_cache_dir(),
                                                 Path(tempfile.gettempdir()) / "megatron_2bw"]
     for directory in dirs:
-        # a shared home: ranks on other nodes may build at the same time, under the same pid
-        path, tmp = directory / name, directory / f".{name}.{socket.gethostname()}.{os.getpid()}"
+        path = directory / name
+        tmp = unique_temp(path)  # a shared home: ranks on other nodes may build at the same time
         try:
             if not path.is_file():
                 directory.mkdir(parents=True, exist_ok=True)
@@ -184,4 +180,4 @@ def _works(lib) -> bool:
                ((m, want_m), (v, want_v), (dst, want_p), (pred, want_pred)))
 
 
-__all__ = ["library", "coefficients", "adamw_step", "adamw_predict", "default_cache_dir", "KINDS"]
+__all__ = ["library", "coefficients", "adamw_step", "adamw_predict", "KINDS"]
