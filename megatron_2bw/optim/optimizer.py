@@ -66,6 +66,10 @@ class _Ranges:
         for _ in self.predict_chunks(src, dst, lr, nesterov, spike):
             pass
 
+    def fuses_prediction(self, dtype: torch.dtype) -> bool:
+        """Whether `step(..., predict=)` writes a prediction of `dtype` in the step's pass."""
+        return False
+
     def ranges(self, numel: int, weight_decay: float) -> list[tuple[int, int, float]]:
         cut = self.decay_end if weight_decay else 0
         return [(lo, hi, wd) for lo, hi, wd in ((0, cut, weight_decay), (cut, numel, 0.0))
@@ -91,7 +95,6 @@ class FlatAdamW(_Ranges):
             self._overflow = torch.zeros(1, dtype=torch.int32, device=device)
 
     def fuses_prediction(self, dtype: torch.dtype) -> bool:
-        """Whether `step(..., predict=)` can write a prediction of `dtype` in the step's pass."""
         return self.impl == "native" and dtype in native.KINDS
 
     def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float,

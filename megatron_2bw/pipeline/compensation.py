@@ -195,8 +195,7 @@ class Compensator:
                              "gather and wait")
         # the step writes the prediction in its own pass (the native CPU kernel): nothing left
         self.fused = (self.method.predicts and not weights.sharded and weights.master is not None
-                      and getattr(optimizer, "fuses_prediction", lambda dtype: False)(
-                          weights.slots[0].dtype))
+                      and optimizer.fuses_prediction(weights.slots[0].dtype))
         # sharded: the all-gather after it is a collective, whose order must not depend on
         # how long a rank waited
         self.defer = defer and self.method.predicts and not weights.sharded and not self.fused
