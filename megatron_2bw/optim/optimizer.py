@@ -208,9 +208,10 @@ class FlatAdamW(_Ranges):
         fp32_dst = dst.dtype == torch.float32
         own = fp32_dst and dst.data_ptr() != src.data_ptr()  # dst can hold an fp32 term
         size = chunk_elements(src.device, self.numel)
-        if self._chunk_scratch is None or self._chunk_scratch.numel() != 2 * size:
-            self._chunk_scratch = torch.empty(2 * size, dtype=torch.float32, device=src.device)
         lib = native.library() if self.impl == "native" and dst.dtype in native.KINDS else None
+        if lib is None and (self._chunk_scratch is None
+                            or self._chunk_scratch.numel() != 2 * size):  # torch ops only
+            self._chunk_scratch = torch.empty(2 * size, dtype=torch.float32, device=src.device)
         for lo in range(0, self.numel, size):
             hi = min(lo + size, self.numel)
             n = hi - lo
