@@ -11,7 +11,7 @@ setup(
     package_data={"megatron_2bw.optim": ["native_adam.c"]},
     python_requires=">=3.10",
     # a range for cluster users; development pins the CPU build in requirements-dev.txt
-    # tqdm: the progress bar on a terminal (logger.py)
+    # tqdm: the progress bar on a terminal (training/observe/logger.py)
     install_requires=["torch>=2.3", "numpy", "sentencepiece>=0.2,<0.3", "tqdm>=4.60"],
     # matplotlib: tools/compare_convergence.py and tools/plot_schedule.py draw PNGs (Agg)
     # hf: tools/checkpoint_convert.py (HuggingFace export/import), generate.py on HF directories

@@ -5,7 +5,7 @@
     python bench/async_save.py --dir /scratch   # checkpoints on another file system
 
 One spawned process (one compute thread) trains the same GPT three ways in the same run, saving
-every --save-interval iterations through the training loop's Checkpointer (ckpt/saver.py):
+every --save-interval iterations through the training loop's Checkpointer (checkpoint/saver.py):
 
     none    no checkpoints: the iteration time
     sync    --ckpt-format torch_dist, synchronous: training waits for every save
@@ -38,7 +38,7 @@ VARIANTS = ("none", "sync", "async")
 
 def make_config(spec: dict, variant: str, save_dir: str):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-                                     ParallelConfig, TrainConfig)
+            ParallelConfig, TrainConfig)
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
                         vocab_size=spec["vocab"])
@@ -52,8 +52,8 @@ def make_config(spec: dict, variant: str, save_dir: str):
 
 
 def one_round(variant: str, spec: dict, root: str) -> dict:
-    from megatron_2bw.ckpt.saver import Checkpointer
-    from megatron_2bw.training import build_engine, build_grid, mock_batches
+    from megatron_2bw.checkpoint.saver import Checkpointer
+    from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
     save_dir = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
     cfg = make_config(spec, variant, save_dir)
     grid = build_grid(cfg, 0, 1)

@@ -41,9 +41,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
-from megatron_2bw.pipeline.compensation import (NONE, compensation_error,  # noqa: E402
-                                                method_names)
-from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
+from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
+from megatron_2bw.schedule.kinds import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
 COMPENSATIONS = [m for m in method_names() if m != NONE]
@@ -59,7 +58,7 @@ def split_run(run: str) -> tuple[str, str]:
 
 def make_config(spec: dict, run: str, m: int, dist: bool = False):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-                                     ParallelConfig, PrecisionConfig, TrainConfig)
+            ParallelConfig, PrecisionConfig, TrainConfig)
     b, d, w = spec["micro"], spec["d"], spec["w"]
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
@@ -135,7 +134,8 @@ def optimizer_buffers(optimizer) -> list:
 
 def run_stage(rank, world, spec, schedule, m, dist):
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training import build_grid, mock_batches, model_parts
+    from megatron_2bw.training.loop.build import build_grid, mock_batches
+    from megatron_2bw.models.families import model_parts
     cfg = make_config(spec, schedule, m, dist)
     grid = build_grid(cfg, rank, world)
     data = list(_take(mock_batches(cfg, grid.data, grid.dp_rank), (spec["batches"] + 1) * m))
@@ -169,7 +169,7 @@ def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list, dist: b
     """The planner's memory model for this stage (planner/cost_model.py)."""
     from megatron_2bw.models.flops import layer_costs
     from megatron_2bw.planner.cost_model import (activation_bytes, stage_params, stage_tied,
-                                                 state_bytes)
+            state_bytes)
     cfg = make_config(spec, schedule, m, dist)
     kind = schedule_kind(cfg.schedule)
     costs = layer_costs(cfg.model, spec["micro"], 1, spec["dtype"], "gpt")

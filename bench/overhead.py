@@ -36,14 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 import overhead_breakdown as OB  # noqa: E402
-from megatron_2bw.pipeline.registry import DEFAULT_SCHEDULE, schedule_kind  # noqa: E402
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind  # noqa: E402
 
 VARIANTS = ("plain", "engine-flush", "engine-2bw")
 
 
 def make_config(spec: dict, schedule: str):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-                                     ParallelConfig, TrainConfig)
+            ParallelConfig, TrainConfig)
     b, m = spec["micro"], spec["m"]
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
@@ -59,8 +59,8 @@ class Plain:
     def __init__(self, cfg):
         import torch
         from megatron_2bw.optim.optimizer import torch_reference_optimizer
-        from megatron_2bw.reference import build_sequential
-        from megatron_2bw.training import model_parts
+        from megatron_2bw.testing.reference import build_sequential
+        from megatron_2bw.models.families import model_parts
         specs, self.loss_fn, _ = model_parts(cfg)
         self.model = build_sequential(cfg, specs)
         self.params = [p for _, p in self.model.named_parameters()]
@@ -83,7 +83,7 @@ class Plain:
 
 def build(name: str, spec: dict):
     from megatron_2bw.parallel.grid import ProcessGrid
-    from megatron_2bw.training import build_engine, mock_batches
+    from megatron_2bw.training.loop.build import build_engine, mock_batches
     cfg = make_config(spec, DEFAULT_SCHEDULE if name == "plain" else name[len("engine-"):])
     data = mock_batches(cfg, 1, 0)  # the same microbatch stream for every variant
     if name == "plain":

@@ -56,7 +56,7 @@ def engine_rows(engine, data, plain=None, cfg=None) -> list:
     its timed batches: this trains further on the same data)."""
     import torch
     from megatron_2bw.optim.optimizer import make_optimizer
-    from megatron_2bw.pipeline import actions as A
+    from megatron_2bw.schedule import actions as A
     m, rows = engine.m, []
     seed_us = _us(lambda: engine._seed_microbatch(7))
     rows.append(("seeding" + ("" if engine._seeded else " (skipped: no dropout)"), "forward",
@@ -91,7 +91,7 @@ def engine_rows(engine, data, plain=None, cfg=None) -> list:
 
 def _microbatch_work(engine, data) -> float:
     """Engine F+B of one microbatch minus the same module's forward + loss + backward."""
-    from megatron_2bw.pipeline import actions as A
+    from megatron_2bw.schedule import actions as A
     slot = engine.kind.slot_of_batch(engine.iteration)
     module, scale = engine.weights.modules[slot], 1.0 / engine.m
     k = [10 ** 6]
@@ -145,8 +145,8 @@ def ds_adapter_row(spec: dict, build_config, batches: int = 6) -> tuple:
     train_batch, same model (the overhead bench's GPT layers as a PipelineModule), interleaved."""
     import megatron_2bw as ds
     from megatron_2bw.models.gpt import gpt_layer_specs, gpt_loss
-    from megatron_2bw.pipeline.registry import DEFAULT_SCHEDULE
-    from megatron_2bw.training import mock_batches
+    from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
+    from megatron_2bw.training.loop.build import mock_batches
     cfg = build_config(spec, DEFAULT_SCHEDULE)
     layers = [s.build() for s in gpt_layer_specs(cfg.model)]
     net = ds.pipe.PipelineModule(layers=layers, num_stages=1, loss_fn=gpt_loss,

@@ -57,8 +57,7 @@ import _common as C  # noqa: E402
 from peer_runs import runner, unavailable_reason  # noqa: E402
 
 from megatron_2bw.pipeline.compensation import NONE, method_names  # noqa: E402
-from megatron_2bw.pipeline.registry import (DEFAULT_SCHEDULE, schedule_kind,  # noqa: E402
-                                             schedule_names)
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind, schedule_names
 
 # ours-2bw+predict: 2BW with --2bw-compensation predict (pipeline/compensation.py)
 OURS = tuple(f"ours-{s}" for s in schedule_names()) + tuple(

@@ -28,13 +28,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_2bw.config import (BatchConfig, Config, ModelConfig, ParallelConfig,  # noqa: E402
-                                 TrainConfig)
+from megatron_2bw.config import BatchConfig, Config, ModelConfig, ParallelConfig, TrainConfig
 from megatron_2bw.models.gpt import gpt_partition  # noqa: E402
 from megatron_2bw.planner import Topology, predict, stage_plan  # noqa: E402
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup  # noqa: E402
 from megatron_2bw.planner.profile import MeasuredProfile, measure_profile  # noqa: E402
-from megatron_2bw.pipeline.registry import schedule_names  # noqa: E402
+from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
 
 
 BIG = 16  # the second message size, in activations (the tied embedding gradient is ~this big)
@@ -72,7 +71,7 @@ def _p2p(rank, shape, comm, trips=23):
 
 
 def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
-    from megatron_2bw.training import build_engine, build_grid, mock_batches
+    from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
     results = []
     for rnd in range(repeats):
         for k in range(len(cfgs)):  # interleaved rounds, the order rotated each round
@@ -135,7 +134,7 @@ def predict_round(schedule, res, model, micro_batch, global_batch) -> tuple:
 
 def run(schedules=schedule_names(), layers=4, hidden=128, heads=4, seq=64, vocab=1024,
         micro_batch=4, global_batch=32, warmup=3, iters=10, repeats=3, log=print):
-    from megatron_2bw.launch import spawn
+    from megatron_2bw.testing.launch import spawn
     model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                         seq_length=seq, vocab_size=vocab)
     cfgs = [Config(model=model, parallel=ParallelConfig(pipeline=2, data=1, backend="gloo"),

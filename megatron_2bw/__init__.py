@@ -4,20 +4,26 @@ Also a DeepSpeed drop-in for pipeline models (`import megatron_2bw as deepspeed`
 `deepspeed.initialize`, `deepspeed.init_distributed`, `deepspeed.add_config_arguments`,
 `deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec`, `deepspeed.utils.RepeatingLoader`.
 Everything is imported lazily, on first use, so `import megatron_2bw` stays light.
+
+The package root holds only entry points (pretrain.py, generate.py), fs.py (every write of the
+product) and pipe.py (DeepSpeed's `deepspeed.pipe` name); each concern is a package below it.
+docs/ARCHITECTURE.md draws them; each package's docstring says what it owns and what it must
+not import.
 """
 import importlib
 
 _LAZY = {"initialize": "deepspeed", "init_distributed": "deepspeed",
          "add_config_arguments": "deepspeed", "DeepSpeedPipelineEngine": "deepspeed",
          "PipelineModule": "pipe", "LayerSpec": "pipe", "TiedLayerSpec": "pipe"}
-_SUBMODULES = ("pipe", "utils", "ds_config", "deepspeed", "deepspeed_api")
+# DeepSpeed's module names (deepspeed.pipe, deepspeed.utils) -> where they live here
+_SUBMODULES = {"pipe": "pipe", "utils": "deepspeed.utils", "deepspeed": "deepspeed"}
 
 
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
+        return importlib.import_module(f".{_SUBMODULES[name]}", __name__)
     if name == "comm":  # deepspeed.comm.get_rank() and friends
         import torch.distributed
         return torch.distributed

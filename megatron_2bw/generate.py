@@ -6,7 +6,7 @@
 Both kinds of directory become the one-process model through the converters (convert/: a
 checkpoint is merged from its tensor shards and stages, newest weights under 2BW; a HuggingFace
 GPT-2 or Llama directory is imported). The tokenizer is the one recorded with the checkpoint or
-carried by the HuggingFace directory (convert/tokenizers.py), or --tokenizer-type/-model; without
+carried by the HuggingFace directory (checkpoint/convert/tokenizers.py), or --tokenizer-type/-model; without
 one the prompt is space-separated token ids. Decoding recomputes the whole context every step
 (no key/value cache): meant for looking at samples, not for serving. Greedy decoding picks the
 most likely token (ties: the lowest id, as torch.argmax and HF's generate do); top-p samples
@@ -21,18 +21,18 @@ import sys
 
 import torch
 
-from .arguments import FlagParser, exit_on_config_error
-from .config import ConfigError
-from .convert.tokenizers import eod_or_none
-from .data.tokenizer import TOKENIZER_TYPES, NullTokenizer, build_tokenizer
+from megatron_2bw.config.flags import FlagParser, exit_on_config_error
+from megatron_2bw.config import ConfigError
+from megatron_2bw.checkpoint.convert.tokenizers import eod_or_none
+from megatron_2bw.data.tokenizer import TOKENIZER_TYPES, NullTokenizer, build_tokenizer
 
 
 def load(path: str, iteration: int | None = None):
     """(one-process model, tokenizer or None) of a checkpoint or a HuggingFace directory."""
-    from .convert.native import one_process_model, read_checkpoint
-    from .convert.tokenizers import recorded_tokenizer
+    from megatron_2bw.checkpoint.convert.native import one_process_model, read_checkpoint
+    from megatron_2bw.checkpoint.convert.tokenizers import recorded_tokenizer
     if os.path.isfile(os.path.join(path, "config.json")):
-        from .convert.hf import import_hf
+        from megatron_2bw.checkpoint.convert.hf import import_hf
         full = import_hf(path, divisible_by=1)
     else:
         full = read_checkpoint(path, iteration)

@@ -4,7 +4,7 @@ Order matters: watch the launcher (a worker never outlives it), parse flags, bui
 (the config needs its vocabulary), build and validate the typed config once
 (`config_pipeline.build_config`: flags, DeepSpeed JSON, planner), check the checkpoint
 directories and what resuming changes (a new layout, e.g. from --auto-plan on a new allocation:
-the log says what changed; ckpt/resume.py), then the data (every bad input is a one-line error,
+the log says what changed; checkpoint/resume.py), then the data (every bad input is a one-line error,
 exit 2), and only then start the process group and train. The process group starts in the order clusters need
 (distributed.start_process_group): the rank's device from LOCAL_RANK or SLURM_LOCALID made
 current, `init_process_group(device_id=...)`, then the grid's groups. How a run ends:
@@ -22,16 +22,17 @@ import signal
 import sys
 from typing import Any, Callable, NamedTuple
 
-from .arguments import (FlagParser, add_model_args, add_parallel_args, add_training_args,
-                        exit_on_config_error)
-from .config import Config, ConfigError
-from .config_pipeline import build_config
-from .data.arguments import add_data_args
-from .data.build import build_pretrain_data, pretrain_tokenizer
-from .parallel.distributed import (backend_device, default_backend, destroy_process_group,
-                                   env_rank_world, launched, start_process_group)
-from .reliability import (NO_FAULTS, FaultHooks, NumericsError, abort_on_sigint, describe,
-                          watch_launcher)
+from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
+        add_training_args, exit_on_config_error)
+from megatron_2bw.config import Config, ConfigError
+from megatron_2bw.config.build import build_config
+from megatron_2bw.data.flags import add_data_args
+from megatron_2bw.data.build import build_pretrain_data, pretrain_tokenizer
+from megatron_2bw.parallel.devices import backend_device, default_backend
+from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
+from megatron_2bw.parallel.launcher import env_rank_world, launched
+from megatron_2bw.training.loop.reliability import (NO_FAULTS, FaultHooks, NumericsError,
+        abort_on_sigint, describe, watch_launcher)
 
 
 def build_parser(family: str) -> FlagParser:
@@ -79,23 +80,23 @@ def parse(family: str, argv=None) -> Parsed:
     rank, world_size, local_rank = env_rank_world()
 
     def build():
-        from .ds_config import explicit_flags
+        from megatron_2bw.config.ds_json import explicit_flags
         tokenizer, vocab_size = pretrain_tokenizer(args, family)
         planner = None
         if args.auto_plan:
-            from .planner import plan, planner_inputs
+            from megatron_2bw.planner import plan, planner_inputs
             topology, profile = planner_inputs(args, world_size)
             log = (lambda line: print(line, flush=True)) if rank == 0 else None
             planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
         built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner)
         cfg = built.config
-        from .checkpointing import preflight
-        from .ckpt.resume import resume_note
+        from megatron_2bw.checkpoint.api import preflight
+        from megatron_2bw.checkpoint.resume import resume_note
         preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
         note = resume_note(cfg, world_size, planned=args.auto_plan)  # or a one-line error
         if note and rank == 0:
             print(note, flush=True)
-        from .log_writers import check_tensorboard
+        from megatron_2bw.training.loop.observe.writers import check_tensorboard
         check_tensorboard(cfg.train)
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
@@ -103,10 +104,10 @@ def parse(family: str, argv=None) -> Parsed:
         data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
                                    t.train_iters * gbs, valid, tokenizer=tokenizer)
         if not args.no_memory_check:  # every rank, before any process group
-            from .planner.memory_check import check_memory
+            from megatron_2bw.planner.memory_check import check_memory
             check_memory(cfg, world_size, rank, local_rank)
         if rank == 0 and cfg.train.save:  # generate.py and the exporter read it from there
-            from .convert.tokenizers import record_tokenizer
+            from megatron_2bw.checkpoint.convert.tokenizers import record_tokenizer
             record_tokenizer(cfg.train.save, data.tokenizer)
         return Parsed(cfg, data, rank, world_size, local_rank, built.lr_schedule)
 
@@ -131,7 +132,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
                                                 local_rank))
     comm = start_process_group(rank, world_size, local_rank, backend=cfg.parallel.backend,
                                timeout_minutes=cfg.parallel.timeout_minutes)
-    from .training import build_grid
+    from megatron_2bw.training.loop.build import build_grid
     grid = build_grid(cfg, rank, world_size, comm)
     device, backend = comm.device, comm.backend
     if rank == 0:
@@ -139,14 +140,14 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
               f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches} "
               f"precision={cfg.precision.dtype} backend={backend}", flush=True)
-        from .models.flops import num_parameters
+        from megatron_2bw.models.flops import num_parameters
         print(f"megatron-2bw: {num_parameters(cfg.model) / 1e6:.2f}M parameters "
               f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
               f"{cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}, "
               f"seq {cfg.model.seq_length})", flush=True)
     interrupted = (f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
                    "(one Ctrl-C saves one when --save is set)")
-    previous = abort_on_sigint(interrupted)  # (reliability.py: a KeyboardInterrupt can be lost)
+    previous = abort_on_sigint(interrupted)  # (training/reliability.py: a KeyboardInterrupt can be lost)
     try:
         _train(cfg, grid, device, data, hooks, lr_schedule)
         if previous is not None:
@@ -173,7 +174,8 @@ def _exit(line: str, code: int) -> None:
 
 
 def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None) -> None:
-    from .training import batches, train
+    from megatron_2bw.training.loop.build import batches
+    from megatron_2bw.training.loop.loop import train
     train(cfg, grid, device, lr_schedule=lr_schedule,
           make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
           make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))

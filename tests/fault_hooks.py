@@ -12,8 +12,8 @@ import os
 import signal
 import time
 
-from megatron_2bw.checkpoint_files import TMP_PREFIX
-from megatron_2bw.reliability import FaultHooks
+from megatron_2bw.checkpoint.files import TMP_PREFIX
+from megatron_2bw.training.loop.reliability import FaultHooks
 
 KINDS = ("kill", "sigterm", "sigint", "raise", "kill-in-save", "nan")
 

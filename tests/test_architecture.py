@@ -5,7 +5,7 @@ device, which costs no memory); test_flops.py checks their activation bytes agai
 import pytest
 import torch
 
-from megatron_2bw.arguments import FlagParser, add_model_args, config_from_args
+from megatron_2bw.config.flags import FlagParser, add_model_args, config_from_args
 from megatron_2bw.config import ConfigError, ModelConfig
 from megatron_2bw.models.flavours import FLAVOURS, LLAMA
 from megatron_2bw.models.flops import layer_costs, layer_params, named_model, num_parameters
@@ -18,7 +18,7 @@ from test_flops import ARCH_SHAPES
 def cfg_of(argv, world=None):
     p = FlagParser(prog="t")
     add_model_args(p)
-    from megatron_2bw.arguments import add_parallel_args, add_training_args
+    from megatron_2bw.config.flags import add_parallel_args, add_training_args
     add_parallel_args(p)
     add_training_args(p)
     cfg = config_from_args(p.parse_args(argv))

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw import checkpoint_files
-from megatron_2bw.arguments import config_from_args
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.checkpoint_files import (LATEST, CheckpointError, atomic_write,
-                                           latest_iteration, write_latest)
-from megatron_2bw.checkpointing import preflight, save_checkpoint
+from megatron_2bw.checkpoint import files as checkpoint_files
+from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.config.build import build_config
+from megatron_2bw.checkpoint.files import LATEST, CheckpointError, latest_iteration, write_latest
+from megatron_2bw.checkpoint.files import atomic_write
+from megatron_2bw.checkpoint.api import preflight, save_checkpoint
 from megatron_2bw.config import ConfigError, PrecisionConfig, TrainConfig
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.reliability import NumericsError, Preemption
-from megatron_2bw.training import build_engine, build_grid
+from megatron_2bw.training.loop.reliability import NumericsError, Preemption
+from megatron_2bw.training.loop.build import build_engine, build_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_2bw.checkpoint_files import CheckpointError
-from megatron_2bw.checkpointing import load_checkpoint
-from megatron_2bw.ckpt.inspect import main
+from megatron_2bw.checkpoint.files import CheckpointError
+from megatron_2bw.checkpoint.api import load_checkpoint
+from megatron_2bw.checkpoint.inspect import main
 from test_ckpt_async import _one_rank
 from test_resume import make_cfg, run
 

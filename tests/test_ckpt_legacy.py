@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
-from megatron_2bw.ckpt.convert import torch_to_dist
-from megatron_2bw.ckpt.load import is_dist_checkpoint
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.convert.native import read_checkpoint
-from megatron_2bw.launch import spawn
+from megatron_2bw.checkpoint.convert.to_dist import torch_to_dist
+from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint
+from megatron_2bw.config.build import build_config
+from megatron_2bw.checkpoint.convert.native import read_checkpoint
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.pretrain import build_parser
 from test_resume import _worker
 

@@ -3,10 +3,10 @@ with 2bw and loaded at (1, 2, 2) flush and at (1, 4, 1) 2bw, the merged fp32 wei
 previous version and the Adam moments are bitwise equal to the saved ones, and the next
 iterations equal the single-process reference started from the merged state (rtol 1e-5).
 
-Merging here goes through the engine's own per-stage names, `verify.merge_tensor_shards` and the
-tied renames, not through the checkpoint's boxes (ckpt/shards.py), so a wrong box fails it.
+Merging here goes through the engine's own per-stage names, `tensor_parallel.shards.merge_tensor_shards` and the
+tied renames, not through the checkpoint's boxes (checkpoint/dist/shards.py), so a wrong box fails it.
 The same holds from a distributed-optimizer checkpoint (--use-distributed-optimizer, saved at
-(1, 2, 2) 2bw, each data-parallel rank writing its pieces of the moments: ckpt/shards.py, the
+(1, 2, 2) 2bw, each data-parallel rank writing its pieces of the moments: checkpoint/dist/shards.py, the
 pieces form) loaded without it at (1, 2, 1) flush and with it at (2, 1, 2) 2bw, whose pieces
 cover other parameters; the dumps' pieces are joined by `optim.distributed.full_state`."""
 import copy
@@ -16,15 +16,17 @@ import os
 import pytest
 import torch
 
-from megatron_2bw.checkpointing import load_checkpoint, save_checkpoint
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.convert.native import one_process_names
-from megatron_2bw.launch import spawn
+from megatron_2bw.checkpoint.api import load_checkpoint, save_checkpoint
+from megatron_2bw.config.build import build_config
+from megatron_2bw.checkpoint.names import one_process_names
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.reference import build_sequential, reference_train
-from megatron_2bw.training import build_engine, build_grid, mock_batches, model_parts
-from megatron_2bw.verify import Report, compare, merge_tensor_shards
+from megatron_2bw.testing.reference import build_sequential, reference_train
+from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+from megatron_2bw.models.families import model_parts
+from megatron_2bw.testing.verify import Report, compare
+from megatron_2bw.tensor_parallel.shards import merge_tensor_shards
 
 BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 1 --global-batch-size 8 --lr 3e-3 --vocab-size 128").split()
@@ -114,7 +116,7 @@ def merged(dumps: list[dict], kind: str) -> dict[str, torch.Tensor]:
                "dp": d["dp"], "tp": d["tp"], "renames": d["renames"]}
               for d in dumps if d["dp"] == 0]
     out = {}
-    for stage in merge_tensor_shards(shards, rep):
+    for stage in merge_tensor_shards(shards, rep.problems):
         for name, value in stage["params"].items():
             out.setdefault(stage["renames"].get(name, name), value)
     assert not rep.problems, rep.problems
@@ -192,7 +194,7 @@ DISTRIBUTED = ("--use-distributed-optimizer",)
 @pytest.fixture(scope="module")
 def saved_distributed(tmp_path_factory):
     """A distributed-optimizer checkpoint: each data-parallel rank saves its own pieces of the
-    moments (ckpt/shards.py, the pieces form)."""
+    moments (checkpoint/dist/shards.py, the pieces form)."""
     saved = _save(tmp_path_factory, 1, 2, 2, DISTRIBUTED)
     assert all(x["pieces"]["sharded"]["count"] == 2 for x in saved[3])
     return saved

@@ -1,4 +1,4 @@
-"""The boxes of global tensors (ckpt/shards.py), no processes: a flat range of a tensor is a few
+"""The boxes of global tensors (checkpoint/dist/shards.py), no processes: a flat range of a tensor is a few
 contiguous boxes, and a state in pieces of flat ranges (the distributed optimizer's state_dict,
 issue 17: fp32 masters and Adam moments) saves as more chunks of the same global tensors and
 reads back into any other split, or whole into a run without one."""
@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_2bw.ckpt.load import read_full, stage_boxes
-from megatron_2bw.ckpt.save import DistSave, nested_tensors, tmp_dir
-from megatron_2bw.ckpt.shards import empty_state, flat_range_boxes, state_shards
-from megatron_2bw.ckpt.storage import plan_save, read_boxes
+from megatron_2bw.checkpoint.dist.load import read_full, stage_boxes
+from megatron_2bw.checkpoint.dist.save import DistSave, nested_tensors, tmp_dir
+from megatron_2bw.checkpoint.dist.shards import empty_state, flat_range_boxes, state_shards
+from megatron_2bw.checkpoint.dist.storage import plan_save, read_boxes
 from megatron_2bw.parallel.comm import Comm
-from megatron_2bw.reliability import NO_FAULTS
+from megatron_2bw.training.loop.reliability import NO_FAULTS
 from megatron_2bw.tensor_parallel.layers import shard_box
-from megatron_2bw.training import mock_batches
+from megatron_2bw.training.loop.build import mock_batches
 from test_ckpt_async import _one_rank
 
 
@@ -56,7 +56,7 @@ def _save(shards, objects, root, it=1):
 
 
 def _pieces(state: dict, ranges: list, rank: int) -> dict:
-    """The pieces form of a distributed optimizer's state (ckpt/shards.py) for `ranges` of the
+    """The pieces form of a distributed optimizer's state (checkpoint/dist/shards.py) for `ranges` of the
     flat layout, its fp32 masters the newest weights."""
     opt = state["optimizer"]
     return {"sharded": {"count": 3, "rank": rank}, "steps": opt["steps"],

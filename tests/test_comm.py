@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import ConfigError
-from megatron_2bw.launch import spawn
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.parallel import comm as comm_mod
 from megatron_2bw.parallel import distributed as D
 from megatron_2bw.parallel.comm import Comm, CommDeviceError
@@ -126,8 +126,8 @@ def test_grid_groups_are_created_through_its_comm_with_a_group_per_stage_pair(t,
 
 
 def _profile_worker(rank, world_size, out):
-    from megatron_2bw.pipe.module import PipelineModule, _max_over_ranks
-    from megatron_2bw.pipe import LayerSpec
+    from megatron_2bw.deepspeed.pipe.module import PipelineModule, _max_over_ranks
+    from megatron_2bw.deepspeed.pipe import LayerSpec
     torch.set_default_device("meta")   # the costs' tensor must name the backend's device
     agreed = _max_over_ranks([1.0, 5.0] if rank == 0 else [3.0, 2.0])
     torch.set_default_device("cpu")

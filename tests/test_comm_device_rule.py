@@ -24,9 +24,9 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.checkpointing import LATEST
-from megatron_2bw.launch import spawn
+from megatron_2bw.config.build import build_config
+from megatron_2bw.checkpoint.api import LATEST
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.pretrain import build_parser
 
 BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
@@ -89,7 +89,7 @@ def _old_stop_requested(cfg, started, iteration, engine):
 
 
 def _install_bug(bug):
-    from megatron_2bw import reliability, training
+    from megatron_2bw.training.loop import reliability, loop as training
     if bug == "preemption":
         reliability.Preemption.agreed = _old_preemption_agreed
     elif bug == "exit-duration":
@@ -97,7 +97,7 @@ def _install_bug(bug):
 
 
 def _worker(rank, world_size, d, bug):
-    from megatron_2bw import training
+    from megatron_2bw.training.loop import loop as training
     _install_bug(bug)
     build = training.build_engine
 

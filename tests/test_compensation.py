@@ -1,5 +1,5 @@
 """2BW staleness compensation (`--2bw-compensation`, pipeline/compensation.py): every method equals
-its single-process reference (megatron_2bw/reference.py) on real gloo processes at
+its single-process reference (megatron_2bw/testing/reference.py) on real gloo processes at
 (t,d,w) in {(1,2,1), (1,2,2), (1,4,1), (2,2,1)}; the optimizer's predictions are pure; the
 comparison fails for an engine that ignores the compensation; evaluation between batches, mixed
 precision and the memory model; one-line errors for what does not apply."""
@@ -8,14 +8,14 @@ import copy
 import pytest
 import torch
 
-from megatron_2bw.config_pipeline import build_config
+from megatron_2bw.config.build import build_config
 from megatron_2bw.pipeline.compensation import Compensator, keeps_master, method_names
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.planner.cost_model import state_bytes
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.reference import _predicted, _spike
-from megatron_2bw.verify import parse, run
+from megatron_2bw.testing.reference import _predicted, _spike
+from megatron_2bw.testing.verify import parse, run
 from test_engine_units import _model, stepped
 
 TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "

@@ -1,5 +1,5 @@
 """torch_dist checkpoints of `--2bw-compensation predict-nesterov`, whose optimizer keeps its latest
-gradient (`optimizer.last_grad.<name>`, ckpt/shards.py): it loads bitwise into another layout
+gradient (`optimizer.last_grad.<name>`, checkpoint/dist/shards.py): it loads bitwise into another layout
 (d=2 -> d=1) and into the distributed optimizer's pieces (w=2); a checkpoint without it (another
 method's, an older one) loads with last_grad = exp_avg, so the first prediction is bitwise
 `predict`'s; a checkpoint with it loads into a run that keeps none (the key is ignored).
@@ -8,14 +8,14 @@ import os
 
 import torch
 
-from megatron_2bw.checkpoint_files import iteration_dir
-from megatron_2bw.checkpointing import LATEST, load_checkpoint
-from megatron_2bw.ckpt.load import read_full, stage_boxes
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.launch import spawn
+from megatron_2bw.checkpoint.files import iteration_dir
+from megatron_2bw.checkpoint.api import LATEST, load_checkpoint
+from megatron_2bw.checkpoint.dist.load import read_full, stage_boxes
+from megatron_2bw.config.build import build_config
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training import build_engine, build_grid
+from megatron_2bw.training.loop.build import build_engine, build_grid
 
 from test_resume import _worker as _train_worker
 

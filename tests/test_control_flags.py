@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.launch import spawn
+from megatron_2bw.config.build import build_config
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.pipeline.flags import FLAGS, ControlFlags
 from megatron_2bw.pretrain import build_parser
@@ -88,7 +88,7 @@ class _P2PRecorder(Comm):
 
 
 def _worker(rank, world_size, t, d, raiser, out):
-    from megatron_2bw.training import build_engine, build_grid, mock_batches
+    from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
     argv = BASE + ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size",
                    str(d)]
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", world_size).config

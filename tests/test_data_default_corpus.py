@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_2bw.data.arguments import add_data_args
+from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.data.build import build_gpt_train_data, build_pretrain_data
 from megatron_2bw.data.default_corpus import (DEFAULT_VOCAB_SIZE, default_corpus,
-                                              default_corpus_unigram_entropy, unigram_entropy)
+        default_corpus_unigram_entropy, unigram_entropy)
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
 from megatron_2bw.data.tokenizer import GPTSentencePieceTokenizer
@@ -119,7 +119,7 @@ def test_no_data_flags_fall_back_to_the_default_corpus(cache):
 
 @pytest.mark.parametrize("family", ["gpt", "bert"])
 def test_flags_to_train_and_valid_data(cache, family):
-    from megatron_2bw.arguments import add_model_args, add_parallel_args, add_training_args
+    from megatron_2bw.config.flags import add_model_args, add_parallel_args, add_training_args
     p = argparse.ArgumentParser()
     for add in (add_model_args, add_parallel_args, add_training_args):
         add(p)
@@ -150,12 +150,12 @@ def readme_run() -> list[str]:
 
 
 def _train_on_default_corpus(rank, world_size, argv, out):
-    from megatron_2bw.arguments import add_model_args, add_parallel_args, add_training_args
-    from megatron_2bw.config_pipeline import build_config
+    from megatron_2bw.config.flags import add_model_args, add_parallel_args, add_training_args
+    from megatron_2bw.config.build import build_config
     from megatron_2bw.data.build import pretrain_tokenizer
-    from megatron_2bw.data.arguments import add_data_args
+    from megatron_2bw.data.flags import add_data_args
     from megatron_2bw.data.mock import GPTBatches
-    from megatron_2bw import training
+    from megatron_2bw.training.loop import loop as training
     p = argparse.ArgumentParser()
     for add in (add_model_args, add_parallel_args, add_training_args, add_data_args):
         add(p)
@@ -178,7 +178,7 @@ def _train_on_default_corpus(rank, world_size, argv, out):
 
 @pytest.mark.slow
 def test_readme_run_on_default_corpus_beats_unigram_entropy(cache):
-    from megatron_2bw.launch import spawn
+    from megatron_2bw.testing.launch import spawn
     entropy = default_corpus_unigram_entropy()
     out = str(cache / "losses.pt")
     spawn(_train_on_default_corpus, 2, (readme_run(), out))

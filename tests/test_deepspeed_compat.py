@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples", "deepspeed_style"))
 
 import train as example  # noqa: E402
-from megatron_2bw.launch import spawn  # noqa: E402
+from megatron_2bw.testing.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed")
@@ -48,7 +48,7 @@ def _worker(rank, world, outdir):
     # our PipelineModule over DeepSpeed's LayerSpec / TiedLayerSpec objects
     hybrid = types.SimpleNamespace(pipe=types.SimpleNamespace(
         LayerSpec=deepspeed.pipe.LayerSpec, TiedLayerSpec=deepspeed.pipe.TiedLayerSpec,
-        PipelineModule=megatron_2bw.pipe.PipelineModule))
+        PipelineModule=megatron_2bw.deepspeed.pipe.PipelineModule))
     torch.manual_seed(1234)
     net = example.build_model(hybrid, 2)
     eng, _, _, _ = megatron_2bw.initialize(model=net, training_data=example.token_dataset(),

@@ -11,10 +11,11 @@ from torch import nn
 
 import megatron_2bw as deepspeed
 from megatron_2bw.config import Config, ConfigError
-from megatron_2bw.ds_config import (batch_triple, config_from_deepspeed, explicit_flags,
-                                    merge_flags_and_ds_config)
+from megatron_2bw.config.ds_json import (batch_triple, config_from_deepspeed, explicit_flags,
+        merge_flags_and_ds_config)
 from megatron_2bw.optim import LRSchedule
-from megatron_2bw.pipe import LayerSpec, PipeDataParallelTopology, PipelineModule, TiedLayerSpec
+from megatron_2bw.deepspeed.pipe import (LayerSpec, PipeDataParallelTopology, PipelineModule,
+        TiedLayerSpec)
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
 
@@ -292,7 +293,7 @@ def test_deepspeed_lr_warmup_log_shape():
 
 # -- partition methods --------------------------------------------------------------------------------
 def test_merge_with_a_config_built_from_real_megatron_flags():
-    from megatron_2bw.arguments import config_from_args
+    from megatron_2bw.config.flags import config_from_args
     from megatron_2bw.pretrain import build_parser
     argv = ["--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
             "--micro-batch-size", "2", "--lr", "0.01"]
@@ -322,13 +323,13 @@ def test_merge_with_a_config_built_from_real_megatron_flags():
      ("2", "4", "2", "127.0.0.1")),
 ])
 def test_init_distributed_reads_slurm_and_mpi_environments(monkeypatch, env, want):
-    from megatron_2bw.deepspeed_api import _discover_env
+    from megatron_2bw.parallel.launcher import discover_env
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "SLURM_JOB_ID", "SLURM_NODELIST"):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    _discover_env(29500)
+    discover_env(29500)
     assert tuple(os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")) \
         == want
     assert os.environ["MASTER_PORT"] == "29500"

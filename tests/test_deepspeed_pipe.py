@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.pipe import (LayerSpec, PipeDataParallelTopology, PipeModelDataParallelTopology,
-                               PipelineModule, ProcessTopology, partition_layers,
-                               partition_uniform)
-from megatron_2bw.pipe.topology import grid_layout
+from megatron_2bw.deepspeed.pipe import (LayerSpec, PipeDataParallelTopology,
+        PipeModelDataParallelTopology, PipelineModule, ProcessTopology, partition_layers,
+        partition_uniform)
+from megatron_2bw.deepspeed.pipe.topology import grid_layout
 
 from test_deepspeed_config import deepspeed_module, one_line_error  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_partition_methods_place_every_layer_once(method, n, d):
 
 def test_partitions_match_deepspeed():
     ds_utils = deepspeed_module("deepspeed.runtime.utils")
-    from megatron_2bw.pipe.partition import count_layer_params
+    from megatron_2bw.deepspeed.pipe.partition import count_layer_params
     layers = thirty_layers()
     counts = count_layer_params(layers)
     assert partition_layers(layers, 4, "parameters") == ds_utils.partition_balanced(counts, 4)

@@ -10,9 +10,9 @@ import tempfile
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ADAPTER = [os.path.join(ROOT, "megatron_2bw", "deepspeed", f)
-           for f in sorted(os.listdir(os.path.join(ROOT, "megatron_2bw", "deepspeed")))
-           if f.endswith(".py")] + [os.path.join(ROOT, "megatron_2bw", "deepspeed_api.py")]
+ADAPTER = [os.path.join(d, f) for d, _, fs in
+           sorted(os.walk(os.path.join(ROOT, "megatron_2bw", "deepspeed"))) for f in sorted(fs)
+           if f.endswith(".py")]
 ENGINE_NAMES = {"_engine", "stepper", "weights", "scaler"}  # the core engine and its parts
 
 
@@ -123,7 +123,7 @@ def _view_worker(rank, world, outdir):
 
 
 def test_the_pipeline_module_is_a_view_of_the_newest_weights():
-    from megatron_2bw.launch import spawn
+    from megatron_2bw.testing.launch import spawn
     with tempfile.TemporaryDirectory() as d:
         spawn(_view_worker, 2, args=(d,), timeout_minutes=2)
         res = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]

@@ -11,15 +11,15 @@ import tempfile
 import pytest
 import torch
 
-from megatron_2bw.checkpoint_files import optimizer_shard_name
-from megatron_2bw.checkpointing import LATEST, load_checkpoint, rank_dir
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.launch import spawn
+from megatron_2bw.checkpoint.files import optimizer_shard_name
+from megatron_2bw.checkpoint.api import LATEST, load_checkpoint, rank_dir
+from megatron_2bw.config.build import build_config
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pipeline.compensation import NONE, method_names
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training import build_engine, build_grid
-from megatron_2bw.verify import parse, run
+from megatron_2bw.training.loop.build import build_engine, build_grid
+from megatron_2bw.testing.verify import parse, run
 from torch.multiprocessing import ProcessRaisedException
 
 from fault_hooks import PoisonGradient
@@ -103,7 +103,7 @@ def test_resume_is_bitwise_identical(precision):
 
 
 def test_resume_from_a_torch_dist_checkpoint_is_bitwise_identical():
-    """The layout-free format holds the shards' pieces as boxes of global tensors (ckpt/shards.py):
+    """The layout-free format holds the shards' pieces as boxes of global tensors (checkpoint/dist/shards.py):
     a run with the distributed optimizer resumes from it exactly."""
     flags = ["--pipeline-schedule", "2bw", "--global-batch-size", "8", "--ckpt-format",
              "torch_dist"]

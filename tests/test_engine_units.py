@@ -11,7 +11,7 @@ from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.optim.loss_scale import DynamicLossScaler
 from megatron_2bw.optim.optimizer import make_optimizer, torch_reference_optimizer
 from megatron_2bw.parallel.p2p import decode_meta, encode_meta
-from megatron_2bw.pipeline.module import StageModule
+from megatron_2bw.models.stage import StageModule
 from megatron_2bw.pipeline.weights import VersionedWeights
 
 
@@ -131,7 +131,7 @@ def test_dynamic_loss_scaler():
 def _one_stage_engine(schedule):
     from megatron_2bw.config import BatchConfig, Config, TrainConfig
     from megatron_2bw.parallel.grid import ProcessGrid
-    from megatron_2bw.training import build_engine, mock_batches
+    from megatron_2bw.training.loop.build import build_engine, mock_batches
     cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                    vocab_size=64, seq_length=8),
                  batch=BatchConfig(micro_batch_size=2, global_batch_size=4),
@@ -153,9 +153,9 @@ class _Counting:
 
 
 def test_engine_refuses_a_hand_broken_table_before_running_anything():
-    from megatron_2bw.pipeline import actions as A
-    from megatron_2bw.pipeline.schedules import make_schedule
-    from megatron_2bw.pipeline.simulate import ScheduleError
+    from megatron_2bw.schedule import actions as A
+    from megatron_2bw.schedule.tables import make_schedule
+    from megatron_2bw.schedule.simulate import ScheduleError
     engine, data = _one_stage_engine("flush")
     good = make_schedule("flush", 1, 2)
     table = good.table()  # F0 B0 F1 B1 R0 N0 S0 -> F0 B0 F1 R0 N0 S0 B1
@@ -185,7 +185,7 @@ def test_engine_runs_validated_windows_and_asks_the_kind_for_slots(schedule):
 def test_the_engine_takes_an_lr_schedule_and_shows_its_public_surface():
     from megatron_2bw.config import BatchConfig, Config, TrainConfig
     from megatron_2bw.parallel.grid import ProcessGrid
-    from megatron_2bw.training import build_engine, mock_batches
+    from megatron_2bw.training.loop.build import build_engine, mock_batches
     cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                    vocab_size=64, seq_length=8),
                  batch=BatchConfig(micro_batch_size=2, global_batch_size=4),

@@ -6,7 +6,7 @@ parameter with plain PyTorch training (gpipe/flush) or the delayed-update refere
 import pytest
 
 from megatron_2bw.pipeline.engine import PipelineEngine
-from megatron_2bw.verify import main, parse, report, run
+from megatron_2bw.testing.verify import main, parse, report, run
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --lr 3e-3 --train-iters 5 --timeout-minutes 1").split()

@@ -12,7 +12,7 @@ a different reduction order into differences of up to ~lr (1.4e-5 relative at t=
 float rounding even at 0.02, which the second case checks at 1e-7."""
 import pytest
 
-from megatron_2bw.verify import parse, run
+from megatron_2bw.testing.verify import parse, run
 
 TINY = ("--model llama-debug --seq-length 16 --micro-batch-size 2 --train-iters 3 "
         "--clip-grad 0.3").split()

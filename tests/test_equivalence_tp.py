@@ -6,7 +6,7 @@ The default run keeps the cheap cases; `-m slow` runs the whole matrix of issue 
 ((t,d,w) in {(2,1,1),(2,2,1),(2,2,2)} x gpipe/flush/2bw x GPT/BERT x recompute off/selective/full)."""
 import pytest
 
-from megatron_2bw.verify import parse, run
+from megatron_2bw.testing.verify import parse, run
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --train-iters 4 --clip-grad 0.3").split()

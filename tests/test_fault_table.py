@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.checkpoint_files import LATEST, TMP_PREFIX, temporary_files
-from megatron_2bw.ckpt.load import read_full
+from megatron_2bw.checkpoint.files import LATEST, TMP_PREFIX, temporary_files
+from megatron_2bw.checkpoint.dist.load import read_full
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "tests" / "fault_entry.py")

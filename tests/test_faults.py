@@ -14,8 +14,8 @@ import pytest
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from fault_hooks import InjectedFault
-from megatron_2bw.checkpointing import LATEST
-from megatron_2bw.launch import free_port, spawn
+from megatron_2bw.checkpoint.api import LATEST
+from megatron_2bw.testing.launch import free_port, spawn
 from test_resume import _worker, make_cfg, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def test_raising_rank_is_named(tmp_path):
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     assert "error: rank 1 (stage 1/2" in proc.stderr and "injected failure" in proc.stderr
-    assert str(ROOT / "megatron_2bw" / "training.py") in proc.stderr, \
+    assert str(ROOT / "megatron_2bw" / "training/loop.py") in proc.stderr, \
         "an unexpected error keeps its traceback"
 
 
@@ -149,7 +149,7 @@ def test_ctrl_c_without_save_is_one_line_and_exit_130(tmp_path):
 
 _FINALIZER_GETS_SIGINT = """
 import os, signal, sys
-from megatron_2bw.reliability import abort_on_sigint
+from megatron_2bw.training.reliability import abort_on_sigint
 if sys.argv[1] == "abort":
     abort_on_sigint("error: aborted by SIGINT")
 class Finalized:

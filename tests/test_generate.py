@@ -60,8 +60,8 @@ def test_readme_serving_commands_as_written(tmp_path_factory):
 
 def test_greedy_tokens_equal_hf_generate_on_the_exported_model(served):
     transformers = pytest.importorskip("transformers")
-    from megatron_2bw.convert.native import one_process_model, read_checkpoint
-    from megatron_2bw.convert.tokenizers import recorded_tokenizer
+    from megatron_2bw.checkpoint.convert.native import one_process_model, read_checkpoint
+    from megatron_2bw.checkpoint.convert.tokenizers import recorded_tokenizer
     work, sample, export = served
     ckpt = work / sample[sample.index("--load") + 1]
     out = work / export[export.index("--save") + 1]
@@ -116,10 +116,10 @@ def test_bad_generate_flags_are_one_line_errors(argv, message, tmp_path):
 def test_generate_names_a_missing_checkpoint_and_reads_ids_without_a_tokenizer(tmp_path):
     proc = gen("--load", tmp_path / "nowhere", "--prompt", "x")
     assert proc.returncode == 2 and "is not a checkpoint directory: fix the path" in proc.stderr
-    from megatron_2bw.convert.native import FullModel, write_checkpoint
-    from megatron_2bw.verify import parse
-    from megatron_2bw.reference import build_sequential
-    from megatron_2bw.training import model_parts
+    from megatron_2bw.checkpoint.convert.native import FullModel, write_checkpoint
+    from megatron_2bw.testing.verify import parse
+    from megatron_2bw.testing.reference import build_sequential
+    from megatron_2bw.models.families import model_parts
     cfg, _ = parse(["--model", "llama-debug", "--vocab-size", "64"])
     specs, _, _ = model_parts(cfg)
     state = {n: p.detach() for n, p in build_sequential(cfg, specs).named_parameters()}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_2bw.pipeline.registry import schedule_names
+from megatron_2bw.schedule.kinds import schedule_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -64,7 +64,7 @@ def test_the_log_parser_reads_the_logger():
 
 
 def test_device_peaks():
-    from megatron_2bw.devices import peak_tflops
+    from megatron_2bw.training.loop.observe.devices import peak_tflops
     assert peak_tflops("NVIDIA H200") == 989.0 and peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and peak_tflops("NVIDIA A10") == 125.0
     assert peak_tflops("NVIDIA L40S") == 362.0 and peak_tflops("Tesla V100-SXM2") is None

@@ -18,17 +18,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from megatron_2bw.config_pipeline import build_config  # noqa: E402
-from megatron_2bw.checkpointing import CheckpointError  # noqa: E402
-from megatron_2bw.convert.hf import export_hf, import_hf, require_hf  # noqa: E402
-from megatron_2bw.convert.hf_mapping import ConvertError  # noqa: E402
-from megatron_2bw.convert.native import (FullModel, one_process_model, read_checkpoint,  # noqa
-                                         write_checkpoint)
-from megatron_2bw.launch import spawn  # noqa: E402
+from megatron_2bw.config.build import build_config  # noqa: E402
+from megatron_2bw.checkpoint.api import CheckpointError  # noqa: E402
+from megatron_2bw.checkpoint.convert.hf import export_hf, import_hf, require_hf  # noqa: E402
+from megatron_2bw.checkpoint.convert.hf_mapping import ConvertError  # noqa: E402
+from megatron_2bw.checkpoint.convert.native import (FullModel, one_process_model, read_checkpoint,
+        write_checkpoint)
+from megatron_2bw.testing.launch import spawn  # noqa: E402
 from megatron_2bw.pretrain import build_parser  # noqa: E402
-from megatron_2bw.reference import reference_train  # noqa: E402
-from megatron_2bw.training import (batches, build_grid, mock_batches, mock_dataset,  # noqa: E402
-                                   model_parts, train)
+from megatron_2bw.testing.reference import reference_train  # noqa: E402
+from megatron_2bw.training.loop.build import batches, build_grid, mock_batches, mock_dataset
+from megatron_2bw.models.families import model_parts
+from megatron_2bw.training.loop.loop import train
 
 os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,7 +163,7 @@ def test_imported_t2_d2_checkpoint_trains_from_hf_weights(kind, finetune, tmp_pa
     full = import_hf(str(tmp_path / "hf"), tensor=2)
     ckpt = str(tmp_path / "ckpt")
     write_checkpoint(ckpt, full, tensor=2, pipeline=2)
-    from megatron_2bw.convert.cli import model_flags
+    from megatron_2bw.checkpoint.convert.cli import model_flags
     flags = model_flags(full.config.model) + ["--load", ckpt, "--train-iters", "1"]
     cfg = make_cfg(flags + (["--finetune"] if finetune else []))
     losses = train_4(cfg, str(tmp_path / "losses"))
@@ -174,8 +175,8 @@ def test_loading_with_other_architecture_flags_names_the_difference(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     ckpt = str(tmp_path / "ckpt")
     write_checkpoint(ckpt, import_hf(str(tmp_path / "hf"), tensor=2), tensor=2, pipeline=2)
-    from megatron_2bw.checkpointing import _read
-    from megatron_2bw.convert.cli import model_flags
+    from megatron_2bw.checkpoint.api import _read
+    from megatron_2bw.checkpoint.convert.cli import model_flags
     cfg = make_cfg(model_flags(import_hf(str(tmp_path / "hf")).config.model)
                    + ["--normalization", "LayerNorm"])
     grid = type("G", (), {"tensor": 2, "pipeline": 2})()
@@ -219,7 +220,7 @@ def _bert_checkpoint(path):
     cfg = make_cfg(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"])
     cfg = cfg.replace(model={"family": "bert"})
     specs, _, _ = model_parts(cfg)
-    from megatron_2bw.reference import build_sequential
+    from megatron_2bw.testing.reference import build_sequential
     state = {n: p.detach() for n, p in build_sequential(cfg, specs).named_parameters()}
     write_checkpoint(path, FullModel(cfg, state), 1, 1)
 
@@ -228,7 +229,7 @@ def _checkpoint_with(path, *flags):
     cfg = make_cfg(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                     *flags])
     specs, _, _ = model_parts(cfg)
-    from megatron_2bw.reference import build_sequential
+    from megatron_2bw.testing.reference import build_sequential
     state = {n: p.detach() for n, p in build_sequential(cfg, specs).named_parameters()}
     write_checkpoint(path, FullModel(cfg, state), 1, 1)
 

@@ -74,7 +74,7 @@ def test_sbatch_examples_flags_parse_and_validate(name):
     import shlex
     from pathlib import Path
 
-    from megatron_2bw.config_pipeline import build_config
+    from megatron_2bw.config.build import build_config
     from megatron_2bw.pretrain import build_parser
     text = (Path(__file__).resolve().parent.parent / "examples" / "slurm" / name).read_text()
     nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text).group(1))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron_2bw.pipeline.registry import schedule_names
+from megatron_2bw.schedule.kinds import schedule_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOW, HIGH = 0.85, 1.0

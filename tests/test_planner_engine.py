@@ -11,10 +11,9 @@ import torch
 
 from megatron_2bw.config import BatchConfig, Config, ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_2bw.config import PrecisionConfig, TrainConfig
-from megatron_2bw.launch import spawn
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.planner import AnalyticProfile, Topology
-from megatron_2bw.planner.cost_model import (LayerTimes, Layout, Setup, activation_bytes,
-                                             stage_plan)
+from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, activation_bytes, stage_plan
 
 BATCHES = 3
 
@@ -33,7 +32,8 @@ def _cfg(schedule, t=1, d=1, b=2, m=4, dtype="fp32", opt="adam", recompute=False
 def _worker(rank, world_size, cfgs, outdir):
     from megatron_2bw.pipeline.engine import PipelineEngine
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training import build_grid, mock_batches, model_parts
+    from megatron_2bw.training.loop.build import build_grid, mock_batches
+    from megatron_2bw.models.families import model_parts
 
     class Counting(PipelineEngine):
         """Counts stashed microbatches and the bytes autograd saves per forward."""

@@ -184,8 +184,8 @@ def test_cli_measured_profile_round_trip(tmp_path):
 
 
 def _flags_config(argv, world, planned=True):
-    from megatron_2bw.config_pipeline import build_config
-    from megatron_2bw.ds_config import explicit_flags
+    from megatron_2bw.config.build import build_config
+    from megatron_2bw.config.ds_json import explicit_flags
     from megatron_2bw.planner import plan, planner_inputs
     from megatron_2bw.pretrain import build_parser
     args = build_parser("gpt").parse_args(argv)

@@ -143,7 +143,7 @@ class BrokenAt:
     """A GPT dataset whose sample 9 cannot be read."""
 
     def __init__(self, cfg):
-        from megatron_2bw.training import mock_dataset
+        from megatron_2bw.training.loop.build import mock_dataset
         self.inner = mock_dataset(cfg)
 
     def __getitem__(self, i):
@@ -153,7 +153,8 @@ class BrokenAt:
 
 
 def _train_on_broken_data(rank, world_size, cfg):
-    from megatron_2bw.training import batches, build_grid, train
+    from megatron_2bw.training.loop.build import batches, build_grid
+    from megatron_2bw.training.loop.loop import train
     grid = build_grid(cfg, rank, world_size)
     data = BrokenAt(cfg)
     train(cfg, grid, "cpu", make_data=lambda s: batches(cfg, data, grid.data, grid.dp_rank, s),
@@ -161,8 +162,8 @@ def _train_on_broken_data(rank, world_size, cfg):
 
 
 def test_a_failed_read_stops_training_with_one_line():
-    from megatron_2bw.config_pipeline import build_config
-    from megatron_2bw.launch import spawn
+    from megatron_2bw.config.build import build_config
+    from megatron_2bw.testing.launch import spawn
     from megatron_2bw.pretrain import build_parser
     argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--micro-batch-size 2 --global-batch-size 4 --train-iters 4").split()

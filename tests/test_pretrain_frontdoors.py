@@ -137,7 +137,7 @@ def test_auto_plan_contradictions_name_both_sources(tmp_path, world4, capsys):
 
 
 def test_the_jsons_lr_scheduler_reaches_the_engine_not_the_config(tmp_path, world2):
-    from megatron_2bw.ds_config import DeepSpeedLR
+    from megatron_2bw.config.ds_json import DeepSpeedLR
     ds = _ds(tmp_path, train_batch_size=8, scheduler={"type": "WarmupLR", "params": {
         "warmup_num_steps": 4, "warmup_max_lr": 0.01}})
     parsed = parse("gpt", MODEL + ds)

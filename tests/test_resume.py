@@ -6,14 +6,15 @@ import tempfile
 import pytest
 import torch
 
-from megatron_2bw.config_pipeline import build_config
-from megatron_2bw.checkpoint_files import iteration_dir
-from megatron_2bw.checkpointing import LATEST, CheckpointError, rank_dir
-from megatron_2bw.ckpt.load import is_dist_checkpoint, read_common, read_full
-from megatron_2bw.launch import spawn
+from megatron_2bw.config.build import build_config
+from megatron_2bw.checkpoint.files import iteration_dir
+from megatron_2bw.checkpoint.api import LATEST, CheckpointError, rank_dir
+from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common, read_full
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.reliability import NO_FAULTS
-from megatron_2bw.training import batches, build_grid, mock_dataset, train
+from megatron_2bw.training.loop.reliability import NO_FAULTS
+from megatron_2bw.training.loop.build import batches, build_grid, mock_dataset
+from megatron_2bw.training.loop.loop import train
 
 BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --pipeline-model-parallel-size 2 "
@@ -95,6 +96,6 @@ def test_checkpoint_of_another_shape_is_a_clear_error():
         with pytest.raises(Exception, match="hidden_size 32 != 64"):
             spawn(_worker, 2, args=(cfg, f"{d}/y"), timeout_minutes=1)
         open(os.path.join(d, LATEST), "w").write("garbage")
-        from megatron_2bw.checkpointing import latest_iteration
+        from megatron_2bw.checkpoint.api import latest_iteration
         with pytest.raises(CheckpointError, match=LATEST):
             latest_iteration(d)

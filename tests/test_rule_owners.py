@@ -1,4 +1,4 @@
-"""One owner per rule: the schedule kinds (megatron_2bw/pipeline/registry.py) own the schedule
+"""One owner per rule: the schedule kinds (megatron_2bw/schedule/kinds.py) own the schedule
 names, the version-slot rule and the minimum number of microbatches; everything else asks them.
 
 An AST scan of the package, tools/, bench/, examples/ and the entry points fails on:
@@ -20,7 +20,7 @@ import ast
 import os
 import re
 
-from megatron_2bw.pipeline.registry import schedule_names
+from megatron_2bw.schedule.kinds import schedule_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWNER = os.path.join("megatron_2bw", "pipeline", "registry.py")
@@ -114,7 +114,7 @@ def test_no_schedule_rule_is_defined_outside_the_registry():
     for path in paths:
         with open(os.path.join(ROOT, path)) as f:
             found += scan(f.read(), path)
-    assert not found, "schedule rules restated outside pipeline/registry.py (ask the kind): " + \
+    assert not found, "schedule rules restated outside schedule/kinds.py (ask the kind): " + \
         "; ".join(f"{p}:{line} {rule}" for p, line, rule in found)
 
 
@@ -137,7 +137,7 @@ BEFORE = [
     ('def in_flight(schedule, d, m, stage):\n    return m if schedule == "gpipe" else '
      'min(d - stage, m)', "name-compare"),
     ('overlap = f if L.schedule == "2bw" else 0.0', "name-compare"),           # cost_model.py
-    ('delayed = cfg.schedule == "2bw"', "name-compare"),                       # reference.py
+    ('delayed = cfg.schedule == "2bw"', "name-compare"),                       # testing/reference.py
     ('ver = lambda k: (k // m) % 2', "slot-rule"),                              # schedules.py
     ('newest = (t + 1) % 2 if w.num_slots > 1 else 0', "slot-rule"),           # engine.py
     ('w[t0 % 2] = max(t0 - 1, 0)', "slot-rule"),                                # schedules.py
@@ -172,7 +172,7 @@ def test_the_scanner_leaves_questions_and_plain_values_alone():
 
 # names: one definition per public name, so a name says which rule it is
 ENTRY_POINTS = {"main", "parse", "run", "build_parser"}  # each tool's own, by convention
-DEEPSPEED_API = {"LayerSpec"}  # megatron_2bw.pipe mirrors deepspeed.pipe's names
+DEEPSPEED_API = {"LayerSpec"}  # megatron_2bw.deepspeed.pipe mirrors deepspeed.pipe's names
 
 
 def test_public_functions_and_classes_have_one_definition_each():

@@ -1,15 +1,14 @@
-"""Every rule a schedule kind states (pipeline/registry.py) holds in the kind's own tables, and the
+"""Every rule a schedule kind states (schedule/kinds.py) holds in the kind's own tables, and the
 validator's verdict is what the engine asks before running a window (simulate.check_schedule)."""
 import pytest
 
-from megatron_2bw.pipeline import actions as A
-from megatron_2bw.pipeline import simulate as sim
-from megatron_2bw.pipeline.registry import (DEFAULT_SCHEDULE, ScheduleKind, TwoBW,
-                                            kind_with_slots, register_kind, schedule_kind,
-                                            schedule_names)
-from megatron_2bw.pipeline.schedules import (Schedule, count_in_flight, forward_only,
-                                             generate_table, make_schedule)
-from megatron_2bw.pipeline.simulate import ScheduleError, check_schedule, simulate, validate
+from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule import simulate as sim
+from megatron_2bw.schedule.kinds import (DEFAULT_SCHEDULE, ScheduleKind, TwoBW, kind_with_slots,
+        register_kind, schedule_kind, schedule_names)
+from megatron_2bw.schedule.tables import (Schedule, count_in_flight, forward_only, generate_table,
+        make_schedule)
+from megatron_2bw.schedule.simulate import ScheduleError, check_schedule, simulate, validate
 
 KINDS = schedule_names()
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_2bw.pipeline import actions as A
-from megatron_2bw.pipeline.schedules import (Schedule, forward_only, generate_table, make_schedule,
-                                             split_windows)
-from megatron_2bw.pipeline.simulate import ScheduleError, format_grid, simulate, validate
+from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule.tables import (Schedule, forward_only, generate_table, make_schedule,
+        split_windows)
+from megatron_2bw.schedule.simulate import ScheduleError, format_grid, simulate, validate
 
 GOLDEN = Path(__file__).parent / "golden"
 KINDS = ("gpipe", "flush", "2bw")

@@ -11,8 +11,8 @@ from megatron_2bw.models.gpt import gpt_layer_specs
 from megatron_2bw.optim import optimizer as optimizer_module
 from megatron_2bw.optim.distributed import DistributedOptimizer, full_state
 from megatron_2bw.optim.optimizer import make_optimizer
-from megatron_2bw.pipeline.module import StageModule
-from megatron_2bw.pipeline.shards import ShardLayout, padded_numel
+from megatron_2bw.models.stage import StageModule
+from megatron_2bw.optim.shard_layout import ShardLayout, padded_numel
 from megatron_2bw.pipeline.weights import TAIL, VersionedWeights
 
 

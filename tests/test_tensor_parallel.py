@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.launch import spawn
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.models.gpt import gpt_layer_specs, make_gpt_loss
 from megatron_2bw.models.transformer import TransformerLayer
-from megatron_2bw.pipeline.module import StageModule
+from megatron_2bw.models.stage import StageModule
 from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear,
-                                          TPGroup, VocabParallelEmbedding,
-                                          copy_to_tp_region, gather_from_tp_region,
-                                          vocab_parallel_cross_entropy)
+        TPGroup, VocabParallelEmbedding, copy_to_tp_region, gather_from_tp_region,
+        vocab_parallel_cross_entropy)
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
                   seq_length=8)
@@ -138,7 +137,7 @@ def test_selective_recomputation_gives_the_gradients_of_no_recomputation(family)
     from dataclasses import replace
 
     from megatron_2bw.models.bert import bert_layer_specs, make_bert_loss
-    from megatron_2bw.training import mock_batches
+    from megatron_2bw.training.loop.build import mock_batches
     from megatron_2bw.config import Config, BatchConfig
     cfg = ModelConfig(family=family, num_layers=2, hidden_size=32, num_attention_heads=4,
                       vocab_size=64, seq_length=16, hidden_dropout=0.2, attention_dropout=0.3)

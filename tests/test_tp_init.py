@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.bert import bert_layer_specs
 from megatron_2bw.models.gpt import gpt_layer_specs
-from megatron_2bw.pipeline.module import StageModule
+from megatron_2bw.models.stage import StageModule
 from megatron_2bw.tensor_parallel import TPGroup, VocabParallelEmbedding
 from megatron_2bw.tensor_parallel.initialize import STREAM_CHUNK, normal_shard
 

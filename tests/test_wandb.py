@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("wandb")
-from megatron_2bw.wandb_offline import read_history  # noqa: E402
+from megatron_2bw.testing.wandb_offline import read_history  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

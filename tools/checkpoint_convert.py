@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Checkpoints <-> HuggingFace model directories. See megatron_2bw/convert/cli.py.
+"""Checkpoints <-> HuggingFace model directories. See megatron_2bw/checkpoint/convert/cli.py.
 
 Example:
   python tools/checkpoint_convert.py export --load checkpoints/gpt --save hf/gpt
@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_2bw.convert.cli import main  # noqa: E402
+from megatron_2bw.checkpoint.convert.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

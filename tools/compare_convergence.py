@@ -12,7 +12,7 @@ A run is a schedule (`--pipeline-schedule`), optionally with a 2BW staleness com
 `+` (`2bw+predict` = `--pipeline-schedule 2bw --2bw-compensation predict`,
 megatron_2bw/pipeline/compensation.py). Every run goes through the real training code
 (`megatron_2bw.pretrain.parse` for the flags, the data and the config, then
-`megatron_2bw.training.train`) on `--nproc` local gloo processes (one thread each), one run after
+`megatron_2bw.training.loop.train`) on `--nproc` local gloo processes (one thread each), one run after
 the other, with the same seed, data order and lr schedule. The default model and data are the
 README's main job (embedded default corpus, 4 layers, hidden 64, 4 heads, seq 32, micro batch 4,
 global batch 32, --init-method-std 0.1, 2 pipeline stages) with the usual GPT pretraining
@@ -55,9 +55,8 @@ sys.path.insert(0, ROOT)  # convergence_report sits beside this script (on sys.p
 
 from convergence_report import (BASELINE, plot, read_csv, summarize, table,  # noqa: E402
                                 wrap, write_csv, write_validation_csv)
-from megatron_2bw.pipeline.compensation import (NONE, compensation_error,  # noqa: E402
-                                                method_names)
-from megatron_2bw.pipeline.registry import schedule_kind, schedule_names  # noqa: E402
+from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
+from megatron_2bw.schedule.kinds import schedule_kind, schedule_names  # noqa: E402
 
 SCHEDULES = schedule_names()
 DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
@@ -95,16 +94,17 @@ def run_error(run: str) -> str | None:
 def held_out(cfg, dataset, grid):
     """The first --eval-iters batches of the validation split for this replica, again and again:
     every evaluation of every run sees the same microbatches."""
-    from megatron_2bw.training import batches
+    from megatron_2bw.training.loop.build import batches
     first = list(itertools.islice(batches(cfg, dataset, grid.data, grid.dp_rank),
                                   cfg.train.eval_iters * cfg.num_microbatches))
     return itertools.cycle(first)
 
 
 def _worker(rank, world, family, argv, out_path, prefix):
-    from megatron_2bw.logger import parse_line
+    from megatron_2bw.training.loop.observe.logger import parse_line
     from megatron_2bw.pretrain import parse
-    from megatron_2bw.training import batches, build_grid, train
+    from megatron_2bw.training.loop.build import batches, build_grid
+    from megatron_2bw.training.loop.loop import train
     parsed = parse(family, argv)
     cfg, data = parsed.cfg, parsed.data
     grid = build_grid(cfg, rank, world)
@@ -132,7 +132,7 @@ def run_one(run: str, family: str, argv: list, nproc: int, out_dir: str,
             wandb_group: str | None, wandb_project: str = "megatron-2bw-convergence"
             ) -> tuple[list, list]:
     """(training losses, validation points) of one run."""
-    from megatron_2bw.launch import spawn
+    from megatron_2bw.testing.launch import spawn
     schedule, method = split_run(run)
     path = os.path.join(out_dir, f"losses_{run}.json")
     argv = argv + ["--pipeline-schedule", schedule, "--2bw-compensation", method]

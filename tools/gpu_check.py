@@ -18,7 +18,7 @@ Steps, each a subprocess whose output is streamed and kept in WORK/<step>.log:
 
 The whole check stops after 470 s (a step gets at most the time left). It prints step time,
 tokens/s, TFLOP/s per GPU (Megatron's model FLOPs), model-FLOPs utilization against the device's
-peak (megatron_2bw/devices.py, or --peak-tflops), peak memory (torch.cuda.max_memory_allocated)
+peak (megatron_2bw/training/observe/devices.py, or --peak-tflops), peak memory (torch.cuda.max_memory_allocated)
 next to the planner's memory model of the same layout (planner/cost_model.py), the validation
 losses and the verify verdicts; exit 0 when every step passed.
 
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_2bw.pipeline.registry import schedule_names  # noqa: E402
+from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
 
 GPT_125M = ("--model", "gpt-125m", "--seq-length", "1024", "--vocab-size", "50304")
 VERIFY_MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -125,7 +125,7 @@ def parse_step(step: Step):
             if step.script == "pretrain_gpt.py":
                 from megatron_2bw.pretrain import parse
                 return parse("gpt", [str(a) for a in step.args])[0]
-            from megatron_2bw.verify import parse
+            from megatron_2bw.testing.verify import parse
             return parse([str(a) for a in step.args])[0]
     except SystemExit as e:
         lines = [x for x in err.getvalue().splitlines() if x.strip()]
@@ -147,7 +147,7 @@ def planner_memory_gib(cfg) -> dict:
 def check_log_parser() -> None:
     """The parser reads what the training logger writes (catches a format change)."""
     from megatron_2bw.config import Config
-    from megatron_2bw.logger import TrainLogger
+    from megatron_2bw.training.loop.observe.logger import TrainLogger
     lines, fields = [], {"loss": 7.5, "samples/s": 100.0, "tokens/s": 102400.0,
                          "TFLOP/s/device": 55.5, "memory GB per stage": [9.5], "ms forward": 3.0}
     logger = TrainLogger(Config(), None, True, lines.append)
@@ -197,7 +197,7 @@ def parse_log(text: str) -> dict:
     """{"iterations": [{"iteration", key: value}], "validation": [(iteration, loss)],
     "parameters_m": float | None} from a pretrain log (lines as logger.parse_line reads them)."""
     import re
-    from megatron_2bw.logger import parse_line
+    from megatron_2bw.training.loop.observe.logger import parse_line
     out = {"iterations": [], "validation": [], "parameters_m": None}
     for line in text.splitlines():
         m = re.search(r"megatron-2bw: ([\d.]+)M parameters", line)
@@ -370,14 +370,14 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; "
                                                           "with --dry-run: pretend this many)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the device's peak dense bf16 TFLOP/s (default: megatron_2bw/devices.py)")
+                   help="the device's peak dense bf16 TFLOP/s (default: megatron_2bw/training/observe/devices.py)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="lower it on small GPUs")
     p.add_argument("--work-dir", default=None, help="checkpoints, traces and logs (default: a "
                                                      "temporary directory)")
     p.add_argument("--out", default=None, help="also write the numbers to this JSON file")
     a = p.parse_args(argv)
     import torch
-    from megatron_2bw.devices import peak_tflops
+    from megatron_2bw.training.loop.observe.devices import peak_tflops
     if a.dry_run:
         with contextlib.ExitStack() as stack:
             work = a.work_dir or stack.enter_context(tempfile.TemporaryDirectory())

@@ -34,9 +34,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_2bw.pipeline import actions as A  # noqa: E402
-from megatron_2bw.pipeline.registry import (DEFAULT_SCHEDULE, schedule_kind,  # noqa: E402
-                                            schedule_names)
+from megatron_2bw.schedule import actions as A  # noqa: E402
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind, schedule_names
 
 COLOURS = {("F", 0): "#9ecae1", ("F", 1): "#3182bd", ("B", 0): "#fdae6b", ("B", 1): "#e6550d",
            "S": "#31a354", "R": "#9e9ac8", "N": "#756bb1", "p2p": "#bdbdbd"}
@@ -61,8 +60,8 @@ def parse_durations(text: str | None) -> dict:
 
 def simulated(args):
     """(rows, unit, title) from the simulator."""
-    from megatron_2bw.pipeline.schedules import make_schedule
-    from megatron_2bw.pipeline.simulate import simulate
+    from megatron_2bw.schedule.tables import make_schedule
+    from megatron_2bw.schedule.simulate import simulate
     sched = make_schedule(args.schedule, args.pipeline_stages, args.num_microbatches,
                           args.batches)
     unit = "time units"

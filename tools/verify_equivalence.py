@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Prove a parallel layout reproduces single-process training. See megatron_2bw/verify.py.
+"""Prove a parallel layout reproduces single-process training. See megatron_2bw/testing/verify.py.
 
 Example:
   python tools/verify_equivalence.py --schedule 2bw --pipeline-model-parallel-size 2 \
@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_2bw.verify import main  # noqa: E402
+from megatron_2bw.testing.verify import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

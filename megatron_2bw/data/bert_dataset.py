@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import cached_arrays
-from .errors import DataError
-from .indexed_dataset import MMapIndexedDataset, index_file_path
+from megatron_2bw.data.cache import cached_arrays
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.indexed_dataset import MMapIndexedDataset, index_file_path
 
 LONG_SENTENCE = 512  # documents with a longer sentence are skipped, as in Megatron
 PAIR_TASKS = ("sop", "nsp")

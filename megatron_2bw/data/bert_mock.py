@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .mock import MicrobatchIterator
+from megatron_2bw.data.mock import MicrobatchIterator
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 NUM_SPECIAL = 4

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import cached_arrays
-from .errors import DataError
+from megatron_2bw.data.cache import cached_arrays
+from megatron_2bw.data.errors import DataError
 
 
 def parse_data_path(data_path: list[str] | str) -> tuple[list[str], list[float] | None]:

@@ -18,16 +18,18 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .bert_dataset import BertDataset, check_probabilities
-from .blended_dataset import BlendedDataset, normalize, parse_data_path, samples_per_dataset
-from .cache import user_cache_dir, writable_dir
-from .consistency import check_dataset
-from .default_corpus import default_corpus
-from .errors import DataError
-from .gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_indices
-from .indexed_dataset import MMapIndexedDataset
-from .mock import MockGPTDataset
-from .tokenizer import Tokenizer, build_tokenizer, vocab_size_with_padding
+from megatron_2bw.data.bert_dataset import BertDataset, check_probabilities
+from megatron_2bw.data.blended_dataset import (BlendedDataset, normalize, parse_data_path,
+        samples_per_dataset)
+from megatron_2bw.data.cache import writable_dir
+from megatron_2bw.fs import user_cache_dir
+from megatron_2bw.data.consistency import check_dataset
+from megatron_2bw.data.default_corpus import default_corpus
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_indices
+from megatron_2bw.data.indexed_dataset import MMapIndexedDataset
+from megatron_2bw.data.mock import MockGPTDataset
+from megatron_2bw.data.tokenizer import Tokenizer, build_tokenizer, vocab_size_with_padding
 
 
 DEFAULT_SPLIT = "969, 30, 1"
@@ -176,7 +178,7 @@ def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples, indexe
 
 def _mock(args, family: str, vocab: int, seq_length: int, seed: int):
     if family == "bert":
-        from .bert_mock import MockBertDataset
+        from megatron_2bw.data.bert_mock import MockBertDataset
         return MockBertDataset(vocab, seq_length, seed=seed,
                                mask_prob=_get(args, "mask_prob", 0.15),
                                short_seq_prob=_get(args, "short_seq_prob", 0.1))

@@ -9,7 +9,7 @@ of all the parameters:
 Who builds: the process with local rank 0 (torchrun's LOCAL_RANK, SLURM_LOCALID, ...; a plain
 `python` run is local rank 0) builds the missing files; every other process waits for the
 description file (polling with backoff) and then memory-maps the arrays. A builder writes each
-file under a name unique to it (host, pid, random suffix), fsyncs it and renames it into place,
+file under a name unique to it (host, pid, random suffix; fs.py), fsyncs it and renames it into place,
 so readers never see a half-written file and several builders (one per node on a shared
 filesystem, or two jobs at once) are harmless: they write identical bytes and the last rename
 wins. Nothing relies on `fcntl.flock`, which many cluster filesystems do not implement.
@@ -22,25 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import socket
 import time
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .errors import DataError
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.fs import atomic_save_npy, atomic_write_bytes, writable_problem
 
 WAIT_TIMEOUT_S = 30 * 60.0  # building a large corpus's indices takes minutes
-
-
-def user_cache_dir() -> Path:
-    """$MEGATRON_2BW_CACHE, else ~/.cache/megatron_2bw."""
-    root = os.environ.get("MEGATRON_2BW_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "megatron_2bw"
 
 
 def description_hash(description: dict) -> str:
@@ -50,60 +41,8 @@ def description_hash(description: dict) -> str:
 
 def is_local_builder() -> bool:
     """True on the process that builds caches on this node: local rank 0."""
-    from ..parallel.distributed import env_rank_world
+    from megatron_2bw.parallel.launcher import env_rank_world
     return env_rank_world()[2] == 0
-
-
-def unique_temp(path: Path) -> Path:
-    """A sibling of `path` no other process (on any host) uses: `NAME.tmp-HOST-PID-RANDOM`."""
-    return path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
-                          f"{uuid.uuid4().hex[:8]}")
-
-
-def _replace_durably(tmp: Path, path: Path) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = unique_temp(path)
-    try:
-        tmp.write_bytes(data)
-        _replace_durably(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = unique_temp(path)
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        _replace_durably(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def atomic_build_dir(final: Path, build: Callable[[Path], None]) -> bool:
-    """Build a directory with build(tmp_dir) and rename it to `final`. Returns False when another
-    builder's directory got there first (ours is discarded; theirs is complete)."""
-    tmp = unique_temp(final)
-    tmp.mkdir(parents=True)
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if final.is_dir():
-                return False
-            raise
-        return True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def wait_until(ready: Callable[[], bool], path: Path, timeout_s: float = WAIT_TIMEOUT_S,
@@ -124,12 +63,8 @@ def wait_until(ready: Callable[[], bool], path: Path, timeout_s: float = WAIT_TI
 def writable_dir(preferred: Path, fallback: Path) -> Path:
     """preferred if it can be created and written, else fallback (e.g. read-only data dirs)."""
     for d in (preferred, fallback):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
+        if writable_problem(d) is None:
+            return d
     raise DataError(f"{preferred}: cannot write the index cache there or in {fallback}: pass "
                     "--data-cache-path DIR with a writable directory")
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import cached_arrays
-from .errors import DataError
-from .indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
+from megatron_2bw.data.cache import cached_arrays
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
 
 RANGE_FORMAT = 1
 _CHUNK = 1 << 24  # tokens per numpy pass

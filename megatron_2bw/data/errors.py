@@ -5,7 +5,7 @@ as one line and exits 2, like any other bad setting.
 """
 from __future__ import annotations
 
-from ..config import ConfigError
+from megatron_2bw.config import ConfigError
 
 
 class DataError(ConfigError):

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import cached_arrays
-from .errors import DataError
-from .indexed_dataset import MMapIndexedDataset, index_file_path
+from megatron_2bw.data.cache import cached_arrays
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.indexed_dataset import MMapIndexedDataset, index_file_path
 
 INDEX_FORMAT = 1  # bump when the index semantics change
 SPLIT_NAMES = ("train", "valid", "test")

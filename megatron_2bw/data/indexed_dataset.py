@@ -31,7 +31,7 @@ import struct
 
 import numpy as np
 
-from .errors import DataError
+from megatron_2bw.data.errors import DataError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1

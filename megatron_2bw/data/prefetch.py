@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from .errors import DataError
+from megatron_2bw.data.errors import DataError
 
 _END = object()
 

@@ -21,9 +21,10 @@ import sys
 import time
 from typing import Iterable, Iterator
 
-from .errors import DataError
-from .indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path, optimal_dtype
-from .tokenizer import build_tokenizer
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.indexed_dataset import (IndexedDatasetBuilder, data_file_path,
+        index_file_path, optimal_dtype)
+from megatron_2bw.data.tokenizer import build_tokenizer
 
 # A sentence ends at . ! ? (optionally followed by quotes/brackets) before whitespace and an
 # upper-case letter, digit or quote, or at a blank line. Deterministic; no model download.

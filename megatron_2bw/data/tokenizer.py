@@ -12,7 +12,7 @@ import io
 import os
 from typing import Iterable
 
-from .errors import DataError
+from megatron_2bw.data.errors import DataError
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
 

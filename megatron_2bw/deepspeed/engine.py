@@ -6,7 +6,7 @@ Contract differences that come from 2BW itself: the engine pulls the first micro
 t+1 while it finishes batch t, so `train_batch` wants one long iterator (e.g. RepeatingLoader),
 not an exactly-sized one per call (flush and gpipe read exactly m per call, like DeepSpeed); and
 `engine.module` shows the newest of the two weight versions (a view that asks the engine on every
-access: pipe/engine_view.py).
+access: deepspeed/pipe/engine_view.py).
 
 This is a view over the core engine's public surface (`pipeline/engine.py`): it assigns nothing
 inside it; DeepSpeed's lr arithmetic (skipped steps do not advance the scheduler) is the
@@ -20,14 +20,16 @@ import time
 
 import torch
 
-from ..parallel.comm import Comm
-from ..parallel.distributed import current_rank_world, default_device, env_rank_world
-from ..parallel.grid import ProcessGrid
-from ..pipe.module import PipelineError, PipelineModule
-from ..pipeline.registry import ScheduleKind
-from ..utils import RepeatingLoader
-from .checkpoint import CheckpointMixin
-from .views import MPU, LRSchedulerView, OptimizerView
+from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.parallel.distributed import current_rank_world
+from megatron_2bw.parallel.devices import default_device
+from megatron_2bw.parallel.launcher import env_rank_world
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.deepspeed.pipe.module import PipelineError, PipelineModule
+from megatron_2bw.schedule.kinds import ScheduleKind
+from megatron_2bw.deepspeed.utils import RepeatingLoader
+from megatron_2bw.deepspeed.checkpoint import CheckpointMixin
+from megatron_2bw.deepspeed.views import MPU, LRSchedulerView, OptimizerView
 
 
 def _as_iterator(data):
@@ -75,8 +77,8 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
     def __init__(self, module: PipelineModule, cfg, ds_json: dict, settings,
                  training_data=None, collate_fn=None):
         """`cfg` and `settings` (ds_config.DeepSpeedSettings) from config_from_deepspeed."""
-        from ..pipeline.engine import PipelineEngine
-        from ..training import build_grid
+        from megatron_2bw.pipeline.engine import PipelineEngine
+        from megatron_2bw.training.loop.build import build_grid
         self._cfg, self._config, self._settings = cfg, ds_json, settings
         self.module = module
         self.global_rank, self.world_size = current_rank_world()

@@ -2,13 +2,10 @@
 queries (`engine.grid`), the optimizer and the lr scheduler initialize returns."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from ..parallel.grid import ProcessGrid
-from ..pipe.module import PipelineError
-
-if TYPE_CHECKING:
-    from .engine import DeepSpeedPipelineEngine
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.deepspeed.pipe.module import PipelineError
 
 
 class MPU:
@@ -97,7 +94,7 @@ class LRSchedulerView:
     """DeepSpeed's scheduler object: the lr is a function of the applied steps (the engine
     advances it); step() is a no-op so a script that calls it does not advance it twice."""
 
-    def __init__(self, engine: DeepSpeedPipelineEngine):
+    def __init__(self, engine):  # the DeepSpeedPipelineEngine (engine.py) it views
         self._adapter = engine
 
     def get_lr(self):

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear, TPGroup,
-                               set_partition_attrs)
-from .recompute import recompute
-from .rope import RotaryEmbedding
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear,
+        TPGroup, set_partition_attrs)
+from megatron_2bw.models.recompute import recompute
+from megatron_2bw.models.rope import RotaryEmbedding
 
 # scaled_dot_product_attention broadcasts key/value groups itself from torch 2.5 on
 _NATIVE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)

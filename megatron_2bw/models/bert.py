@@ -11,16 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..pipeline.module import LayerSpec
-from ..tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding, copy_to_tp_region,
-                               gather_from_sequence_parallel_region, mark_sequence_parallel,
-                               scatter_to_sequence_parallel_region, set_partition_attrs,
-                               vocab_parallel_cross_entropy)
-from ..tensor_parallel.layers import sharded_normal
-from .gpt import TIED_KEY, gpt_partition, learned_positions, tied_init
-from .norms import build_norm
-from .transformer import SequenceDropout, TransformerLayer, transformer_draws_random
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.stage import LayerSpec
+from megatron_2bw.tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding,
+        copy_to_tp_region, gather_from_sequence_parallel_region, mark_sequence_parallel,
+        scatter_to_sequence_parallel_region, set_partition_attrs, vocab_parallel_cross_entropy)
+from megatron_2bw.tensor_parallel.layers import sharded_normal
+from megatron_2bw.models.gpt import TIED_KEY, gpt_partition, learned_positions, tied_init
+from megatron_2bw.models.norms import build_norm
+from megatron_2bw.models.transformer import (SequenceDropout, TransformerLayer,
+        transformer_draws_random)
 
 
 class BertEmbedding(nn.Module):

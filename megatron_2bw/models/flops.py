@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import ModelConfig
-from .norms import norm_params, norm_stats_bytes
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.norms import norm_params, norm_stats_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ARCHS = ("gpt", "bert")
@@ -70,7 +70,7 @@ MODELS = {
 
 def _flavours() -> dict:
     try:
-        from .flavours import FLAVOURS
+        from megatron_2bw.models.flavours import FLAVOURS
     except ImportError:  # pragma: no cover - flavours are optional
         return {}
     return FLAVOURS
@@ -84,7 +84,7 @@ def named_model(name: str) -> ModelConfig:
     if name in MODELS:
         return replace(MODELS[name])
     if name in _flavours():
-        from .flavours import flavour_architecture
+        from megatron_2bw.models.flavours import flavour_architecture
         family, layers, hidden, heads, seq = _flavours()[name]
         vocab = pad_vocab(30522 if family == "bert" else 50257)
         cfg = replace(_gpt(layers, hidden, heads, seq, vocab), **flavour_architecture(name))

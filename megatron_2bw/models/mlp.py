@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, gather_linear,
-                               set_partition_attrs)
-from ..tensor_parallel.layers import sharded_normal
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
+        gather_linear, set_partition_attrs)
+from megatron_2bw.tensor_parallel.layers import sharded_normal
 
 
 class GatedColumnParallelLinear(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel.random import RNGTracker, _device_state, _set_device_state
+from megatron_2bw.tensor_parallel.random import RNGTracker, _device_state, _set_device_state
 
 
 def _get_states(tracker: RNGTracker | None):

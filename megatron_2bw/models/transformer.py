@@ -20,11 +20,11 @@ import math
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..tensor_parallel import RNGTracker, TPGroup, mark_sequence_parallel
-from .attention import SelfAttention
-from .mlp import MLP
-from .norms import build_norm
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.tensor_parallel import RNGTracker, TPGroup, mark_sequence_parallel
+from megatron_2bw.models.attention import SelfAttention
+from megatron_2bw.models.mlp import MLP
+from megatron_2bw.models.norms import build_norm
 
 
 def transformer_draws_random(cfg: ModelConfig) -> bool:

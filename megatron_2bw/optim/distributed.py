@@ -3,7 +3,7 @@ of a stage's w data-parallel ranks keeps fp32 master weights and optimizer state
 only, 1/w of the stage.
 
 A sharding layer over the flat optimizers of optimizer.py: one inner optimizer per piece of this
-rank's shard (`pipeline/shards.py`: at most two contiguous ranges of the flat buffers), each
+rank's shard (`optim/shard_layout.py`: at most two contiguous ranges of the flat buffers), each
 stepped through the same `step(src, grad, dst, lr)` on views of its piece, so the update
 arithmetic is optimizer.py's alone (so is 2BW compensation's `predict`, per piece).
 The engine (`pipeline/batch_step.py`) reduce-scatters the gradients so each rank holds its
@@ -13,7 +13,7 @@ version slot the schedule names.
     bf16/fp16: master piece <- update(master piece, grad piece); slot piece <- master piece
     fp32:      slot piece (dst) <- update(slot piece (src), grad piece)  (src may be dst)
 
-Checkpoint state (`state_dict`, what `checkpointing.py` writes per data-parallel rank as
+Checkpoint state (`state_dict`, what `checkpoint/api.py` writes per data-parallel rank as
 `distrib_optim_XXX.pt`; a new checkpoint format reads the same dict):
 
     {"sharded": {"count": w, "rank": r, "numel": n},   n: the stage's parameters (unpadded)
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import OptimizerConfig
-from .optimizer import OPTIONAL_STATE, make_optimizer
+from megatron_2bw.config import OptimizerConfig
+from megatron_2bw.optim.optimizer import OPTIONAL_STATE, make_optimizer
 
 
 class DistributedOptimizer:

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from . import native
+from megatron_2bw.optim import native
 
 IMPLS = ("native", "torch-fused", "apex", "unfused")
 

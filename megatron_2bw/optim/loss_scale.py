@@ -2,7 +2,7 @@
 batch (the only host sync, fp16 only) and every rank takes the same decision."""
 from __future__ import annotations
 
-from ..config import PrecisionConfig
+from megatron_2bw.config import PrecisionConfig
 
 
 class ConstantLossScaler:

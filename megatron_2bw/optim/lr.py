@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import OptimizerConfig
+from megatron_2bw.config import OptimizerConfig
 
 
 class LRSchedule:

@@ -68,7 +68,7 @@ def library(compiler: str | None = None, cache_dir: str | None = None):
     fails its check. `compiler`, `cache_dir`: tests pass them (default: cc or gcc, and
     the project's cache directory, `data.cache.user_cache_dir()`, then the temporary
     directory)."""
-    from ..data.cache import unique_temp, user_cache_dir
+    from megatron_2bw.fs import unique_temp, user_cache_dir
     cc = compiler or shutil.which("cc") or shutil.which("gcc")
     if cc is None or not SOURCE.is_file():
         return None

@@ -50,9 +50,10 @@ import math
 
 import torch
 
-from ..config import OptimizerConfig
-from . import native
-from .kernels import IMPLS, _apex_adam, _check_impl, _torch_fused_works, choose_impl  # noqa: F401
+from megatron_2bw.config import OptimizerConfig
+from megatron_2bw.optim import native
+from megatron_2bw.optim.kernels import (IMPLS, _apex_adam, _check_impl, _torch_fused_works,
+        choose_impl)  # noqa: F401
 OPTIONAL_STATE = ("last_grad",)  # state keys a loaded state may lack (see the docstring)
 
 

@@ -1,3 +1,3 @@
-from .grid import ProcessGrid
+from megatron_2bw.parallel.grid import ProcessGrid
 
 __all__ = ["ProcessGrid"]

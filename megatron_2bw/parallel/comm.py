@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .distributed import backend_device, env_rank_world, is_initialized
+from megatron_2bw.parallel.devices import backend_device, is_initialized
+from megatron_2bw.parallel.launcher import env_rank_world
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # single-tensor reduce-scatter / all-gather under their newest names (older torch: *_tensor)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import RANK_ORDERS
-from .comm import Comm
+from megatron_2bw.config import RANK_ORDERS
+from megatron_2bw.parallel.comm import Comm
 
 
 @dataclass

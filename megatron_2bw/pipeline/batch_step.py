@@ -39,14 +39,14 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
-from ..optim import LRSchedule, make_loss_scaler, make_optimizer
-from ..optim.distributed import DistributedOptimizer
-from ..parallel.grid import ProcessGrid
-from ..reliability import NumericsError, describe
-from .compensation import Compensator, compensation_method
-from .flags import ControlFlags
-from .weights import VersionedWeights
+from megatron_2bw.config import Config
+from megatron_2bw.optim import LRSchedule, make_loss_scaler, make_optimizer
+from megatron_2bw.optim.distributed import DistributedOptimizer
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.training.loop.reliability import NumericsError, describe
+from megatron_2bw.pipeline.compensation import Compensator, compensation_method
+from megatron_2bw.pipeline.flags import ControlFlags
+from megatron_2bw.pipeline.weights import VersionedWeights
 
 BUCKET_ELEMENTS = 2 ** 24  # 64 MB of fp32 per all-reduce call
 

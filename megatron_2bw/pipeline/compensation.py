@@ -86,7 +86,7 @@ together, as they are by training, evaluation and checkpointing.
 """
 from __future__ import annotations
 
-from .registry import schedule_kind, schedule_names
+from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
 
 NONE = "none"
 

@@ -26,20 +26,20 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..config import Config
-from ..parallel.grid import ProcessGrid
-from ..parallel.p2p import P2P
-from . import actions as A
-from .batch_step import BatchStepper
-from .compensation import compensation_method
-from .host_memory import keep_freed_memory
-from .interpreter import Interpreter
-from .module import LayerSpec, StageModule
-from .registry import schedule_kind
-from .schedules import forward_only, make_schedule
-from .simulate import check_schedule
-from .timers import ActionClock
-from .weights import VersionedWeights
+from megatron_2bw.config import Config
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.parallel.p2p import P2P
+from megatron_2bw.schedule import actions as A
+from megatron_2bw.pipeline.batch_step import BatchStepper
+from megatron_2bw.pipeline.compensation import compensation_method
+from megatron_2bw.pipeline.host_memory import keep_freed_memory
+from megatron_2bw.pipeline.interpreter import Interpreter
+from megatron_2bw.models.stage import LayerSpec, StageModule
+from megatron_2bw.schedule.kinds import schedule_kind
+from megatron_2bw.schedule.tables import forward_only, make_schedule
+from megatron_2bw.schedule.simulate import check_schedule
+from megatron_2bw.pipeline.timers import ActionClock
+from megatron_2bw.pipeline.weights import VersionedWeights
 
 UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
 
@@ -186,7 +186,7 @@ class PipelineEngine(Interpreter):
         t = int(state["iteration"])
         optimizer = state.get("optimizer")
         if optimizer is not None and not w.sharded:
-            from ..optim.distributed import full_state
+            from megatron_2bw.optim.distributed import full_state
             optimizer = full_state(optimizer)
         with torch.no_grad():
             newest = w.slots[self.kind.newest_slot(t)]

@@ -21,7 +21,7 @@ order cannot deadlock a table the validator accepted.
 """
 from __future__ import annotations
 
-from . import actions as A
+from megatron_2bw.schedule import actions as A
 
 _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
                 A.NORM: "all-reduce", A.STEP: "optimizer"}

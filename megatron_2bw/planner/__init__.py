@@ -6,13 +6,14 @@
 
 `tools/plan.py` is the command line; `plan` (Config -> Config) serves `pretrain_gpt.py --auto-plan`.
 """
-from .auto import Plan, plan, planner_inputs
-from .cost_model import Layout, Setup, StagePlan, stage_plan, state_bytes
-from .partition import partition
-from .profile import AnalyticProfile, MeasuredProfile, load_profile, measure_profile, save_profile
-from .search import SCHEDULES, SearchResult, search
-from .simulate import Estimate, predict
-from .topology import GB, PlanError, Topology, resolve_topology
+from megatron_2bw.planner.auto import Plan, plan, planner_inputs
+from megatron_2bw.planner.cost_model import Layout, Setup, StagePlan, stage_plan, state_bytes
+from megatron_2bw.models.partition import partition
+from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, load_profile,
+        measure_profile, save_profile)
+from megatron_2bw.planner.search import SCHEDULES, SearchResult, search
+from megatron_2bw.planner.simulate import Estimate, predict
+from megatron_2bw.planner.topology import GB, PlanError, Topology, resolve_topology
 
 __all__ = ["AnalyticProfile", "Estimate", "GB", "Layout", "MeasuredProfile", "Plan", "PlanError",
            "SCHEDULES", "SearchResult", "Setup", "StagePlan", "Topology", "load_profile",

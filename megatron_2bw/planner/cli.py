@@ -19,13 +19,14 @@ import dataclasses
 import json
 import sys
 
-from ..arguments import add_architecture_args, apply_architecture_args
-from ..config import ModelConfig
-from ..models.flops import model_names, named_model, num_parameters
-from .auto import layout_flags
-from .profile import AnalyticProfile, load_profile, measure_profile, save_profile
-from .search import RECOMPUTE, SCHEDULES, search
-from .topology import PlanError, resolve_topology
+from megatron_2bw.config.flags import add_architecture_args, apply_architecture_args
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.flops import model_names, named_model, num_parameters
+from megatron_2bw.planner.auto import layout_flags
+from megatron_2bw.planner.profile import (AnalyticProfile, load_profile, measure_profile,
+        save_profile)
+from megatron_2bw.planner.search import RECOMPUTE, SCHEDULES, search
+from megatron_2bw.planner.topology import PlanError, resolve_topology
 
 SHAPE = (("num_layers", int), ("hidden_size", int), ("num_attention_heads", int),
          ("ffn_hidden_size", int), ("seq_length", int), ("max_position_embeddings", int),

@@ -33,7 +33,7 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   gradient buffer per version slot (+ the loss and control flags), the low-precision gradient
   buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies; one more, the kept gradient,
   with a compensation that keeps it: `Method.keeps_grad`); with the distributed optimizer
-  every buffer is padded to a multiple of w (`pipeline/shards.py`) and master weights and optimizer
+  every buffer is padded to a multiple of w (`optim/shard_layout.py`) and master weights and optimizer
   state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
   `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m); full recomputation stashes only
   each transformer layer's input and needs one layer's full activations while recomputing.
@@ -42,14 +42,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig
-from ..pipeline.weights import TAIL
-from ..models.flops import DTYPE_BYTES, layer_costs
-from ..parallel.grid import ProcessGrid
-from ..pipeline.compensation import NONE as NO_COMPENSATION, compensation_method, keeps_master
-from ..pipeline.registry import ScheduleKind, schedule_kind
-from ..pipeline.shards import padded_numel
-from .partition import partition
+from megatron_2bw.config import ModelConfig
+from megatron_2bw.pipeline.weights import TAIL
+from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
+        keeps_master)
+from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind
+from megatron_2bw.optim.shard_layout import padded_numel
+from megatron_2bw.models.partition import partition
 
 OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
 

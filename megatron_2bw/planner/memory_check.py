@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from ..config import Config, ConfigError
-from ..models.flops import layer_costs
-from .cost_model import stage_memory
-from .topology import GB
+from megatron_2bw.config import Config, ConfigError
+from megatron_2bw.models.flops import layer_costs
+from megatron_2bw.planner.cost_model import stage_memory
+from megatron_2bw.planner.topology import GB
 
 _KINDS = (("weights", "weights"), ("master", "master weights"), ("grads", "gradients"),
           ("model_grad", "low-precision gradients"), ("optimizer", "optimizer state"),
@@ -46,7 +46,7 @@ class DeviceMemory(NamedTuple):
 
 def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
     """Peak bytes of one rank of each pipeline stage, by kind (`stage_memory`'s dict)."""
-    from ..training import model_parts  # the engine's own stage boundaries
+    from megatron_2bw.models.families import model_parts  # the engine's own stage boundaries
     resolved = cfg.resolved(world_size)
     d, m = cfg.parallel.pipeline, resolved.num_microbatches
     _, _, bounds = model_parts(cfg, num_stages=d)
@@ -100,7 +100,7 @@ def host_available_bytes() -> int | None:
 def device_memory(cfg: Config, local_rank: int) -> DeviceMemory:
     """The memory this rank's tensors will live in, and how much of it is free."""
     import torch
-    from ..parallel.distributed import default_backend
+    from megatron_2bw.parallel.devices import default_backend
     backend = cfg.parallel.backend or default_backend()
     if backend == "nccl" and torch.cuda.is_available():
         gpus = torch.cuda.device_count()
@@ -119,7 +119,7 @@ def check_memory(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 
     """Raise MemoryCheckError (one line) when the ranks sharing this rank's memory need more
     than it has free; return their estimated bytes (0 when the free memory is unknown).
     `memory` and `local_ranks` replace the measured device and the launcher's count (tests)."""
-    from ..parallel.grid import ProcessGrid
+    from megatron_2bw.parallel.grid import ProcessGrid
     memory = memory or device_memory(cfg, local_rank)
     if memory.free is None:
         return 0

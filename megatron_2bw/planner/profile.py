@@ -30,8 +30,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..models.flops import LayerCost
-from .topology import PlanError
+from megatron_2bw.models.flops import LayerCost
+from megatron_2bw.planner.topology import PlanError
 
 KINDS = ("embedding", "transformer", "head")
 SHAPE_FIELDS = ("family", "hidden_size", "num_attention_heads", "ffn_size", "seq_length",
@@ -236,8 +236,8 @@ def _interleaved_times(make_inputs, forward, repeats: int, sync, read=None) -> t
 def _batch_reader(model, micro_batch: int):
     """next() of the project's batch iterator over the family's synthetic dataset (sample lookup,
     stacking, the input/label split): what the engine does to read one microbatch."""
-    from ..config import BatchConfig, Config, TrainConfig
-    from ..training import mock_batches
+    from megatron_2bw.config import BatchConfig, Config, TrainConfig
+    from megatron_2bw.training.loop.build import mock_batches
     cfg = Config(model=model, batch=BatchConfig(micro_batch, micro_batch),
                  train=TrainConfig(train_iters=1))
     it = mock_batches(cfg, 1, 0)
@@ -256,12 +256,12 @@ def _layer_runners(model, dev, dt):
     torch.manual_seed(0)
     bert = getattr(model, "family", "gpt") == "bert"
     if bert:
-        from ..models.bert import BertEmbedding, BertHeads, BertLayer, make_bert_loss
+        from megatron_2bw.models.bert import BertEmbedding, BertHeads, BertLayer, make_bert_loss
         emb, head, loss_fn = BertEmbedding(model), BertHeads(model), make_bert_loss()
         chain = [BertLayer(model, causal=False) for _ in range(CHAIN)]
     else:
-        from ..models.gpt import GPTEmbedding, GPTHead, gpt_loss
-        from ..models.transformer import TransformerLayer
+        from megatron_2bw.models.gpt import GPTEmbedding, GPTHead, gpt_loss
+        from megatron_2bw.models.transformer import TransformerLayer
         emb, head, loss_fn = GPTEmbedding(model), GPTHead(model), gpt_loss
         chain = [TransformerLayer(model) for _ in range(CHAIN)]
     mods = {"embedding": emb, "transformer": torch.nn.ModuleList(chain), "head": head}
@@ -295,11 +295,11 @@ def measure_profile(model, micro_batches=(1, 2, 4), dtype: str = "fp32", device:
     """Time each layer type of the model (GPT or BERT) forward and backward on this device."""
     import torch
 
-    from ..config import OptimizerConfig
-    from ..optim.optimizer import FlatAdamW
-    from ..pipeline.batch_step import squared_norm
-    from ..pipeline.host_memory import keep_freed_memory
-    from ..pipeline.weights import DTYPES
+    from megatron_2bw.config import OptimizerConfig
+    from megatron_2bw.optim.optimizer import FlatAdamW
+    from megatron_2bw.pipeline.batch_step import squared_norm
+    from megatron_2bw.pipeline.host_memory import keep_freed_memory
+    from megatron_2bw.pipeline.weights import DTYPES
 
     old_threads = torch.get_num_threads()
     if threads:

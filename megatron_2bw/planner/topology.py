@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields
 
-from ..config import ConfigError
+from megatron_2bw.config import ConfigError
 
 GB = float(2 ** 30)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .mappings import TPGroup
+from megatron_2bw.tensor_parallel.mappings import TPGroup
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..parallel.comm import Comm
+from megatron_2bw.parallel.comm import Comm
 
 
 @dataclass(frozen=True)

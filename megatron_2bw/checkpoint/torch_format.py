@@ -1,0 +1,120 @@
+"""Megatron's layout (`--ckpt-format torch`): one file per stage and tensor rank of replica 0
+(checkpoint/files.py), holding the stage's engine state; it loads only into the layout that
+saved it. Files written by older versions of the model code load too: the layout dict without
+the architecture keys (`legacy_layout`) and the layer parameter names before the attention and
+MLP blocks became submodules (`legacy_names`).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, agree, latest_iteration,
+        optimizer_shard_name, rank_dir, verify_checksum, write_with_checksum)
+
+# the layer parameter names of commit e2f4b58 and before -> today's
+_LEGACY_NAMES = ((re.compile(r"^(layers\.\d+\.)(qkv|qv_bias|proj)(\.|$)"),
+                  r"\1self_attention.\2\3"),
+                 (re.compile(r"^(layers\.\d+\.)(fc1|fc2)(\.|$)"), r"\1mlp.\2\3"))
+
+
+def legacy_layout(saved: dict) -> dict:
+    """A saved layout with the architecture keys that checkpoints written before them lack filled
+    in as the only architecture they could hold (GPT-2 shaped)."""
+    if not saved or "position_embedding_type" in saved:
+        return saved
+    return {"position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+            "swiglu": False, "query_groups": saved.get("num_attention_heads"),
+            "bias_linear": True, **saved}
+
+
+def legacy_names(names: list[str]) -> list[str]:
+    """Parameter names as the model code names them today (old checkpoints named the attention
+    and MLP parameters of a layer without their submodule: `layers.3.qkv.weight`)."""
+    out = []
+    for name in names:
+        for pattern, new in _LEGACY_NAMES:
+            name = pattern.sub(new, name)
+        out.append(name)
+    return out
+
+
+def stage_file(root: str, iteration: int, grid) -> str:
+    return os.path.join(rank_dir(root, iteration, grid.tp_rank, grid.stage, grid.pipeline),
+                        FILENAME)
+
+
+def save_torch(save_dir: str, state: dict | None, payload: dict, grid, hooks,
+               save_optim: bool = True, sharded: bool = False) -> str:
+    """Collective: replica 0's stages write their files (`state`: the engine state on replica 0,
+    and with the distributed optimizer (`sharded`) on every replica, which then writes its
+    optimizer shard; None elsewhere); returns this rank's stage file. Every rank raises the same
+    error when a write failed, and the files of that iteration are gone."""
+    t = payload["iteration"]
+    path = stage_file(save_dir, t, grid)
+    problem, written = None, []
+    if state is not None:
+        optimizer = state.pop("optimizer", None) if (sharded or not save_optim) else None
+        writes = []
+        if grid.dp_rank == 0:
+            stage = dict(payload, engine=state)
+            if sharded and save_optim:
+                stage["optimizer_shards"] = grid.data
+            writes.append((path, stage))
+        if sharded and save_optim:
+            writes.append((os.path.join(os.path.dirname(path), optimizer_shard_name(grid.dp_rank)),
+                           {"optimizer": optimizer, "iteration": t, "layout": payload["layout"]}))
+        hooks.during_save(grid, t, path)
+        try:
+            for target, content in writes:
+                written.append(target)
+                write_with_checksum(target, lambda f, content=content: torch.save(content, f))
+        except CheckpointError as e:
+            problem = str(e)
+    problem = agree(problem, grid)
+    if problem:
+        remove_stage_files(written)
+        raise CheckpointError(problem)
+    return path
+
+
+def remove_stage_files(paths: list[str]) -> None:
+    """Delete stage (and optimizer shard) files, their checksums and the directories they leave
+    empty."""
+    for path in paths:
+        for p in (path, path + ".sha256"):
+            if os.path.exists(p):
+                os.unlink(p)
+    for d in ((os.path.dirname(paths[0]), os.path.dirname(os.path.dirname(paths[0])))
+              if paths else ()):
+        try:
+            os.rmdir(d)  # only when empty: other stages may still be removing theirs
+        except OSError:
+            pass
+
+
+def read_torch(path: str, t: int) -> dict:
+    """One stage file, checksum verified, parameter names of old versions mapped to today's."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint at iteration "
+                              f"{t} is incomplete or was written with another parallel layout")
+    verify_checksum(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
+                              "truncated or corrupted; load an earlier iteration") from None
+    engine = payload.get("engine")
+    if engine is not None and "names" in engine:
+        payload["engine"] = dict(engine, names=legacy_names(engine["names"]))
+    payload["layout"] = legacy_layout(payload.get("layout", {}))
+    return payload
+
+
+def first_stage_file(root: str, iteration: int | None = None) -> str:
+    """The first stage's file of a torch-format checkpoint (whatever its layout)."""
+    it = latest_iteration(root) if iteration is None else iteration
+    one = os.path.join(rank_dir(root, it, 0, 0, 1), FILENAME)
+    return one if os.path.exists(one) else os.path.join(rank_dir(root, it, 0, 0, 2), FILENAME)

@@ -1,0 +1,102 @@
+"""The one config pipeline: Megatron flags (+ an optional DeepSpeed JSON) -> a frozen, validated
+Config, in one pure function.
+
+    built = build_config(args, "gpt", world_size, typed=explicit_flags(argv),
+                         vocab_size=tokenizer_vocab, planner=lambda cfg: plan(cfg, topo, prof))
+    built.config          # Config, validated for world_size
+    built.lr_schedule     # the DeepSpeed JSON's exact scheduler, or None (the Config's Megatron one)
+
+The steps, in order (each returns a new Config; nothing is mutated):
+
+1. flags -> Config (`arguments.config_from_args`); the layout flags the user typed are recorded
+   in `Config.fixed` (`FLAG_FIXES`: the flag and its value, e.g. "--pipeline-schedule flush");
+2. --deepspeed_config JSON on top (`ds_config.merge_flags_and_ds_config`): a conflict with a typed
+   flag is a one-line error naming both; what the JSON states is recorded in `Config.fixed`
+   ("pipeline.schedule=flush in the DeepSpeed config");
+3. the vocabulary size the tokenizer implies (known before anything is validated);
+4. --auto-plan: the planner returns a new Config, searching only what nobody fixed
+   (`planner.auto.plan`); a contradiction between fixed settings names their sources;
+5. --train-samples -> --train-iters (over the global batch);
+6. `Config.validate(world_size)`: once, on the final config.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.config import Config, Fixed
+
+# typed flag -> the Config path it fixes (what --auto-plan keeps as given)
+FLAG_FIXES = {
+    "--tensor-model-parallel-size": "parallel.tensor",
+    "--pipeline-model-parallel-size": "parallel.pipeline",
+    "--data-parallel-size": "parallel.data",
+    "--rank-order": "parallel.rank_order",
+    "--micro-batch-size": "batch.micro_batch_size",
+    "--global-batch-size": "batch.global_batch_size",
+    "--pipeline-schedule": "schedule",
+    "--2bw-compensation": "schedule",  # compensates 2BW: the planner keeps the schedule
+    "--recompute-activations": "model.recompute_granularity",
+    "--recompute-granularity": "model.recompute_granularity",
+    "--recompute-method": "model.recompute_granularity",
+    "--recompute-num-layers": "model.recompute_granularity",
+    "--use-distributed-optimizer": "parallel.distributed_optimizer",
+    "--sequence-parallel": "parallel.sequence_parallel",
+}
+
+
+class BuiltConfig(NamedTuple):
+    config: Config
+    deepspeed: object = None  # ds_config.DeepSpeedSettings when a DeepSpeed JSON was given
+
+    @property
+    def lr_schedule(self):
+        """The engine's lr schedule when it is not the Config's (a DeepSpeed "scheduler")."""
+        return self.deepspeed.lr_schedule if self.deepspeed is not None else None
+
+
+FLAG_DESTS = {"--2bw-compensation": "compensation"}  # flags whose dest is not their name
+
+
+def _typed_value(args, flag: str) -> str:
+    value = getattr(args, FLAG_DESTS.get(flag, flag[2:].replace("-", "_")), None)
+    return flag if value is True else f"{flag} {value}"
+
+
+def fixed_by_flags(args, typed) -> tuple[Fixed, ...]:
+    """Fixed entries for the layout flags in `typed` (normalized '--name's)."""
+    out = []
+    for flag, path in FLAG_FIXES.items():
+        if flag in typed:
+            out.append(Fixed(path, _typed_value(args, flag), None))
+    return tuple(out)
+
+
+def build_config(args, family: str, world_size: int, typed=(), vocab_size: int | None = None,
+                 planner: Callable[[Config], Config] | None = None) -> BuiltConfig:
+    """The validated Config of a pretrain run (see the module docstring for the steps). `args`:
+    the parsed flags (`pretrain.build_parser`); `typed`: the flags given on the command line
+    (`ds_config.explicit_flags(argv)`); `vocab_size`: the tokenizer's padded vocabulary (None:
+    --vocab-size); `planner`: --auto-plan's Config -> Config. Raises ConfigError (one line)."""
+    typed = set(typed)
+    cfg = config_from_args(args, family)
+    cfg = cfg.replace(fixed=tuple(f._replace(value=cfg.get(f.path))
+                                  for f in fixed_by_flags(args, typed)))
+    deepspeed = None
+    if getattr(args, "deepspeed_config", None):
+        from megatron_2bw.config.ds_json import merge_flags_and_ds_config
+        cfg, deepspeed = merge_flags_and_ds_config(cfg, typed, args.deepspeed_config, world_size,
+                                                   layout_free=planner is not None)
+    if vocab_size is not None:
+        cfg = cfg.replace(model={"vocab_size": vocab_size})
+    if planner is not None:
+        cfg = planner(cfg)
+    cfg = cfg.resolved(world_size)
+    samples = getattr(args, "train_samples", None)
+    if samples is not None:
+        from megatron_2bw.config import ConfigError
+        if samples < 1:
+            raise ConfigError(f"--train-samples must be >= 1, got {samples}")
+        cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
+    return BuiltConfig(cfg.validate(world_size), deepspeed)
+

@@ -1,0 +1,23 @@
+"""What a DeepSpeed JSON sets besides the typed Config: settings only the DeepSpeed surface has.
+
+    cfg, ds = config_from_deepspeed(ds_json, ...)      # or merge_flags_and_ds_config(...)
+    ds.lr_schedule            # DeepSpeedLR or None: the "scheduler" section, exactly
+    ds.activation_checkpoint_interval, ds.stages, ds.dataloader_drop_last
+
+The core engine knows none of these: the DeepSpeed adapter (megatron_2bw/deepspeed) reads the
+pipeline and data-loading ones, and whoever builds the engine passes `lr_schedule` to it
+(`PipelineEngine(lr_schedule=...)`; None keeps the Megatron schedule of the Config).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_2bw.config.ds_json.schedulers import DeepSpeedLR
+
+
+@dataclass(frozen=True)
+class DeepSpeedSettings:
+    lr_schedule: DeepSpeedLR | None = None    # "scheduler" (WarmupLR, WarmupDecayLR, ...)
+    activation_checkpoint_interval: int = 0   # pipeline.activation_checkpoint_interval
+    stages: int | None = None                 # pipeline.stages ("auto": None)
+    dataloader_drop_last: bool = False        # dataloader_drop_last

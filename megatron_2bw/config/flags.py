@@ -1,0 +1,332 @@
+"""Megatron-LM command line -> Config. Same flag names and meanings as Megatron where they exist."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from dataclasses import replace
+
+from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
+        RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config, ConfigError, ModelConfig,
+        OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
+from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
+from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse with one-line errors that suggest the closest valid flag."""
+
+    def parse_args(self, args=None, namespace=None):
+        args, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flag = unknown[0].split("=")[0]
+            valid = [o for a in self._actions for o in a.option_strings]
+            close = difflib.get_close_matches(flag, valid, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            self.error(f"unknown flag {flag}{hint}")
+        return args
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# shape defaults when neither --model nor the flag gives one (the `debug` flavour)
+SHAPE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32}
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, metavar="NAME",
+                   help=f"named model shape ({', '.join(FLAVOURS)}); explicit flags override it")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=512,
+                   help="vocabulary size for --mock-data (a tokenizer sets it otherwise)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="selective recomputation, as in Megatron: recompute core attention "
+                        "(softmax and dropout over the scores) in backward, keep the rest. "
+                        "CHANGED: it used to mean full recomputation of every layer; for that "
+                        "give --recompute-granularity full --recompute-method uniform "
+                        "--recompute-num-layers 1")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="selective: core attention (= --recompute-activations); full: whole "
+                        "transformer layers, chosen by --recompute-method and "
+                        "--recompute-num-layers")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="full recomputation: uniform (chunks of N layers) or block (the first N "
+                        "layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    add_architecture_args(p)
+
+
+# -- architecture flags (Megatron's names and meanings) -------------------------------------------
+# flag -> ModelConfig field; None defaults mean "not given": the --model flavour's value, else the
+# ModelConfig default (the GPT-2 shape)
+ARCHITECTURE_FLAGS = {"position_embedding_type": "position_embedding_type",
+                      "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
+                      "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
+                      "swiglu": "swiglu", "group_query_attention": "group_query_attention",
+                      "num_query_groups": "num_query_groups", "openai_gelu": "openai_gelu"}
+
+
+def add_architecture_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("architecture (Megatron's flags; default: the GPT-2 shape)")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                   default=None, help="rope: rotary embeddings, no learned position table")
+    g.add_argument("--rotary-base", type=float, default=None, help="RoPE base (10000)")
+    g.add_argument("--rotary-percent", type=float, default=None,
+                   help="fraction of each head's channels rotated (1.0)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=None)
+    g.add_argument("--norm-epsilon", type=float, default=None, help="(1e-5)")
+    g.add_argument("--swiglu", action="store_true", default=None,
+                   help="gated SiLU MLP; --ffn-hidden-size defaults to int(8h/3 / 64) * 64")
+    g.add_argument("--group-query-attention", action="store_true", default=None)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention (1)")
+    g.add_argument("--disable-bias-linear", action="store_true", default=None,
+                   help="no biases in the linear layers (norms keep theirs)")
+    g.add_argument("--openai-gelu", action="store_true", default=None,
+                   help="tanh-approximated GeLU (GPT-2's gelu_new)")
+
+
+def apply_architecture_args(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """The model with the --model flavour's architecture and the architecture flags applied
+    (a flag beats the flavour; the vocabulary still comes from the data)."""
+    fields = flavour_architecture(getattr(args, "model", None) or "")
+    fields.pop("vocab_size", None)
+    if getattr(args, "ffn_hidden_size", None) is not None:
+        fields.pop("ffn_hidden_size", None)
+    if getattr(args, "untie_embeddings_and_output_weights", False):
+        fields["untie_embeddings_and_output_weights"] = True
+    for flag, field_name in ARCHITECTURE_FLAGS.items():
+        if getattr(args, flag, None) is not None:
+            fields[field_name] = getattr(args, flag)
+    if getattr(args, "disable_bias_linear", None):
+        fields["add_bias_linear"] = False
+    return replace(model, **fields)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="default: world size / (tensor x pipeline), as Megatron derives it")
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
+    g.add_argument("--2bw-compensation", dest="compensation", choices=method_names(),
+                   default=NO_COMPENSATION,
+                   help="2BW staleness compensation: predict = each batch runs forward and "
+                        "backward on the optimizer's prediction of the weights it would run on "
+                        "synchronously (bf16/fp16: no extra memory; fp32: one stage-sized "
+                        "buffer); predict-spike = predict plus spike compensation of Adam's "
+                        "momentum (ahead of GPipe at the usual settings); predict-nesterov = "
+                        "predict whose Adam update also takes the latest gradient (Nesterov "
+                        "form; the optimizer keeps it: one more stage-sized fp32 buffer; "
+                        "closest to GPipe at high constant lr; bench/README.md); "
+                        "none = plain 2BW (docs/ARCHITECTURE.md section 1)")
+    g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
+    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 master weights and optimizer state across the data-parallel "
+                        "ranks of each stage (gradients reduce-scattered, new weights "
+                        "all-gathered)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-model-parallel-size > 1: split norms, dropout and "
+                        "residuals along the sequence (all-reduces become all-gather + "
+                        "reduce-scatter; stage-to-stage messages shrink by t)")
+
+
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch size x data-parallel size (one microbatch)")
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--max-skipped-steps", type=int, default=None,
+                   help="fp16: end the run with an error after this many consecutive skipped "
+                        "(overflowing) steps; 0: no limit (default: the skips the loss scale "
+                        "needs to fall from --initial-loss-scale to --min-loss-scale, plus 10)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="alternative to --train-iters: samples / global batch size iterations")
+    g.add_argument("--eval-interval", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=1)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--keep-last", type=int, default=0,
+                   help="keep only the newest N checkpoints (0: keep all)")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default=CKPT_FORMATS[0],
+                   help="torch_dist: layout-free (loads into any t, d, w and schedule); torch: "
+                        "Megatron's one file per stage and tensor rank (loads into the same "
+                        "layout only). Loading reads either")
+    g.add_argument("--async-save", action="store_true",
+                   help="torch_dist: copy the state to host memory and write the checkpoint in "
+                        "the background while training continues")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=0)
+    g.add_argument("--exit-duration-in-mins", type=float, default=0.0)
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wall-clock-breakdown", action="store_true")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="record every action's start/end; each rank writes FILE.rank<r>.json "
+                        "(tools/plot_schedule.py --trace FILE draws it)")
+    add_observability_args(p)
+
+
+def add_observability_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging, profiling and numerics (Megatron's flags)")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write the logged scalars as TensorBoard events here (last stage)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="add the per-action wall-clock breakdown to TensorBoard")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler trace (Chrome/Perfetto JSON) of the iterations after "
+                        "--profile-step-start up to --profile-step-end, per rank of "
+                        "--profile-ranks, into {tensorboard-dir or save or .}/profile")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="accepted for Megatron scripts: --profile always uses torch.profiler")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--log-straggler", action="store_true",
+                   help="report every rank's compute and wait time per log interval and name "
+                        "the slowest rank when above --straggler-threshold")
+    g.add_argument("--straggler-threshold", type=float, default=20.0, metavar="PERCENT",
+                   help="name a rank whose compute time is this many percent above the median")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="(default) stop at a non-finite loss or gradient norm (fp32/bf16; fp16 "
+                        "skips such steps), naming the iteration and the stages")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
+
+
+def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
+    """The typed config of parsed flags, as typed (not validated, not resolved for a world: the
+    config pipeline, `config_pipeline.build_config`, does both)."""
+    shape = dict(SHAPE_DEFAULTS)
+    if getattr(args, "model", None):
+        try:
+            shape.update(flavour_shape(args.model, family))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    for key in shape:
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are mutually exclusive: pick one")
+    method, num, granularity = recompute_from_args(args)
+    model = ModelConfig(
+        family=family, bert_binary_head=not getattr(args, "bert_no_binary_head", False), num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"], ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=shape["seq_length"], max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        recompute_method=method, recompute_num_layers=num or 0,
+        recompute_granularity=granularity)
+    model = apply_architecture_args(model, args)
+    parallel = ParallelConfig(
+        tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
+        data=args.data_parallel_size, rank_order=args.rank_order,
+        backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
+        distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        sequence_parallel=getattr(args, "sequence_parallel", False))
+    batch = BatchConfig(micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size)
+    optimizer = OptimizerConfig(
+        name=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+        lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style)
+    precision = PrecisionConfig(
+        dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, max_skipped_steps=args.max_skipped_steps)
+    train = TrainConfig(
+        train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
+        load=args.load, save_interval=args.save_interval, keep_last=args.keep_last,
+        save_optim=not args.no_save_optim, ckpt_format=args.ckpt_format,
+        async_save=args.async_save,
+        load_optim=not args.no_load_optim, finetune=args.finetune,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown,
+        trace=args.trace, tensorboard_dir=args.tensorboard_dir,
+        tensorboard_queue_size=args.tensorboard_queue_size,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard, profile=args.profile,
+        profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
+        profile_ranks=tuple(args.profile_ranks), log_straggler=args.log_straggler,
+        straggler_threshold=args.straggler_threshold,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
+    return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
+                  precision=precision, train=train, schedule=args.pipeline_schedule,
+                  compensation=getattr(args, "compensation", NO_COMPENSATION))
+
+
+def recompute_from_args(args) -> tuple:
+    """(recompute_method, recompute_num_layers, recompute_granularity) of the recompute flags,
+    with Megatron's meanings: --recompute-activations is selective recomputation."""
+    method, num = args.recompute_method, args.recompute_num_layers
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise ConfigError("--recompute-activations means selective recomputation (core "
+                              "attention), --recompute-granularity full whole layers: give one")
+        granularity = "selective"
+    if granularity == "full":
+        if method is None or num is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method "
+                              "{uniform,block} and --recompute-num-layers N")
+    elif method is not None or num is not None:
+        raise ConfigError("--recompute-method/--recompute-num-layers need "
+                          "--recompute-granularity full")
+    return method, num, granularity
+
+
+def exit_on_config_error(fn):
+    """Run fn(); on ConfigError print one line to stderr and exit 2 (before any process group)."""
+    try:
+        return fn()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

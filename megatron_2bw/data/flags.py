@@ -1,0 +1,38 @@
+"""Megatron's data and tokenizer flags. `--seq-length` and `--vocab-size` are model flags
+(megatron_2bw/config/flags.py); `--vocab-size` is read only by the NullTokenizer."""
+from __future__ import annotations
+
+import argparse
+
+from megatron_2bw.data.bert_dataset import PAIR_TASKS
+from megatron_2bw.data.tokenizer import TOKENIZER_TYPES
+
+
+def add_data_args(p: argparse.ArgumentParser, family: str = "gpt") -> None:
+    """The data flags; BERT's masking / pair flags only when family == "bert"."""
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="PREFIX of PREFIX.bin/.idx, or a blend: WEIGHT PREFIX WEIGHT PREFIX ... "
+                        "(default: the embedded corpus of Python's help topics)")
+    g.add_argument("--split", default="969, 30, 1",
+                   help="train,valid,test weights over the documents of each prefix")
+    g.add_argument("--mock-data", action="store_true",
+                   help="train on deterministic synthetic sequences")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where dataset indices are cached (default: beside the data)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="default: GPTSentencePieceTokenizer for GPT, SentencePieceTokenizer "
+                        "for BERT")
+    g.add_argument("--tokenizer-model", default=None, help="a sentencepiece FILE.model")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x tensor-parallel size")
+    if family != "bert":
+        return
+    g.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="probability of a sample shorter than --seq-length")
+    g.add_argument("--mask-prob", type=float, default=0.15,
+                   help="fraction of tokens to predict (80%% [MASK], 10%% random, 10%% kept)")
+    g.add_argument("--bert-no-binary-head", action="store_true",
+                   help="no next-sentence / sentence-order head (single segments)")
+    g.add_argument("--sentence-pair-task", choices=PAIR_TASKS, default="sop",
+                   help="binary head label: sentence order (Megatron's) or next sentence")

@@ -1,0 +1,134 @@
+"""Table generators: one stage's ordered action list for a segment of batches, pure functions.
+
+Each generator takes (s, d, m, T, t0, slot) and returns stage s's actions for batches
+t0 .. t0+T-1 (microbatch k belongs to batch k // m); `slot(k)` is the weight-version slot of
+microbatch k, which only the schedule kind knows (`registry.py`). Sizes and m >= d-style
+requirements are checked by the kind before a generator runs.
+
+    gpipe    all forwards of a batch, then all backwards (reverse order), then R N S.
+    1f1b     Megatron's 1F1B (warm-up, steady one-forward-one-backward, cool-down).
+    flush    1F1B with a flush at every batch boundary, then R N S.
+    2bw      1F1B run continuously over the whole segment, with R/N/S inserted (see `twobw`).
+    forward  ra F sa for every microbatch (eval).
+"""
+from __future__ import annotations
+
+from megatron_2bw.schedule.actions import BACKWARD, B, F, N, R, RA, RG, S, SA, SG
+
+
+def one_f_one_b(s: int, d: int, mbs: list, slot) -> list:
+    """Megatron's 1F1B over `mbs` on stage s (warm-up, steady 1F1B, cool-down)."""
+    first, last = s == 0, s == d - 1
+    n = len(mbs)
+    out = []
+    warm = min(d - 1 - s, n)
+    for k in mbs[:warm]:
+        if not first:
+            out.append(RA(k))
+        out.append(F(k, slot(k)))
+        if not last:
+            out.append(SA(k))
+    rem = n - warm
+    if rem and not first:
+        out.append(RA(mbs[warm]))
+    for i in range(rem):
+        f, b = mbs[warm + i], mbs[i]
+        out.append(F(f, slot(f)))
+        if not last:
+            out += [SA(f), RG(b)]
+        out.append(B(b, slot(b)))
+        if not first:
+            out.append(SG(b))
+            if i != rem - 1:
+                out.append(RA(mbs[warm + i + 1]))
+    for b in mbs[rem:]:
+        if not last:
+            out.append(RG(b))
+        out.append(B(b, slot(b)))
+        if not first:
+            out.append(SG(b))
+    return out
+
+
+def _gpipe_batch(s: int, d: int, mbs: list, slot) -> list:
+    out = []
+    for k in mbs:
+        if s > 0:
+            out.append(RA(k))
+        out.append(F(k, slot(k)))
+        if s < d - 1:
+            out.append(SA(k))
+    for k in reversed(mbs):
+        if s < d - 1:
+            out.append(RG(k))
+        out.append(B(k, slot(k)))
+        if s > 0:
+            out.append(SG(k))
+    return out
+
+
+def _batches(m: int, T: int, t0: int):
+    for t in range(t0, t0 + T):
+        yield t, list(range(t * m, (t + 1) * m))
+
+
+def gpipe(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
+    out = []
+    for t, mbs in _batches(m, T, t0):
+        out += _gpipe_batch(s, d, mbs, slot) + [R(t), N(t), S(t)]
+    return out
+
+
+def flush(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
+    out = []
+    for t, mbs in _batches(m, T, t0):
+        out += one_f_one_b(s, d, mbs, slot) + [R(t), N(t), S(t)]
+    return out
+
+
+def twobw(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
+    """1F1B over the whole segment, then R/N/S inserted:
+
+    R(t) right after B of the batch's last microbatch; N(t) right after the first compute action
+    after R(t); S(t) right after B((t+1)m + s), s + 1 backwards after R(t): time for every stage
+    to post N(t) (stage 0 posts it last, about one backward per stage after stage s) so that S(t)
+    does not wait for the norm's all-reduce, and as early as that allows, so that what S(t)
+    leaves for later (a 2BW compensation's prediction, pipeline/compensation.py) can be done in
+    the waits before F of batch t+2, the first forward that needs W(t+1). With m = d that B is
+    the last one before F of batch t+2 (m >= d: never later). S(last) at the very end. Where one
+    B carries both S(t-1) and R(t) (last stage, m = d), S(t-1) goes first so that R(t) opens
+    window t.
+    """
+    base = one_f_one_b(s, d, list(range(t0 * m, (t0 + T) * m)), slot)
+    last = t0 + T - 1
+    out, pending = [], []
+    for a in base:
+        out.append(a)
+        if not a.is_compute:
+            continue
+        out += [N(t) for t in pending]
+        pending = []
+        if a.kind == BACKWARD:
+            if (a.mb - s) % m == 0 and t0 <= (a.mb - s) // m - 1 < last:
+                out.append(S((a.mb - s) // m - 1))
+            if (a.mb + 1) % m == 0:
+                out.append(R((a.mb + 1) // m - 1))
+                pending.append((a.mb + 1) // m - 1)
+    out += [N(t) for t in pending]
+    out.append(S(last))
+    return out
+
+
+def forward(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
+    """Eval: ra(k) F(k) sa(k) for every microbatch of the segment (no B/R/N/S)."""
+    out = []
+    for k in range(t0 * m, (t0 + T) * m):
+        if s > 0:
+            out.append(RA(k))
+        out.append(F(k, slot(k)))
+        if s < d - 1:
+            out.append(SA(k))
+    return out
+
+
+__all__ = ["one_f_one_b", "gpipe", "flush", "twobw", "forward"]

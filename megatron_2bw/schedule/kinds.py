@@ -1,0 +1,207 @@
+"""Schedule kinds: the one owner of every rule a pipeline schedule implies.
+
+A kind is an object that generates its action tables and answers every question about them. The
+engine, the simulator/validator, the planner's cost model, the config and DeepSpeed front doors,
+the single-process reference, bench/ and tools/ ask the kind; none of them compares schedule
+names or restates a rule (`tests/test_rule_owners.py` fails if one does).
+
+    name                 'gpipe', 'flush', '2bw': the --pipeline-schedule value
+    num_slots            weight versions a stage holds (2BW: 2, the others 1)
+    delay                versions between the newest and the one a batch uses: num_slots - 1
+    slot_of_batch(t)     the slot batch t's forwards, backwards and gradient buffer use
+    weight_of_batch(t)   k such that batch t runs forward and backward on W(k): max(t - delay, 0)
+    step_writes_slot(t)  S(t) writes W(t+1) into the slot of the first batch that runs on it
+    newest_slot(t)       the slot holding W(t) after t steps (eval, checkpoints)
+    initial_slot_weights(t0)  W index in each slot when a segment starts at batch t0
+    synchronous          batch t+1 runs on W(t+1): exact gradients, plain training's semantics
+    flushes              the pipeline drains at every batch (no forward of batch t+1 before S(t))
+    min_microbatches(d)  the fewest microbatches per batch with d stages (2BW: d)
+    in_flight(d, m, s)   peak microbatches with F done and B not done on stage s (the stash)
+    segments             batches the planner simulates: steady state = makespan(b) - makespan(a)
+    forwards_between_reduce_and_norm  forwards that hide R(t)'s all-reduce before N(t) waits
+    stage_actions(s, d, m, T, t0)     stage s's table for batches t0 .. t0+T-1 (generators.py)
+
+Every rule follows from `num_slots` where it can (the slot of batch t is t % num_slots, once,
+here); the rest are per-kind attributes that `tests/test_schedules.py` proves against the kind's
+own tables. To add a schedule: write its table generator in generators.py, subclass
+`ScheduleKind` here and `register_kind` an instance; nothing else changes.
+"""
+from __future__ import annotations
+
+from megatron_2bw.schedule import generators
+
+DEFAULT_FIX = ("raise --global-batch-size or lower --micro-batch-size (or use fewer pipeline "
+               "stages)")
+
+
+class ScheduleKind:
+    name = ""
+    num_slots = 1
+    is_training = True
+    segments = (1, 2)
+    forwards_between_reduce_and_norm = 0
+
+    def __repr__(self) -> str:
+        return f"<schedule kind {self.name}>"
+
+    # ---- the table ----
+    generator = None  # a generators.py function (s, d, m, T, t0, slot) -> stage s's list
+
+    def stage_actions(self, s: int, d: int, m: int, T: int, t0: int) -> list:
+        return self.generator(s, d, m, T, t0, self.slot_of_microbatch(m))
+
+    def slot_of_microbatch(self, m: int):
+        """k -> the slot of microbatch k when a batch holds m microbatches."""
+        return lambda k: self.slot_of_batch(k // m)
+
+    # ---- weight versions ----
+    @property
+    def delay(self) -> int:
+        return self.num_slots - 1
+
+    def slot_of_batch(self, t: int) -> int:
+        return t % self.num_slots
+
+    def weight_of_batch(self, t: int) -> int:
+        return max(t - self.delay, 0)
+
+    def step_writes_slot(self, t: int) -> int:
+        """S(t) writes W(t+1) where batch t + num_slots, the first to run on it, looks; in 2BW it
+        reads W(t) from the other slot."""
+        return self.slot_of_batch(t + self.num_slots)
+
+    def newest_slot(self, t: int) -> int:
+        return self.slot_of_batch(t + self.delay)
+
+    def initial_slot_weights(self, t0: int) -> list:
+        w = [0] * self.num_slots
+        for t in range(t0, t0 + self.num_slots):
+            w[self.slot_of_batch(t)] = self.weight_of_batch(t)
+        return w
+
+    def phase(self, t0: int) -> int:
+        """Segments starting at batches of the same phase are translated copies of each other
+        (the validator's verdict on one holds for the other)."""
+        n = self.num_slots
+        return t0 if t0 < n else n + t0 % n
+
+    @property
+    def synchronous(self) -> bool:
+        return self.delay == 0  # batch t+1 runs on W(t+1): gradients are never stale
+
+    @property
+    def flushes(self) -> bool:
+        return self.synchronous  # batch t+1 runs on W(t+1): it must wait for S(t)
+
+    # ---- sizes ----
+    def min_microbatches(self, d: int) -> int:
+        return 1
+
+    def microbatch_error(self, d: int, m: int, fix: str = DEFAULT_FIX) -> str | None:
+        """A one-line error if m microbatches per batch are too few for d stages, else None."""
+        low = self.min_microbatches(d)
+        if m >= low:
+            return None
+        return (f"{self.name} needs at least {low} microbatches per batch with {d} pipeline "
+                f"stages (m={m}): {fix}")
+
+    def check_microbatches(self, d: int, m: int, fix: str = DEFAULT_FIX) -> None:
+        msg = self.microbatch_error(d, m, fix)
+        if msg:
+            raise ValueError(msg)
+
+    def accepts(self, d: int, m: int) -> bool:
+        return self.microbatch_error(d, m) is None
+
+    def in_flight(self, d: int, m: int, s: int) -> int:
+        raise NotImplementedError
+
+
+class GPipe(ScheduleKind):
+    name = "gpipe"
+    generator = staticmethod(generators.gpipe)
+
+    def in_flight(self, d, m, s):
+        return m
+
+
+class Flush(ScheduleKind):
+    name = "flush"
+    generator = staticmethod(generators.flush)
+
+    def in_flight(self, d, m, s):
+        return min(d - s, m)  # 1F1B: the warm-up's d - 1 - s forwards, then one more
+
+
+class TwoBW(Flush):
+    """PipeDream-2BW: no flush, two versions, batch t runs on W(max(t - 1, 0))."""
+    name = "2bw"
+    num_slots = 2
+    segments = (3, 4)  # the warm-up happens once: compare two segments past it
+    forwards_between_reduce_and_norm = 1  # N(t) follows the first forward after R(t)
+    generator = staticmethod(generators.twobw)
+
+    def min_microbatches(self, d):
+        return d  # S(t) must fit before batch t+2's first forward on every stage
+
+    def microbatch_error(self, d, m, fix=DEFAULT_FIX):
+        if m >= self.min_microbatches(d):
+            return None
+        return (f"{self.name} needs at least as many microbatches per batch as pipeline stages "
+                f"(m={m} < d={d}): {fix}")
+
+
+class ForwardOnly(ScheduleKind):
+    """Eval (`forward_only()`): forwards on slot 0, no backward, no step."""
+    name = "forward"
+    is_training = False
+    generator = staticmethod(generators.forward)
+
+    def in_flight(self, d, m, s):
+        return m
+
+
+# ---- the registry ------------------------------------------------------------------------------
+
+_KINDS: dict[str, ScheduleKind] = {}
+
+
+def register_kind(kind: ScheduleKind) -> ScheduleKind:
+    if not kind.name or kind.name in _KINDS:
+        raise ValueError(f"schedule kind name {kind.name!r} is empty or already registered")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def schedule_names() -> tuple:
+    """The training schedules, in the order flags and reports list them."""
+    return tuple(name for name, kind in _KINDS.items() if kind.is_training)
+
+
+def schedule_kind(name) -> ScheduleKind:
+    """The kind of `name` (a kind passes through); unknown names are one-line ValueErrors."""
+    if isinstance(name, ScheduleKind):
+        return name
+    kind = _KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"unknown schedule {name!r}; valid schedules: "
+                         f"{', '.join(schedule_names())}")
+    return kind
+
+
+def kind_with_slots(num_slots: int) -> ScheduleKind:
+    """The first training kind holding `num_slots` versions (bare tables: `Schedule.from_table`)."""
+    for kind in _KINDS.values():
+        if kind.is_training and kind.num_slots == num_slots:
+            return kind
+    raise ValueError(f"no schedule holds {num_slots} weight versions")
+
+
+for _kind in (TwoBW(), Flush(), GPipe(), ForwardOnly()):
+    register_kind(_kind)
+DEFAULT_SCHEDULE = TwoBW.name
+FORWARD_ONLY = ForwardOnly.name
+
+__all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "ForwardOnly", "register_kind",
+           "schedule_names", "schedule_kind", "kind_with_slots", "DEFAULT_SCHEDULE",
+           "FORWARD_ONLY", "DEFAULT_FIX"]

@@ -1,0 +1,41 @@
+"""Run a function on N local processes (gloo on CPU): used by tools and tests.
+
+If any rank raises, the others are terminated and the error is re-raised in the caller, so a
+failing rank never leaves the rest hanging.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
+from megatron_2bw.training.loop.reliability import watch_launcher
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, backend, timeout_minutes, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    torch.set_num_threads(1)
+    watch_launcher()  # the spawning process dies: this worker exits too
+    start_process_group(rank, world_size, local_rank=rank, backend=backend,
+                        timeout_minutes=timeout_minutes)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        destroy_process_group()
+
+
+def spawn(fn, world_size: int, args: tuple = (), backend: str = "gloo",
+          timeout_minutes: float = 2.0) -> None:
+    """fn(rank, world_size, *args) on world_size processes; fn must be importable (picklable)."""
+    mp.spawn(_worker, args=(world_size, free_port(), backend, timeout_minutes, fn, args),
+             nprocs=world_size, join=True)

@@ -1,0 +1,43 @@
+"""Building a run from the config: the process grid, this rank's engine and its microbatches."""
+from __future__ import annotations
+
+from megatron_2bw.config import Config
+from megatron_2bw.models.families import FAMILIES, model_parts
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.engine import PipelineEngine
+from megatron_2bw.tensor_parallel import TPGroup
+
+
+def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGrid:
+    """The process groups of `cfg`'s layout on `world_size` ranks (the training loop's and the
+    DeepSpeed adapter's), created through `comm` (default: a Comm of the process group)."""
+    grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
+                       cfg.resolved(world_size).data_parallel_size, rank=rank,
+                       rank_order=cfg.parallel.rank_order)
+    return grid.init_groups(comm)
+
+
+def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEngine,
+                 lr_schedule=None):
+    """The configured model's stage on this rank, run by `engine_class` (a PipelineEngine);
+    `lr_schedule` (iteration -> lr) replaces the Config's Megatron schedule when given."""
+    specs, loss_fn, partition = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
+    return engine_class(cfg, grid, specs, loss_fn, partition, device, lr_schedule=lr_schedule)
+
+
+def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
+    """Microbatches of `dataset` for one data-parallel replica, from batch `start_batch` on."""
+    batches_cls = FAMILIES[cfg.model.family].batches
+    m = cfg.replace(parallel={"data": data_parallel_size}).num_microbatches
+    return batches_cls(dataset, cfg.batch.micro_batch_size, m, data_parallel_size, dp_rank,
+                       start_batch=start_batch)
+
+
+def mock_dataset(cfg: Config):
+    return FAMILIES[cfg.model.family].mock_dataset(cfg.model.vocab_size, cfg.model.seq_length,
+                                                   seed=cfg.train.seed)
+
+
+def mock_batches(cfg: Config, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
+    """Synthetic microbatches of the configured family for one data-parallel replica."""
+    return batches(cfg, mock_dataset(cfg), data_parallel_size, dp_rank, start_batch)
