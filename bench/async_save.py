@@ -53,7 +53,7 @@ def make_config(spec: dict, variant: str, save_dir: str):
 
 def one_round(variant: str, spec: dict, root: str) -> dict:
     from megatron_2bw.checkpoint.saver import Checkpointer
-    from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
     save_dir = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
     cfg = make_config(spec, variant, save_dir)
     grid = build_grid(cfg, 0, 1)

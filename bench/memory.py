@@ -134,7 +134,7 @@ def optimizer_buffers(optimizer) -> list:
 
 def run_stage(rank, world, spec, schedule, m, dist):
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training.loop.build import build_grid, mock_batches
+    from megatron_2bw.training.build import build_grid, mock_batches
     from megatron_2bw.models.families import model_parts
     cfg = make_config(spec, schedule, m, dist)
     grid = build_grid(cfg, rank, world)

@@ -83,7 +83,7 @@ class Plain:
 
 def build(name: str, spec: dict):
     from megatron_2bw.parallel.grid import ProcessGrid
-    from megatron_2bw.training.loop.build import build_engine, mock_batches
+    from megatron_2bw.training.build import build_engine, mock_batches
     cfg = make_config(spec, DEFAULT_SCHEDULE if name == "plain" else name[len("engine-"):])
     data = mock_batches(cfg, 1, 0)  # the same microbatch stream for every variant
     if name == "plain":

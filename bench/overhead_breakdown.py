@@ -146,7 +146,7 @@ def ds_adapter_row(spec: dict, build_config, batches: int = 6) -> tuple:
     import megatron_2bw as ds
     from megatron_2bw.models.gpt import gpt_layer_specs, gpt_loss
     from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
-    from megatron_2bw.training.loop.build import mock_batches
+    from megatron_2bw.training.build import mock_batches
     cfg = build_config(spec, DEFAULT_SCHEDULE)
     layers = [s.build() for s in gpt_layer_specs(cfg.model)]
     net = ds.pipe.PipelineModule(layers=layers, num_stages=1, loss_fn=gpt_loss,

@@ -71,7 +71,7 @@ def _p2p(rank, shape, comm, trips=23):
 
 
 def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
-    from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
     results = []
     for rnd in range(repeats):
         for k in range(len(cfgs)):  # interleaved rounds, the order rotated each round

@@ -31,7 +31,7 @@ from megatron_2bw.data.build import build_pretrain_data, pretrain_tokenizer
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
 from megatron_2bw.parallel.launcher import env_rank_world, launched
-from megatron_2bw.training.loop.reliability import (NO_FAULTS, FaultHooks, NumericsError,
+from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
         abort_on_sigint, describe, watch_launcher)
 
 
@@ -96,7 +96,7 @@ def parse(family: str, argv=None) -> Parsed:
         note = resume_note(cfg, world_size, planned=args.auto_plan)  # or a one-line error
         if note and rank == 0:
             print(note, flush=True)
-        from megatron_2bw.training.loop.observe.writers import check_tensorboard
+        from megatron_2bw.training.observe.writers import check_tensorboard
         check_tensorboard(cfg.train)
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
@@ -132,7 +132,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
                                                 local_rank))
     comm = start_process_group(rank, world_size, local_rank, backend=cfg.parallel.backend,
                                timeout_minutes=cfg.parallel.timeout_minutes)
-    from megatron_2bw.training.loop.build import build_grid
+    from megatron_2bw.training.build import build_grid
     grid = build_grid(cfg, rank, world_size, comm)
     device, backend = comm.device, comm.backend
     if rank == 0:
@@ -174,8 +174,8 @@ def _exit(line: str, code: int) -> None:
 
 
 def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None) -> None:
-    from megatron_2bw.training.loop.build import batches
-    from megatron_2bw.training.loop.loop import train
+    from megatron_2bw.training.build import batches
+    from megatron_2bw.training.loop import train
     train(cfg, grid, device, lr_schedule=lr_schedule,
           make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
           make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))

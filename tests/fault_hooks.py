@@ -13,7 +13,7 @@ import signal
 import time
 
 from megatron_2bw.checkpoint.files import TMP_PREFIX
-from megatron_2bw.training.loop.reliability import FaultHooks
+from megatron_2bw.training.reliability import FaultHooks
 
 KINDS = ("kill", "sigterm", "sigint", "raise", "kill-in-save", "nan")
 

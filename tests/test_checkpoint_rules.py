@@ -15,12 +15,12 @@ from megatron_2bw.checkpoint import files as checkpoint_files
 from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.config.build import build_config
 from megatron_2bw.checkpoint.files import LATEST, CheckpointError, latest_iteration, write_latest
-from megatron_2bw.checkpoint.files import atomic_write
+from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.checkpoint.api import preflight, save_checkpoint
 from megatron_2bw.config import ConfigError, PrecisionConfig, TrainConfig
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.loop.reliability import NumericsError, Preemption
-from megatron_2bw.training.loop.build import build_engine, build_grid
+from megatron_2bw.training.reliability import NumericsError, Preemption
+from megatron_2bw.training.build import build_engine, build_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,12 +77,14 @@ def test_a_full_disk_is_one_line_naming_enospc_and_leaves_nothing(tmp_path, monk
     report 'unexpected pos'."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
-    tmp = tmp_path / ".tmp-full"
-    monkeypatch.setattr(checkpoint_files.tempfile, "mkstemp",
-                        lambda prefix, dir: (os.open("/dev/full", os.O_WRONLY), str(tmp)))
+    import builtins
+
+    from megatron_2bw import fs
+    monkeypatch.setattr(fs, "open", lambda path, mode: builtins.open("/dev/full", "wb"),
+                        raising=False)
     path = tmp_path / "model_optim_rng.pt"
     with pytest.raises(CheckpointError) as e:
-        atomic_write(str(path), lambda f: torch.save({"w": torch.zeros(100_000)}, f))
+        write_checkpoint_file(str(path), lambda f: torch.save({"w": torch.zeros(100_000)}, f))
     assert re.fullmatch(rf"cannot write checkpoint file {path}: No space left on device "
                         r"\(ENOSPC\) after \d+ bytes: free space on that file system or point "
                         "--save elsewhere", str(e.value)), str(e.value)

@@ -18,8 +18,8 @@ from megatron_2bw.checkpoint.dist import storage
 from megatron_2bw.checkpoint.saver import AGREEMENT_DELAY, Checkpointer
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.loop.reliability import FaultHooks
-from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.reliability import FaultHooks
+from megatron_2bw.training.build import build_engine, build_grid, mock_batches
 from test_resume import make_cfg, run
 
 

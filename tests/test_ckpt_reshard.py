@@ -23,7 +23,7 @@ from megatron_2bw.testing.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.testing.reference import build_sequential, reference_train
-from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, build_grid, mock_batches
 from megatron_2bw.models.families import model_parts
 from megatron_2bw.testing.verify import Report, compare
 from megatron_2bw.tensor_parallel.shards import merge_tensor_shards

@@ -15,7 +15,7 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.testing.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.loop.build import build_engine, build_grid
+from megatron_2bw.training.build import build_engine, build_grid
 
 from test_resume import _worker as _train_worker
 

@@ -14,7 +14,7 @@ from megatron_2bw.schedule import actions as A
 from megatron_2bw.pipeline.batch_step import _wait
 from megatron_2bw.pipeline.compensation import method_names
 from megatron_2bw.pipeline.interpreter import Interpreter
-from megatron_2bw.training.loop.build import build_engine, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
 from test_engine_units import stepped
 
 COMPENSATED = [m for m in method_names() if m != "none"]

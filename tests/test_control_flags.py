@@ -88,7 +88,7 @@ class _P2PRecorder(Comm):
 
 
 def _worker(rank, world_size, t, d, raiser, out):
-    from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
     argv = BASE + ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size",
                    str(d)]
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", world_size).config

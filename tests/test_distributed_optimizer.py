@@ -18,7 +18,7 @@ from megatron_2bw.testing.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pipeline.compensation import NONE, method_names
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.loop.build import build_engine, build_grid
+from megatron_2bw.training.build import build_engine, build_grid
 from megatron_2bw.testing.verify import parse, run
 from torch.multiprocessing import ProcessRaisedException
 

@@ -131,7 +131,7 @@ def test_dynamic_loss_scaler():
 def _one_stage_engine(schedule):
     from megatron_2bw.config import BatchConfig, Config, TrainConfig
     from megatron_2bw.parallel.grid import ProcessGrid
-    from megatron_2bw.training.loop.build import build_engine, mock_batches
+    from megatron_2bw.training.build import build_engine, mock_batches
     cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                    vocab_size=64, seq_length=8),
                  batch=BatchConfig(micro_batch_size=2, global_batch_size=4),
@@ -185,7 +185,7 @@ def test_engine_runs_validated_windows_and_asks_the_kind_for_slots(schedule):
 def test_the_engine_takes_an_lr_schedule_and_shows_its_public_surface():
     from megatron_2bw.config import BatchConfig, Config, TrainConfig
     from megatron_2bw.parallel.grid import ProcessGrid
-    from megatron_2bw.training.loop.build import build_engine, mock_batches
+    from megatron_2bw.training.build import build_engine, mock_batches
     cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                    vocab_size=64, seq_length=8),
                  batch=BatchConfig(micro_batch_size=2, global_batch_size=4),

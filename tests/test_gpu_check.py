@@ -64,7 +64,7 @@ def test_the_log_parser_reads_the_logger():
 
 
 def test_device_peaks():
-    from megatron_2bw.training.loop.observe.devices import peak_tflops
+    from megatron_2bw.training.observe.devices import peak_tflops
     assert peak_tflops("NVIDIA H200") == 989.0 and peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and peak_tflops("NVIDIA A10") == 125.0
     assert peak_tflops("NVIDIA L40S") == 362.0 and peak_tflops("Tesla V100-SXM2") is None

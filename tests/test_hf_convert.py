@@ -27,9 +27,9 @@ from megatron_2bw.checkpoint.convert.native import (FullModel, one_process_model
 from megatron_2bw.testing.launch import spawn  # noqa: E402
 from megatron_2bw.pretrain import build_parser  # noqa: E402
 from megatron_2bw.testing.reference import reference_train  # noqa: E402
-from megatron_2bw.training.loop.build import batches, build_grid, mock_batches, mock_dataset
+from megatron_2bw.training.build import batches, build_grid, mock_batches, mock_dataset
 from megatron_2bw.models.families import model_parts
-from megatron_2bw.training.loop.loop import train
+from megatron_2bw.training.loop import train
 
 os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ import torch
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.optim import native
 from megatron_2bw.optim import optimizer as O
-from megatron_2bw.training.loop.build import mock_batches
+from megatron_2bw.training.build import mock_batches
 
 LIB = native.library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the native kernel")

@@ -23,15 +23,15 @@ import torch
 
 from megatron_2bw.config.build import build_config
 from megatron_2bw.testing.launch import free_port, spawn
-from megatron_2bw.training.loop.observe.logger import parse_line
-from megatron_2bw.training.loop.observe.memory import memory_peaks, reset_memory_peaks
+from megatron_2bw.training.observe.logger import parse_line
+from megatron_2bw.training.observe.memory import memory_peaks, reset_memory_peaks
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.loop.observe.progress import Pace, format_duration
-from megatron_2bw.training.loop.build import (batches, build_engine, build_grid, mock_batches,
+from megatron_2bw.training.observe.progress import Pace, format_duration
+from megatron_2bw.training.build import (batches, build_engine, build_grid, mock_batches,
         mock_dataset)
-from megatron_2bw.training.loop.loop import train
+from megatron_2bw.training.loop import train
 from test_resume import make_cfg, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,9 +206,9 @@ def test_profile_writes_a_trace_per_rank_with_the_engine_action_ranges(tmp_path)
 
 def test_without_the_tensorboard_package_logging_works_and_tensorboard_dir_is_one_line(
         monkeypatch, tmp_path):
-    from megatron_2bw.training.loop.observe import writers as log_writers
+    from megatron_2bw.training.observe import writers as log_writers
     from megatron_2bw.config import ConfigError
-    from megatron_2bw.training.loop.observe.logger import TrainLogger
+    from megatron_2bw.training.observe.logger import TrainLogger
     tb = tmp_path / "tb"
     with_tb, without = (build_config(build_parser("gpt").parse_args(SMALL + extra), "gpt", 1)
                         .config for extra in (["--tensorboard-dir", str(tb)], []))

@@ -10,9 +10,9 @@ from megatron_2bw.schedule.tables import count_in_flight, make_schedule
 from megatron_2bw.schedule.simulate import simulate
 from megatron_2bw.planner import (AnalyticProfile, PlanError, Topology, load_profile, predict,
         resolve_topology, save_profile)
-from megatron_2bw.models import partition
+from megatron_2bw.models.partition import partition
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
-from megatron_2bw.models.partition import bottleneck, stage_sums
+from megatron_2bw.models.partition import PartitionError, bottleneck, stage_sums
 from megatron_2bw.planner.profile import MeasuredProfile, profile_from_dict
 from megatron_2bw.planner.simulate import run_segment
 
@@ -163,7 +163,7 @@ def test_partition_weighs_embedding_and_head():
     bounds = partition(costs, 4)
     assert max(stage_sums(costs, bounds)) == 3.0
     assert bounds[-2] >= 8  # head alone (or with nothing heavier than itself)
-    with pytest.raises(PlanError, match="cannot split 3 layers into 4"):
+    with pytest.raises(PartitionError, match="cannot split 3 layers into 4"):
         partition([1, 1, 1], 4)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, build_grid, mock_batches
 from megatron_2bw.testing.verify import parse, run
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "

@@ -143,7 +143,7 @@ class BrokenAt:
     """A GPT dataset whose sample 9 cannot be read."""
 
     def __init__(self, cfg):
-        from megatron_2bw.training.loop.build import mock_dataset
+        from megatron_2bw.training.build import mock_dataset
         self.inner = mock_dataset(cfg)
 
     def __getitem__(self, i):
@@ -153,8 +153,8 @@ class BrokenAt:
 
 
 def _train_on_broken_data(rank, world_size, cfg):
-    from megatron_2bw.training.loop.build import batches, build_grid
-    from megatron_2bw.training.loop.loop import train
+    from megatron_2bw.training.build import batches, build_grid
+    from megatron_2bw.training.loop import train
     grid = build_grid(cfg, rank, world_size)
     data = BrokenAt(cfg)
     train(cfg, grid, "cpu", make_data=lambda s: batches(cfg, data, grid.data, grid.dp_rank, s),

@@ -141,7 +141,7 @@ def test_readme_tensorboard_recipe_writes_what_tensorboard_reads(tmp_path):
 def test_readme_profile_recipe_names_the_files_it_writes():
     from megatron_2bw.config.build import build_config
     from megatron_2bw.pretrain import build_parser
-    from megatron_2bw.training.loop.observe.profiling import profile_path
+    from megatron_2bw.training.observe.profiling import profile_path
     _, (profile,) = readme_blocks(WATCHING)
     assert profile[0] == "torchrun" and profile[4] == "pretrain_gpt.py"
     cfg = build_config(build_parser("gpt").parse_args(profile[5:]), "gpt", 2).config
@@ -157,7 +157,7 @@ def test_readme_profile_recipe_names_the_files_it_writes():
 def test_readme_profile_recipe_writes_a_trace_per_rank(tmp_path):
     from megatron_2bw.config.build import build_config
     from megatron_2bw.pretrain import build_parser
-    from megatron_2bw.training.loop.observe.profiling import profile_path
+    from megatron_2bw.training.observe.profiling import profile_path
     _, (profile,) = readme_blocks(WATCHING)
     (tmp_path / "pretrain_gpt.py").symlink_to(ROOT / "pretrain_gpt.py")
     t = build_config(build_parser("gpt").parse_args(profile[5:]), "gpt", 2).config.train

@@ -137,7 +137,7 @@ def test_selective_recomputation_gives_the_gradients_of_no_recomputation(family)
     from dataclasses import replace
 
     from megatron_2bw.models.bert import bert_layer_specs, make_bert_loss
-    from megatron_2bw.training.loop.build import mock_batches
+    from megatron_2bw.training.build import mock_batches
     from megatron_2bw.config import Config, BatchConfig
     cfg = ModelConfig(family=family, num_layers=2, hidden_size=32, num_attention_heads=4,
                       vocab_size=64, seq_length=16, hidden_dropout=0.2, attention_dropout=0.3)

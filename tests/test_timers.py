@@ -13,8 +13,8 @@ from megatron_2bw.testing.launch import spawn
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.loop.build import batches, build_grid, mock_dataset
-from megatron_2bw.training.loop.loop import train
+from megatron_2bw.training.build import batches, build_grid, mock_dataset
+from megatron_2bw.training.loop import train
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 

@@ -94,17 +94,17 @@ def run_error(run: str) -> str | None:
 def held_out(cfg, dataset, grid):
     """The first --eval-iters batches of the validation split for this replica, again and again:
     every evaluation of every run sees the same microbatches."""
-    from megatron_2bw.training.loop.build import batches
+    from megatron_2bw.training.build import batches
     first = list(itertools.islice(batches(cfg, dataset, grid.data, grid.dp_rank),
                                   cfg.train.eval_iters * cfg.num_microbatches))
     return itertools.cycle(first)
 
 
 def _worker(rank, world, family, argv, out_path, prefix):
-    from megatron_2bw.training.loop.observe.logger import parse_line
+    from megatron_2bw.training.observe.logger import parse_line
     from megatron_2bw.pretrain import parse
-    from megatron_2bw.training.loop.build import batches, build_grid
-    from megatron_2bw.training.loop.loop import train
+    from megatron_2bw.training.build import batches, build_grid
+    from megatron_2bw.training.loop import train
     parsed = parse(family, argv)
     cfg, data = parsed.cfg, parsed.data
     grid = build_grid(cfg, rank, world)

@@ -147,7 +147,7 @@ def planner_memory_gib(cfg) -> dict:
 def check_log_parser() -> None:
     """The parser reads what the training logger writes (catches a format change)."""
     from megatron_2bw.config import Config
-    from megatron_2bw.training.loop.observe.logger import TrainLogger
+    from megatron_2bw.training.observe.logger import TrainLogger
     lines, fields = [], {"loss": 7.5, "samples/s": 100.0, "tokens/s": 102400.0,
                          "TFLOP/s/device": 55.5, "memory GB per stage": [9.5], "ms forward": 3.0}
     logger = TrainLogger(Config(), None, True, lines.append)
@@ -197,7 +197,7 @@ def parse_log(text: str) -> dict:
     """{"iterations": [{"iteration", key: value}], "validation": [(iteration, loss)],
     "parameters_m": float | None} from a pretrain log (lines as logger.parse_line reads them)."""
     import re
-    from megatron_2bw.training.loop.observe.logger import parse_line
+    from megatron_2bw.training.observe.logger import parse_line
     out = {"iterations": [], "validation": [], "parameters_m": None}
     for line in text.splitlines():
         m = re.search(r"megatron-2bw: ([\d.]+)M parameters", line)
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the numbers to this JSON file")
     a = p.parse_args(argv)
     import torch
-    from megatron_2bw.training.loop.observe.devices import peak_tflops
+    from megatron_2bw.training.observe.devices import peak_tflops
     if a.dry_run:
         with contextlib.ExitStack() as stack:
             work = a.work_dir or stack.enter_context(tempfile.TemporaryDirectory())

@@ -36,7 +36,7 @@ from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, ag
 from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout
 from megatron_2bw.config import Config, TrainConfig
 from megatron_2bw.config.paths import check_writable_dir
-from megatron_2bw.training.loop.reliability import NO_FAULTS, FaultHooks, NumericsError, describe
+from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks, NumericsError, describe
 
 __all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteration",
            "save_checkpoint", "start_checkpoint", "load_checkpoint", "layout", "preflight",

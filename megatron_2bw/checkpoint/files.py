@@ -64,7 +64,7 @@ def rank_dir(root: str, iteration: int, tp: int, pp: int, num_stages: int) -> st
     return os.path.join(iteration_dir(root, iteration), name)
 
 
-def atomic_write(path: str, write) -> str:
+def write_checkpoint_file(path: str, write) -> str:
     """fs.atomic_write (write(file) to a temporary sibling, fsync, rename; returns the sha256),
     with a failed write as one CheckpointError naming the file, the bytes written and the fix;
     `path` is left as it was."""
@@ -93,9 +93,9 @@ def sha256_of(path: str) -> str:
 
 
 def write_with_checksum(path: str, write) -> None:
-    """atomic_write(path, write) and then its `.sha256` sidecar (hashed while writing)."""
-    digest = atomic_write(path, write)
-    atomic_write(path + ".sha256",
+    """write_checkpoint_file(path, write) and then its `.sha256` sidecar (hashed while writing)."""
+    digest = write_checkpoint_file(path, write)
+    write_checkpoint_file(path + ".sha256",
                  lambda f: f.write(f"{digest}  {os.path.basename(path)}\n".encode()))
 
 
@@ -128,7 +128,7 @@ def write_latest(directory: str, iteration: int) -> None:
     current = latest_iteration(directory)
     if current is not None and iteration <= current:
         raise CheckpointError(not_newer(directory, iteration, current))
-    atomic_write(os.path.join(directory, LATEST), lambda f: f.write(f"{iteration}\n".encode()))
+    write_checkpoint_file(os.path.join(directory, LATEST), lambda f: f.write(f"{iteration}\n".encode()))
 
 
 def not_newer(directory: str, iteration: int, current: int) -> str:

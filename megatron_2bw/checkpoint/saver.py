@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from megatron_2bw.checkpoint.api import save_checkpoint, start_checkpoint
 from megatron_2bw.config import Config
-from megatron_2bw.training.loop.reliability import NO_FAULTS, FaultHooks
+from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks
 
 FLAG = "save_busy"
 AGREEMENT_DELAY = 3  # boundaries after a save starts before `save_busy` speaks about it

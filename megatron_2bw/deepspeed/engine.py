@@ -78,7 +78,7 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
                  training_data=None, collate_fn=None):
         """`cfg` and `settings` (ds_config.DeepSpeedSettings) from config_from_deepspeed."""
         from megatron_2bw.pipeline.engine import PipelineEngine
-        from megatron_2bw.training.loop.build import build_grid
+        from megatron_2bw.training.build import build_grid
         self._cfg, self._config, self._settings = cfg, ds_json, settings
         self.module = module
         self.global_rank, self.world_size = current_rank_world()

@@ -14,7 +14,7 @@ from megatron_2bw.parallel.distributed import current_rank_world, init_process_g
 from megatron_2bw.parallel.devices import default_backend, default_device, is_initialized
 from megatron_2bw.parallel.launcher import discover_env, env_rank_world, launched
 from megatron_2bw.deepspeed.pipe.module import PipelineModule, _is_ds_pipeline_module
-from megatron_2bw.training.loop.reliability import watch_launcher
+from megatron_2bw.training.reliability import watch_launcher
 from megatron_2bw.deepspeed.pipe.topology import grid_layout
 from megatron_2bw.deepspeed.engine import DeepSpeedPipelineEngine
 

@@ -237,7 +237,7 @@ def _batch_reader(model, micro_batch: int):
     """next() of the project's batch iterator over the family's synthetic dataset (sample lookup,
     stacking, the input/label split): what the engine does to read one microbatch."""
     from megatron_2bw.config import BatchConfig, Config, TrainConfig
-    from megatron_2bw.training.loop.build import mock_batches
+    from megatron_2bw.training.build import mock_batches
     cfg = Config(model=model, batch=BatchConfig(micro_batch, micro_batch),
                  train=TrainConfig(train_iters=1))
     it = mock_batches(cfg, 1, 0)

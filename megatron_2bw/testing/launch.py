@@ -11,7 +11,7 @@ import socket
 import torch.multiprocessing as mp
 
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
-from megatron_2bw.training.loop.reliability import watch_launcher
+from megatron_2bw.training.reliability import watch_launcher
 
 
 def free_port() -> int:

@@ -30,7 +30,7 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.testing.launch import spawn
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.testing.reference import build_sequential, reference_train
-from megatron_2bw.training.loop.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, build_grid, mock_batches
 from megatron_2bw.models.families import model_parts
 from megatron_2bw.tensor_parallel.shards import merge_tensor_shards
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_2bw.checkpoint.files import atomic_write
+from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -27,7 +27,7 @@ SENTENCEPIECE = "GPTSentencePieceTokenizer"
 
 def _copy(src: str, dst: str) -> None:
     data = open(src, "rb").read()
-    atomic_write(dst, lambda f: f.write(data))
+    write_checkpoint_file(dst, lambda f: f.write(data))
 
 
 def record_tokenizer(directory: str, tokenizer: Tokenizer | None) -> None:
@@ -40,7 +40,7 @@ def record_tokenizer(directory: str, tokenizer: Tokenizer | None) -> None:
         _copy(model_file, os.path.join(directory, TOKENIZER_MODEL))
     else:
         args["vocab_size"] = tokenizer.vocab_size - 1  # the NullTokenizer's --vocab-size
-    atomic_write(os.path.join(directory, TOKENIZER_ARGS),
+    write_checkpoint_file(os.path.join(directory, TOKENIZER_ARGS),
                  lambda f: f.write((json.dumps(args) + "\n").encode()))
 
 
@@ -83,7 +83,7 @@ def carry_to_checkpoint(hf_dir: str, ckpt_dir: str) -> bool:
         return False
     build_tokenizer(SENTENCEPIECE, model)  # a one-line error if it is not sentencepiece
     _copy(model, os.path.join(ckpt_dir, TOKENIZER_MODEL))
-    atomic_write(os.path.join(ckpt_dir, TOKENIZER_ARGS),
+    write_checkpoint_file(os.path.join(ckpt_dir, TOKENIZER_ARGS),
                  lambda f: f.write((json.dumps({"tokenizer_type": SENTENCEPIECE}) + "\n")
                                    .encode()))
     return True
@@ -97,6 +97,6 @@ def carry_to_hf(ckpt_dir: str, hf_dir: str) -> bool:
     _copy(model, os.path.join(hf_dir, TOKENIZER_MODEL))
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
               "add_eos_token": False}
-    atomic_write(os.path.join(hf_dir, "tokenizer_config.json"),
+    write_checkpoint_file(os.path.join(hf_dir, "tokenizer_config.json"),
                  lambda f: f.write((json.dumps(config, indent=2) + "\n").encode()))
     return True

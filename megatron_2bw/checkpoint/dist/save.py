@@ -32,9 +32,9 @@ import torch
 
 from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree, iteration_dir,
         latest_iteration, prune, write_error, write_latest)
-from megatron_2bw.checkpoint.files import atomic_write
+from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.fs import fsync_directory
-from megatron_2bw.training.loop.reliability import NO_FAULTS, FaultHooks
+from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks
 from megatron_2bw.checkpoint.dist.shards import state_shards
 from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, PlannedSave, finish_metadata,
         plan_save, write_files)
@@ -161,9 +161,9 @@ class DistSave:
 
     def _publish(self, tmp: str, final: str, results: list, digests: dict) -> None:
         digests.update(finish_metadata(self.planned, results))
-        digests[COMMON] = atomic_write(os.path.join(tmp, COMMON),
+        digests[COMMON] = write_checkpoint_file(os.path.join(tmp, COMMON),
                                        lambda f: torch.save(self.common, f))
-        atomic_write(os.path.join(tmp, CHECKSUMS), lambda f: f.write("".join(
+        write_checkpoint_file(os.path.join(tmp, CHECKSUMS), lambda f: f.write("".join(
             f"{digest}  {name}\n" for name, digest in sorted(digests.items())).encode()))
         fsync_directory(tmp)
         if os.path.exists(final):  # a save of this iteration that never became `latest`

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 
-from megatron_2bw.training.loop.observe.logger import TrainLogger
-from megatron_2bw.training.loop.observe.memory import memory_per_stage
-from megatron_2bw.training.loop.observe.progress import Pace, format_duration
-from megatron_2bw.training.loop.observe.straggler import rank_times, straggler_report
+from megatron_2bw.training.observe.logger import TrainLogger
+from megatron_2bw.training.observe.memory import memory_per_stage
+from megatron_2bw.training.observe.progress import Pace, format_duration
+from megatron_2bw.training.observe.straggler import rank_times, straggler_report
 
 PPL_CAP = 20.0  # Megatron's: exp(min(20, loss))
 

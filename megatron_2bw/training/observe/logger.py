@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_2bw.training.loop.observe.writers import TensorBoardWriter, WandbWriter, scalars
+from megatron_2bw.training.observe.writers import TensorBoardWriter, WandbWriter, scalars
 
 
 class TrainLogger:
@@ -29,7 +29,7 @@ class TrainLogger:
         if t.tensorboard_dir:
             self.writers.append(TensorBoardWriter(cfg))
         if progress is not None:
-            from megatron_2bw.training.loop.observe.progress import ProgressBar
+            from megatron_2bw.training.observe.progress import ProgressBar
             self.bar = ProgressBar(progress, start, t.train_iters)
 
     def step(self, iteration: int) -> None:

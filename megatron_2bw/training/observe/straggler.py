@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from statistics import median_low
 
-from megatron_2bw.training.loop.reliability import describe
+from megatron_2bw.training.reliability import describe
 
 COMPUTE = ("forward", "backward", "optimizer")
 WAIT = ("p2p", "all-reduce")
