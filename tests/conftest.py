@@ -1,8 +1,13 @@
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, ROOT)
+# the tiers (unit/: no processes, distributed/: gloo processes, e2e/: commands and tools) share
+# helpers (fault_hooks.py, fault_entry.py here; test modules import each other's builders)
+for _tier in ("", "unit", "distributed", "e2e"):
+    sys.path.insert(1, os.path.join(TESTS, _tier))
 os.environ.setdefault("WANDB_MODE", "offline")
 
 import pytest  # noqa: E402

@@ -4,7 +4,7 @@
 another buffer (2BW writes the new version next to the one still in use: torch's kernels first set
 dst to src and update it in place, the native one reads src and writes dst). The arithmetic matches
 torch.optim.AdamW / torch.optim.SGD, so a plain PyTorch loop is the reference
-(tests/test_engine_units.py). The flat layout puts decayed parameters (matrices, embeddings) first:
+(tests/unit/test_engine_units.py). The flat layout puts decayed parameters (matrices, embeddings) first:
 [0, decay_end), so a step is at most two kernel calls (the decayed range, then the rest with weight
 decay 0).
 
@@ -30,7 +30,7 @@ elementwise, and `steps` is the only shared scalar. So a shard is just a contigu
 clamp(decay_end - lo, 0, hi - lo), device)` and stepped on the views `buf[lo:hi]` updates those
 elements as the unsharded optimizer would (its state is the slice [lo, hi) of the unsharded
 state): bit for bit with the unfused kernel; torch's fused kernels round the few elements of a
-vector tail at a cut differently (1 ulp). tests/test_fused_optim.py checks a split step against
+vector tail at a cut differently (1 ulp). tests/unit/test_fused_optim.py checks a split step against
 the whole one.
 
 One pure function of the state serves 2BW's staleness compensation (pipeline/compensation.py):

@@ -11,7 +11,7 @@ batch_isend_irecv) check every
 tensor against `comm.device` and raise `CommDeviceError` (one line: the call, the tensor's device,
 the device wanted, the fix) before torch sees it. NCCL itself rejects a CPU tensor only on a GPU
 cluster; this check makes the same mistake fail on a CPU-only machine as soon as the device a
-careless tensor lands on differs from the backend's (tests/test_comm_device_rule.py).
+careless tensor lands on differs from the backend's (tests/distributed/test_comm_device_rule.py).
 
 Value calls (barrier, gather_objects, reduce_floats, gather_floats) take Python values and build
 their tensors on `comm.device` themselves, so callers never create a tensor for a collective.

@@ -22,7 +22,7 @@ peer and direction (FIFO matching pairs the same messages), no later than the ta
 waited for no earlier than the table waits for it. Posting a receive early only lets its sender
 finish sooner (gloo: unordered across directions; NCCL: alone on its direction's stream), and
 waiting later only lets this stage move sooner, so every stage is at least as far along as in
-the validated execution. Tests: tests/test_p2p_overlap.py (d = 4 and 8, every schedule).
+the validated execution. Tests: tests/unit/test_p2p_overlap.py (d = 4 and 8, every schedule).
 
 Buffers. Received tensors land in buffers from a pool keyed by (shapes, dtypes): after the first
 batches no receive allocates. The engine returns a buffer with `release` once its consumer is done

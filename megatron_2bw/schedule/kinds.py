@@ -3,7 +3,7 @@
 A kind is an object that generates its action tables and answers every question about them. The
 engine, the simulator/validator, the planner's cost model, the config and DeepSpeed front doors,
 the single-process reference, bench/ and tools/ ask the kind; none of them compares schedule
-names or restates a rule (`tests/test_rule_owners.py` fails if one does).
+names or restates a rule (`tests/unit/test_rule_owners.py` fails if one does).
 
     name                 'gpipe', 'flush', '2bw': the --pipeline-schedule value
     num_slots            weight versions a stage holds (2BW: 2, the others 1)
@@ -22,7 +22,7 @@ names or restates a rule (`tests/test_rule_owners.py` fails if one does).
     stage_actions(s, d, m, T, t0)     stage s's table for batches t0 .. t0+T-1 (generators.py)
 
 Every rule follows from `num_slots` where it can (the slot of batch t is t % num_slots, once,
-here); the rest are per-kind attributes that `tests/test_schedules.py` proves against the kind's
+here); the rest are per-kind attributes that `tests/unit/test_schedules.py` proves against the kind's
 own tables. To add a schedule: write its table generator in generators.py, subclass
 `ScheduleKind` here and `register_kind` an instance; nothing else changes.
 """

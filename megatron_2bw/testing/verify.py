@@ -10,7 +10,7 @@ gradient is only rounding noise (a dead GeLU unit, say; Adam normalizes their up
 whatever its sign) cannot fail the check on their own. The run passes when the largest relative
 difference over all tensors, and over the per-iteration losses, is within --rtol. It also checks
 that the tied embedding copies on the first and last stage and all data-parallel replicas are
-bitwise equal. `tests/test_equivalence.py` shows that a broken engine fails it (`run(...,
+bitwise equal. `tests/distributed/test_equivalence.py` shows that a broken engine fails it (`run(...,
 engine_class=...)`).
 """
 from __future__ import annotations
