@@ -1,11 +1,15 @@
 """The one owner of how the product writes files: atomically, under unique temporary names, into
 directories it has checked, and where its caches live. Every write of the package goes through
 here or through the checkpoint storage layer (checkpoint/dist/storage.py, DCP's writer);
-tests/unit/test_layout.py finds any other `torch.save` or `open(..., "w")`.
+tests/unit/test_writes.py finds any other `torch.save` or `open(..., "w")`.
 
-    atomic_write(path, write)      write(file) into a temporary sibling, fsync, rename over
-                                   `path`, fsync the directory; returns the sha256 of the bytes
-    atomic_write_bytes(path, b)    the same for bytes; atomic_save_npy(path, array) for numpy
+    AtomicFile(path)               a file object streaming into a temporary sibling: commit()
+                                   fsyncs and renames it over `path`, discard() drops it; as a
+                                   context manager it commits on success, discards on error
+    atomic_write(path, write)      write(file) into an AtomicFile and commit it; returns the
+                                   sha256 of the bytes
+    atomic_write_bytes(path, b)    the same for bytes; atomic_write_text(path, s) for text,
+                                   atomic_save_npy(path, array) for numpy
     atomic_build_dir(final, build) build a whole directory under a temporary name, then rename
     unique_temp(path)              `.tmp-NAME-HOST-PID-RANDOM` next to `path`: unique across
                                    the hosts of a shared filesystem, so no locks are needed
@@ -15,11 +19,13 @@ tests/unit/test_layout.py finds any other `torch.save` or `open(..., "w")`.
 
 A reader sees the old file or the new one, never half of one; a writer killed mid-write leaves
 only a `.tmp-` name (TMP_PREFIX), which the checkpoint start-up removes. A failed write is a
-`WriteError` (an OSError) that keeps the OS error and the bytes written, for a one-line message.
+`WriteError` (an OSError) that keeps the OS error and the bytes written; its message is one line
+naming the file, the error and the fix (`write_problem`).
 Must not import: anything of the package (it is the bottom layer).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -38,6 +44,23 @@ class WriteError(OSError):
     def __init__(self, path: str, cause: OSError, written: int):
         super().__init__(cause.errno, cause.strerror or str(cause))
         self.path, self.cause, self.written = path, cause, written
+
+    def __str__(self) -> str:
+        return write_problem(f"file {self.path}", self.cause, self.written)
+
+
+_FIXES = {errno.ENOSPC: "free space on that file system or point {where} elsewhere",
+          errno.EDQUOT: "free space within your quota or point {where} elsewhere",
+          errno.EACCES: "make the directory writable or point {where} elsewhere",
+          errno.EROFS: "point {where} at a writable file system"}
+
+
+def write_problem(what: str, cause: OSError, written: int, where: str = "the output") -> str:
+    """'cannot write WHAT: No space left on device (ENOSPC) after N bytes: FIX' (`where` is the
+    option or thing the fix tells the user to point elsewhere)."""
+    name = errno.errorcode.get(cause.errno, "error") if cause.errno else type(cause).__name__
+    fix = _FIXES.get(cause.errno, "check the disk").format(where=where)
+    return f"cannot write {what}: {cause.strerror or cause} ({name}) after {written} bytes: {fix}"
 
 
 def user_cache_dir() -> Path:
@@ -91,41 +114,102 @@ class HashingWriter:
         return self.f.fileno()
 
 
-def atomic_write(path, write: Callable) -> str:
-    """write(file_object) into a unique temporary sibling of `path`, fsync, rename over `path`,
-    fsync the directory; returns the sha256 of what was written. Any OS error becomes one
-    WriteError; the temporary file is removed and `path` is left as it was."""
-    path = str(path)
-    directory = os.path.dirname(path) or "."
-    tmp, writer = None, None
-    try:
-        os.makedirs(directory, exist_ok=True)
-        tmp = str(unique_temp(path))
-        with open(tmp, "xb") as f:
-            writer = HashingWriter(f)
+class AtomicFile(HashingWriter):
+    """A binary file object writing into a unique temporary sibling of `path` (counting and
+    hashing the bytes). commit() flushes, fsyncs and renames it over `path`, then fsyncs the
+    directory, and returns the sha256; discard() closes and deletes it (idempotent). close()
+    makes the temporary durable without publishing it (commit later, e.g. after its partner
+    files). As a context manager: commit on success, discard on any exception. Every OS error
+    is one WriteError; after one before the rename, `path` is as it was and the temporary is
+    gone."""
+
+    def __init__(self, path):
+        self.path, self.tmp = str(path), None
+        self.directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            tmp = str(unique_temp(self.path))
+            super().__init__(open(tmp, "xb"))
+        except OSError as e:
+            raise WriteError(self.path, e, 0) from None
+        self.tmp = tmp
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as e:
+            raise self.failed(e) from None
+
+    def failed(self, e: BaseException) -> BaseException:
+        """The exception to raise for `e` raised while writing: a WriteError for an OS error
+        (the one a write raised, even when a caller such as torch's zip writer replaced it),
+        `e` itself otherwise."""
+        cause = self.error or e
+        if isinstance(cause, WriteError) or not isinstance(cause, OSError):
+            return cause
+        return WriteError(self.path, cause, self.written)
+
+    def close(self) -> str:
+        if not self.f.closed:
             try:
-                write(writer)
-                f.flush()
-            except Exception as e:  # noqa: BLE001 - name the OS error whatever wrapped it
-                if writer.error is not None:
-                    raise writer.error from None
-                raise e
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        fsync_directory(directory)
-    except WriteError:
-        raise
-    except OSError as e:
-        raise WriteError(path, e, writer.written if writer else 0) from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-    return writer.sha.hexdigest()
+                try:
+                    self.f.flush()
+                    os.fsync(self.f.fileno())
+                finally:
+                    self.f.close()
+            except OSError as e:
+                self.discard()
+                raise self.failed(e) from None
+        return self.sha.hexdigest()
+
+    def commit(self) -> str:
+        digest = self.close()
+        try:
+            os.replace(self.tmp, self.path)
+            self.tmp = None
+            fsync_directory(self.directory)
+        except OSError as e:
+            self.discard()
+            raise self.failed(e) from None
+        return digest
+
+    def discard(self) -> None:
+        try:
+            self.f.close()
+        except OSError:
+            pass  # the data is being dropped: a failed final flush changes nothing
+        if self.tmp is not None and os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+        self.tmp = None
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, kind, e, tb) -> None:
+        if kind is None:
+            self.commit()
+            return
+        self.discard()
+        failure = self.failed(e)
+        if failure is not e:
+            raise failure from None
+
+
+def atomic_write(path, write: Callable) -> str:
+    """write(file_object) into an AtomicFile of `path` and commit it: `path` then holds all of
+    it or (on any error, one WriteError for an OS error) is left as it was. Returns the sha256
+    of what was written."""
+    with AtomicFile(path) as f:
+        write(f)
+    return f.sha.hexdigest()
 
 
 def atomic_write_bytes(path, data: bytes) -> str:
     return atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path, text: str) -> str:
+    return atomic_write_bytes(path, text.encode())
 
 
 def atomic_save_npy(path, array) -> None:

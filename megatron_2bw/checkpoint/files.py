@@ -24,7 +24,6 @@
 """
 from __future__ import annotations
 
-import errno
 import glob
 import hashlib
 import os
@@ -75,13 +74,7 @@ def write_checkpoint_file(path: str, write) -> str:
 
 
 def write_error(path: str, e: OSError, written: int) -> str:
-    name = errno.errorcode.get(e.errno, "error") if e.errno else type(e).__name__
-    what = e.strerror or str(e)
-    fix = {errno.ENOSPC: "free space on that file system or point --save elsewhere",
-           errno.EDQUOT: "free space within your quota or point --save elsewhere",
-           errno.EACCES: "make the directory writable or point --save elsewhere",
-           errno.EROFS: "point --save at a writable file system"}.get(e.errno, "check the disk")
-    return (f"cannot write checkpoint file {path}: {what} ({name}) after {written} bytes: {fix}")
+    return fs.write_problem(f"checkpoint file {path}", e, written, where="--save")
 
 
 def sha256_of(path: str) -> str:
@@ -109,6 +102,22 @@ def verify_checksum(path: str) -> None:
     if sha256_of(path) != want:
         raise CheckpointError(f"checkpoint file {path} does not match its checksum: it is "
                               "truncated or corrupted; load an earlier iteration")
+
+
+def read_checkpoint_file(path: str, weights_only: bool = True, verify: bool = True):
+    """torch.load of a checkpoint file onto the CPU, after verify_checksum when `verify`; a file
+    that does not unpickle is one CheckpointError naming it."""
+    import torch
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "
+                              "incomplete; load an earlier iteration")
+    if verify:
+        verify_checksum(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
+                              "truncated or corrupted; load an earlier iteration") from None
 
 
 def latest_iteration(directory: str) -> int | None:

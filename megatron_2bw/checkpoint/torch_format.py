@@ -12,7 +12,7 @@ import re
 import torch
 
 from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, agree, latest_iteration,
-        optimizer_shard_name, rank_dir, verify_checksum, write_with_checksum)
+        optimizer_shard_name, rank_dir, read_checkpoint_file, write_with_checksum)
 
 # the layer parameter names of commit e2f4b58 and before -> today's
 _LEGACY_NAMES = ((re.compile(r"^(layers\.\d+\.)(qkv|qv_bias|proj)(\.|$)"),
@@ -100,12 +100,7 @@ def read_torch(path: str, t: int) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint at iteration "
                               f"{t} is incomplete or was written with another parallel layout")
-    verify_checksum(path)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
-                              "truncated or corrupted; load an earlier iteration") from None
+    payload = read_checkpoint_file(path)
     engine = payload.get("engine")
     if engine is not None and "names" in engine:
         payload["engine"] = dict(engine, names=legacy_names(engine["names"]))

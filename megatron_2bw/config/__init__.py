@@ -4,8 +4,11 @@ Owns: the frozen dataclasses (schema.py), the settings' vocabularies and `Config
 (choices.py), every rule that needs no process group (checks.py), the one pipeline from flags
 and DeepSpeed JSON to a validated Config (build.py), Megatron's command line (flags.py), the
 directories a run writes into (config/paths.py) and the DeepSpeed JSON (ds_json/).
-Must not import: pipeline.engine, models, parallel, optim, checkpoint, training, planner,
-deepspeed, testing (a config is built and validated before anything runs).
+Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
+testing, pretrain, generate.
+A config is built and validated before anything runs: it reads only the names it checks from
+their owners (schedule/kinds.py, pipeline/compensation.py, models/flavours.py) and the launcher's
+environment (parallel/launcher.py), never an engine, a process group or a file of data.
 
     from megatron_2bw.config import Config, ConfigError, ModelConfig
 """

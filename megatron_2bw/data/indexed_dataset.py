@@ -32,6 +32,7 @@ import struct
 import numpy as np
 
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.fs import AtomicFile
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -214,23 +215,19 @@ class MMapIndexedDataset:
         return np.frombuffer(self._bin, self.dtype, self.num_tokens, 0)
 
 
-def _temporary(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}"
-
-
 class IndexedDatasetBuilder:
     """Write PREFIX.bin as tokens arrive; `finalize(PREFIX.idx)` writes the index (Megatron API).
 
-    Both files are written under temporary names (`.tmp-<pid>`) and renamed into place by
-    `finalize` (or `prepare` + `commit`, to commit several datasets only once all are complete);
-    `abort` deletes the temporaries. The .bin is renamed first and the .idx last."""
+    Both files are written under temporary names (fs.AtomicFile: `.tmp-NAME-HOST-PID-RANDOM`)
+    and renamed into place by `finalize` (or `prepare` + `commit`, to commit several datasets
+    only once all are complete); `abort` deletes the temporaries. The .bin is renamed first and
+    the .idx last."""
 
     def __init__(self, bin_path: str, dtype=np.int32):
         self.bin_path, self.dtype = bin_path, np.dtype(dtype)
         dtype_code(self.dtype)  # reject dtypes the format cannot name
-        self._tmp_bin = _temporary(bin_path)
-        self._idx: tuple[str, str] | None = None  # (final, temporary) once prepared
-        self.data_file = open(self._tmp_bin, "wb")
+        self._idx: AtomicFile | None = None  # once prepared
+        self.data_file = AtomicFile(bin_path)
         self.sequence_lengths: list[int] = []
         self.document_indices: list[int] = [0]
 
@@ -276,47 +273,36 @@ class IndexedDatasetBuilder:
 
     def prepare(self, idx_path: str) -> None:
         """Close and sync the .bin, write the .idx; both still under temporary names."""
-        _close_synced(self.data_file)
-        tmp = _temporary(idx_path)
-        self._idx = (idx_path, tmp)
-        write_index(tmp, self.dtype, self.sequence_lengths, self.document_indices)
+        self.data_file.close()
+        self._idx = AtomicFile(idx_path)
+        write_index(self._idx, self.dtype, self.sequence_lengths, self.document_indices)
+        self._idx.close()
 
     def commit(self) -> None:
-        idx_path, tmp_idx = self._idx
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
+        self.data_file.commit()
+        self._idx.commit()
         self._idx = None
 
     def abort(self) -> None:
         """Drop the unfinished dataset: close and delete the temporary files (idempotent)."""
-        self.data_file.close()
-        for path in (self._tmp_bin, self._idx[1] if self._idx else None):
-            if path and os.path.exists(path):
-                os.remove(path)
+        self.data_file.discard()
+        if self._idx is not None:
+            self._idx.discard()
 
 
-def _close_synced(f) -> None:
-    if not f.closed:
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-
-
-def write_index(idx_path: str, dtype, sequence_lengths, document_indices) -> None:
+def write_index(f, dtype, sequence_lengths, document_indices) -> None:
+    """The .idx of the sequences (module docstring) into the binary file object `f`."""
     dtype = np.dtype(dtype)
     lengths = np.asarray(sequence_lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     if len(lengths):
         np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
     docs = np.asarray(document_indices, dtype=np.int64)
-    with open(idx_path, "wb") as f:
-        f.write(INDEX_HEADER)
-        f.write(struct.pack("<Q", INDEX_VERSION))
-        f.write(struct.pack("<B", dtype_code(dtype)))
-        f.write(struct.pack("<Q", len(lengths)))
-        f.write(struct.pack("<Q", len(docs)))
-        f.write(lengths.tobytes(order="C"))
-        f.write(pointers.tobytes(order="C"))
-        f.write(docs.tobytes(order="C"))
-        f.flush()
-        os.fsync(f.fileno())
+    f.write(INDEX_HEADER)
+    f.write(struct.pack("<Q", INDEX_VERSION))
+    f.write(struct.pack("<B", dtype_code(dtype)))
+    f.write(struct.pack("<Q", len(lengths)))
+    f.write(struct.pack("<Q", len(docs)))
+    f.write(lengths.tobytes(order="C"))
+    f.write(pointers.tobytes(order="C"))
+    f.write(docs.tobytes(order="C"))

@@ -13,6 +13,7 @@ import os
 from typing import Iterable
 
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.fs import atomic_write_bytes
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
 
@@ -213,8 +214,5 @@ def train_sentencepiece(lines: Iterable[str], model_path: str, vocab_size: int,
         hint = ("raise --vocab-size" if "smaller than required" in msg else
                 "lower --vocab-size or give more text")
         raise DataError(f"{model_path}: sentencepiece training failed ({msg}): {hint}") from None
-    tmp = f"{model_path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, model_path)
+    atomic_write_bytes(model_path, buf.getvalue())
     return model_path

@@ -9,11 +9,15 @@ DeepSpeed's contract, running on the 2BW engine (or flush / gpipe: `"pipeline": 
     for step in range(steps):
         loss = engine.train_batch(data_iter)
 
-Modules: initialize.py (initialize, init_distributed, add_config_arguments), engine.py (DeepSpeedPipelineEngine and its contract differences from DeepSpeed),
-views.py (the optimizer / lr scheduler / mpu objects it hands out), checkpoint.py (DeepSpeed's
-checkpoint layout, loadable under another stage count), pipe/ (`deepspeed.pipe`: PipelineModule,
-LayerSpec, TiedLayerSpec, topologies, partitioning), utils.py (`deepspeed.utils`).
-Must not import: testing (the judges), and nothing below imports it.
+Owns: the DeepSpeed drop-in, DeepSpeed's names over the 2BW engine: initialize.py (initialize,
+init_distributed, add_config_arguments), engine.py (DeepSpeedPipelineEngine and its contract
+differences from DeepSpeed), views.py (the optimizer / lr scheduler / mpu objects it hands out),
+checkpoint.py (DeepSpeed's checkpoint layout, loadable under another stage count), pipe/
+(`deepspeed.pipe`: PipelineModule, LayerSpec, TiedLayerSpec, topologies, partitioning), utils.py
+(`deepspeed.utils`).
+Must not import: data, planner, testing, pretrain, generate.
+DeepSpeed scripts bring their own data and fix their own layout (no planner); no other
+package imports this one, only the `megatron_2bw.pipe` name and the package root's lazy names.
 """
 from megatron_2bw.deepspeed.engine import DeepSpeedPipelineEngine
 from megatron_2bw.deepspeed.initialize import add_config_arguments, init_distributed, initialize

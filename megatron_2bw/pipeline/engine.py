@@ -273,10 +273,12 @@ class PipelineEngine(Interpreter):
     def save_trace(self, path: str) -> None:
         """Write this rank's trace as JSON: {"stage", "rank", "schedule", "events": [...]}."""
         import json
-        with open(path, "w") as f:
-            json.dump({"stage": self.stage, "rank": self.grid.rank, "dp": self.grid.dp_rank,
-                       "tp": self.grid.tp_rank, "schedule": self.cfg.schedule,
-                       "num_stages": self.num_stages, "events": self.trace or []}, f)
+
+        from megatron_2bw.fs import atomic_write_text
+        atomic_write_text(path, json.dumps({
+            "stage": self.stage, "rank": self.grid.rank, "dp": self.grid.dp_rank,
+            "tp": self.grid.tp_rank, "schedule": self.cfg.schedule,
+            "num_stages": self.num_stages, "events": self.trace or []}))
 
     def profile_actions(self, on: bool) -> None:
         """Name every action a `torch.profiler` range (on) or stop (off; the default, and free):

@@ -5,6 +5,12 @@
     result.best.to_dict()
 
 `tools/plan.py` is the command line; `plan` (Config -> Config) serves `pretrain_gpt.py --auto-plan`.
+
+Owns: per-layer profiles (profile.py), the machine (topology.py), the cost of a layout
+(cost_model.py: durations, memory per stage), timing by replaying the engine's own schedule
+tables (simulate.py), the search (search.py), --auto-plan (auto.py), the pre-start memory check
+(memory_check.py) and tools/plan.py (cli.py).
+Must not import: tensor_parallel, data, checkpoint, deepspeed, testing, pretrain, generate.
 """
 from megatron_2bw.planner.auto import Plan, plan, planner_inputs
 from megatron_2bw.planner.cost_model import Layout, Setup, StagePlan, stage_plan, state_bytes

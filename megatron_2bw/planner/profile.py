@@ -30,6 +30,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.models.flops import LayerCost
 from megatron_2bw.planner.topology import PlanError
 
@@ -185,9 +186,7 @@ def load_profile(path: str):
 
 
 def save_profile(profile, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(profile.to_dict(), f, indent=2)
-        f.write("\n")
+    atomic_write_text(path, json.dumps(profile.to_dict(), indent=2) + "\n")
 
 
 # ---- measuring ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from megatron_2bw.config import ConfigError
+from megatron_2bw.fs import atomic_write_text
 
 GB = float(2 ** 30)
 
@@ -94,8 +95,7 @@ class Topology:
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(asdict(self), indent=2)
         if path:
-            with open(path, "w") as f:
-                f.write(text + "\n")
+            atomic_write_text(path, text + "\n")
         return text
 
     @classmethod

@@ -1,1 +1,12 @@
-"""TODO"""
+"""Pipeline schedules as data: PURE, no torch, no process groups, nothing of the package
+but itself (tests/unit/test_layout.py checks that nothing here imports torch).
+
+Owns: the action vocabulary (actions.py: F/B, ra/sa/rg/sg, R/N/S and their printable forms),
+the table generators (generators.py), the schedule registry and every rule a schedule implies
+(kinds.py: gpipe, flush, 2bw, forward; slots, versions, m >= d, in flight, segments), the lazy
+per-stage tables of a (kind, d, m, segment) (tables.py), the event-driven simulator that is also
+the validator (simulate.py: deadlock-free, dependencies, versions, NCCL order) and the text grid
+(render.py). The engine runs these tables, the planner times them, tools draw them.
+Must not import: config, pipeline, models, tensor_parallel, parallel, optim, data, checkpoint,
+training, planner, deepspeed, testing, pretrain, generate, fs, pipe.
+"""

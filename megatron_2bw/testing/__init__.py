@@ -1,1 +1,11 @@
-"""TODO"""
+"""The judges: what every parallel feature is proven against. Never imported by the product
+(tests/unit/test_layout.py fails if anything outside testing/ imports it); tests, tools and
+bench do.
+
+Owns: the equivalence check (verify.py, `tools/verify_equivalence.py`: t*d*w gloo processes
+against the single-process reference), the single-process references of docs/ARCHITECTURE.md
+section 1 in plain PyTorch (reference.py), running a function on N local processes (launch.py)
+and reading an offline wandb run back (wandb_offline.py).
+Must not import: pretrain, generate.
+The judges may import any product package; they run the entry points as commands.
+"""

@@ -1,1 +1,8 @@
-"""TODO"""
+"""A training run around the engine: building it from the config, the loop, failures, logs.
+
+Owns: building a run (build.py: the process grid, this rank's engine through
+`models.families.model_parts`, its microbatches), the training loop (loop.py: train, evaluate,
+save every --save-interval, resume, log), failure handling (reliability.py: the launcher watch,
+preemption, non-finite stops, failures named by rank, fault hooks) and observability (observe/).
+Must not import: schedule, optim, planner, deepspeed, testing, pretrain, generate.
+"""

@@ -138,9 +138,11 @@ def test_checkpoint_layout_and_resume_under_another_stage_count():
         ref = _load_all(d, 2)[0]["losses"]
         with open(os.path.join(ck, "latest")) as f:
             assert f.read() == "global_step4"
+        assert sorted(os.listdir(ck)) == ["global_step4", "latest"]  # no temporary left
         files = sorted(os.listdir(os.path.join(ck, "global_step4")))
-        assert files == [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
+        names = [f"layer_{i:02d}-model_states.pt" for i in range(7)] + \
             ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+        assert files == sorted(names + [n + ".sha256" for n in names])  # each with its checksum
         layer0 = torch.load(os.path.join(ck, "global_step4", "layer_00-model_states.pt"))
         assert sorted(layer0) == ["pos.weight", "tok.weight"]
         # the same layout: bitwise the same continuation

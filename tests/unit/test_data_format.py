@@ -238,7 +238,9 @@ def test_bin_longer_than_index(tmp_path):
 def test_builder_writes_temporaries_and_renames_on_finalize(tmp_path):
     b = IndexedDatasetBuilder(str(tmp_path / "d.bin"), np.uint16)
     b.add_document([1, 2, 3], [3])
-    assert [p.name for p in tmp_path.iterdir()] == [f"d.bin.tmp-{os.getpid()}"]
+    names = [p.name for p in tmp_path.iterdir()]  # fs.unique_temp: .tmp-NAME-HOST-PID-RANDOM
+    assert len(names) == 1 and names[0].startswith(".tmp-d.bin-")
+    assert f"-{os.getpid()}-" in names[0]
     b.finalize(str(tmp_path / "d.idx"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin", "d.idx"]
     assert MMapIndexedDataset(str(tmp_path / "d"))[0].tolist() == [1, 2, 3]

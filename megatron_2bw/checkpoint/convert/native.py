@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, iteration_dir,
-        latest_iteration, rank_dir, verify_checksum, write_latest, write_with_checksum)
+        latest_iteration, rank_dir, read_checkpoint_file, write_latest, write_with_checksum)
 from megatron_2bw.checkpoint.layout import layout
 from megatron_2bw.checkpoint.dist.load import MODEL, is_dist_checkpoint, read_common, read_full
 from megatron_2bw.checkpoint.torch_format import first_stage_file, legacy_names
@@ -62,12 +62,7 @@ def config_from_dict(d: dict) -> Config:
 def _load(path: str) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete")
-    verify_checksum(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
-                              "truncated or corrupted; use an earlier iteration") from None
+    return read_checkpoint_file(path)
 
 
 def read_checkpoint(load_dir: str, iteration: int | None = None) -> FullModel:

@@ -19,4 +19,9 @@ optimizer sharding loads it (load.py); loading into flush or gpipe takes the new
 Saving (save.py) is all-or-nothing: files go to `.tmp-iter_XXXXXXX` and the directory is renamed
 and `latest` moved only after every rank's files are durable; with --async-save the files are
 written by a background thread from host copies while training continues.
+
+Owns: the torch_dist format: global tensor boxes (shards.py), DCP storage with checksums
+(storage.py), the collective save and its publication (save.py), resharding loads (load.py).
+Must not import: config, schedule, pipeline, models, parallel, data, planner, deepspeed, testing,
+pretrain, generate.
 """

@@ -48,6 +48,11 @@ Modules: read.py (finding the JSON), keys.py (the key vocabulary), batch.py (the
 setting.py (Setting, fail), optim.py / schedulers.py / sections.py (JSON sections -> Settings;
 schedulers.py also holds `DeepSpeedLR`), engine_settings.py (`DeepSpeedSettings`), merge.py
 (Settings onto a Config: both front doors).
+
+Owns: the DeepSpeed JSON front door: reading it, its key vocabulary, the batch triple, each
+section as Settings, DeepSpeed's lr schedulers and merging them onto a Config.
+Must not import: pipeline, models, tensor_parallel, optim, data, checkpoint, training, planner,
+deepspeed, testing, pretrain, generate.
 """
 from megatron_2bw.config.ds_json.batch import batch_triple
 from megatron_2bw.config.ds_json.engine_settings import DeepSpeedSettings

@@ -1,0 +1,281 @@
+"""The package's layout rules (docs/ARCHITECTURE.md, "Package map"), checked on the source:
+
+- no import circle among the package's modules, counting imports inside functions and the
+  package `__init__` files an import runs (importing `a.b.c` from outside `a.b` runs `a/__init__`
+  and `a/b/__init__` first);
+- nothing outside megatron_2bw/testing/ (the judges) imports testing/;
+- each package's `__init__` docstring says what it owns (`Owns:`) and what it must not import
+  (`Must not import: a, b.`), and no module of the package imports what its package forbids;
+- schedule/ is pure (no torch); no product file is over 400 lines; the package root holds only
+  entry points, fs.py and the DeepSpeed `pipe` name.
+Each rule is also shown to fail on a planted violation."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "megatron_2bw"
+ROOT_MODULES = {"__init__.py", "pretrain.py", "generate.py", "fs.py", "pipe.py"}
+MAX_LINES = 400
+
+
+# -- the graph ---------------------------------------------------------------------------------
+def modules(package_dir: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under `package_dir` (a package `a.b` is its
+    `__init__.py`)."""
+    name = package_dir.name
+    out = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = [name, *path.relative_to(package_dir).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def imported(module: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules `module` imports anywhere in its file (functions and TYPE_CHECKING
+    blocks included): `from x import y` counts `x.y` when that is a module, else `x` (an
+    import runs the `__init__` of `x` either way: `import_graph` adds those)."""
+    tree = ast.parse(path.read_text())
+    top = module.split(".")[0]
+    is_package = path.name == "__init__.py"
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node.level, node.module)
+            subs = {f"{base}.{a.name}" for a in node.names} & known
+            names |= subs
+            if len(subs) < len(node.names):  # names defined in `base` itself
+                names.add(base)
+    out = set()
+    for name in names:
+        if name != top and not name.startswith(top + "."):
+            continue
+        while name not in known and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in known:
+            out.add(name)
+    return out
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """module -> the modules importing it runs: what it imports, plus the package `__init__`s of
+    each import that lie outside the importer's own packages (those run already)."""
+    found = modules(package_dir)
+    known = set(found)
+    graph = {}
+    for module, path in found.items():
+        edges = set()
+        own = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+        if path.name == "__init__.py":
+            own.add(module)
+        for target in imported(module, path, known):
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                ancestor = ".".join(parts[:i])
+                if ancestor in known and (ancestor == target or ancestor not in own):
+                    edges.add(ancestor)
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def judges_imported_by(graph: dict[str, set[str]], top: str) -> list[str]:
+    judges = f"{top}.testing"
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                  if (t == judges or t.startswith(judges + ".")) and
+                  not (m == judges or m.startswith(judges + ".")))
+
+
+def forbidden(package_dir: Path) -> dict[str, list[str]]:
+    """Package -> the top-level names its `__init__` docstring says it must not import."""
+    out = {}
+    for module, path in modules(package_dir).items():
+        if path.name != "__init__.py" or module == package_dir.name:
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        m = re.search(r"Must not import:(.*?)\.(\s|$)", doc, re.S)
+        out[module] = [] if m is None else [n.strip() for n in m.group(1).split(",") if n.strip()]
+    return out
+
+
+def broken_promises(package_dir: Path) -> list[str]:
+    top = package_dir.name
+    found = modules(package_dir)
+    known = set(found)
+    bad = []
+    for package, names in forbidden(package_dir).items():
+        banned = [f"{top}.{n}" for n in names]
+        for module, path in found.items():
+            if module != package and not module.startswith(package + "."):
+                continue
+            for target in imported(module, path, known):
+                hit = [b for b in banned if target == b or target.startswith(b + ".")]
+                if hit:
+                    bad.append(f"{module} imports {target}: {package} must not import {hit[0]}")
+    return bad
+
+
+# -- the package ---------------------------------------------------------------------------------
+def test_the_package_has_no_import_circle():
+    graph = import_graph(PACKAGE)
+    assert len(graph) > 100 and "megatron_2bw.pipeline.engine" in graph
+    assert not cycles(graph), f"import circles (break each one): {cycles(graph)}"
+
+
+def test_nothing_but_testing_imports_testing():
+    assert not judges_imported_by(import_graph(PACKAGE), "megatron_2bw"), \
+        "the product imports its judges (megatron_2bw/testing/): " + \
+        "; ".join(judges_imported_by(import_graph(PACKAGE), "megatron_2bw"))
+
+
+def test_every_package_says_what_it_owns_and_must_not_import():
+    missing = []
+    for module, path in modules(PACKAGE).items():
+        if path.name != "__init__.py" or module == "megatron_2bw":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if "Owns:" not in doc or "Must not import:" not in doc:
+            missing.append(module)
+    assert not missing, f"package docstrings without 'Owns:' / 'Must not import:': {missing}"
+    assert all("testing" in names for p, names in forbidden(PACKAGE).items()
+               if not p.startswith("megatron_2bw.testing"))
+
+
+def test_no_package_imports_what_it_must_not():
+    assert not broken_promises(PACKAGE), "; ".join(broken_promises(PACKAGE))
+
+
+def torch_imports(directory: Path) -> list[str]:
+    """'file: module' of every torch import under `directory` (functions included)."""
+    out = []
+    for path in sorted(directory.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            out += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "torch"]
+    return out
+
+
+def test_the_schedule_package_is_pure():
+    assert not torch_imports(PACKAGE / "schedule"), \
+        f"schedule/ must stay pure data (no torch): {torch_imports(PACKAGE / 'schedule')}"
+
+
+def test_no_product_file_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by concern (at most {MAX_LINES} lines): {long}"
+
+
+def test_the_package_root_holds_only_entry_points():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ROOT_MODULES)
+    assert not loose, f"modules at the package root belong in a package: {loose}"
+
+
+# -- each rule fails on a planted violation ------------------------------------------------------
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        if not (d / "__init__.py").exists():
+            (d / "__init__.py").write_text("")
+    return root
+
+
+def test_a_circle_through_a_function_level_import_is_found(tmp_path):
+    root = _plant(tmp_path, {"a.py": "def f():\n    from pkg import b\n",
+                             "b.py": "from .a import f\n", "c.py": "import pkg.a\n"})
+    assert cycles(import_graph(root)) == [["pkg.a", "pkg.b"]]
+
+
+def test_a_circle_through_a_package_init_is_found(tmp_path):
+    """config/__init__ imports config.schema, which imports models.x, which imports config.y:
+    importing models.x first runs config/__init__ -> schema -> models.x half-initialized."""
+    root = _plant(tmp_path, {"config/__init__.py": "from pkg.config.schema import S\n",
+                             "config/schema.py": "from pkg.models.x import X\nS = 1\n",
+                             "config/y.py": "Y = 1\n",
+                             "models/x.py": "from pkg.config.y import Y\nX = 1\n"})
+    assert cycles(import_graph(root)) == [["pkg.config", "pkg.config.schema", "pkg.models.x"]]
+    # a sibling import inside the package runs no new __init__: no circle
+    root = _plant(tmp_path / "ok", {"config/__init__.py": "from pkg.config.schema import S\n",
+                                    "config/schema.py": "from pkg.config.y import Y\nS = 1\n",
+                                    "config/y.py": "Y = 1\n"})
+    assert cycles(import_graph(root)) == []
+
+
+def test_a_product_import_of_testing_is_found(tmp_path):
+    root = _plant(tmp_path, {"core.py": "def check():\n    from pkg.testing.verify import run\n",
+                             "testing/verify.py": "from pkg.core import check\nrun = 1\n",
+                             "testing/reference.py": "from pkg.testing import verify\n"})
+    assert judges_imported_by(import_graph(root), "pkg") == ["pkg.core -> pkg.testing",
+                                                           "pkg.core -> pkg.testing.verify"]
+
+
+def test_a_broken_must_not_import_is_found(tmp_path):
+    root = _plant(tmp_path, {
+        "schedule/__init__.py": '"""Owns: tables.\nMust not import: training, testing.\n"""\n',
+        "schedule/tables.py": "def f():\n    import pkg.training.loop\n",
+        "training/loop.py": "from pkg.schedule import tables\n"})
+    assert forbidden(root)["pkg.schedule"] == ["training", "testing"]
+    assert broken_promises(root) == ["pkg.schedule.tables imports pkg.training.loop: "
+                                     "pkg.schedule must not import pkg.training"]
+
+
+@pytest.mark.parametrize("source", ["import torch.nn as nn\n",
+                                    "def f():\n    from torch import nn\n"])
+def test_the_purity_rule_sees_torch(tmp_path, source):
+    root = _plant(tmp_path, {"schedule/tables.py": source, "schedule/kinds.py": "import math\n"})
+    assert len(torch_imports(root / "schedule")) == 1
