@@ -11,8 +11,8 @@ One process, one thread (as the launcher runs a rank), flat fp32 buffers of a st
                          kernel, `predict_chunks` after it for torch's)
 
 Rows are timed interleaved (one call of each per round, median over rounds), and each is printed
-as a ratio to plain 2bw with the same kernel and to plain 2bw with torch's fused kernel (what the
-engine ran before the native kernel).
+as a ratio to plain 2bw with the same kernel and to plain 2bw with torch's fused kernel (the
+engine's default, `--optimizer-impl auto`; the native kernel runs with `--optimizer-impl native`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.optim import native
 from megatron_2bw.optim import optimizer as O
+from megatron_2bw.optim.kernels import choose_impl
 
 METHODS = {"2bw": None, "2bw+predict": (False, False), "2bw+predict-spike": (False, True),
            "2bw+predict-nesterov": (True, False)}
@@ -84,6 +85,7 @@ def main(argv=None) -> dict:
     if args.numel < 1 or args.repeats < 1:
         ap.error("--numel and --repeats must be positive")
     out = measure(args.numel, args.repeats)
+    print(f"default kernel here (--optimizer-impl auto): {choose_impl('cpu', 'adam')}")
     print(f"{'kernel':12s} {'run':22s} {'ms':>8s} {'/plain(same)':>13s} {'/plain(torch)':>14s}")
     for r in out["rows"]:
         print(f"{r['kernel']:12s} {r['run']:22s} {r['ms']:8.2f} {r['vs_plain_same_kernel']:13.3f}"

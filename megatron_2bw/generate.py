@@ -3,7 +3,7 @@
     python tools/generate.py --load CHECKPOINT_OR_HF_DIR --prompt "def main(" --max-new-tokens 40
     python tools/generate.py --load DIR --prompt "..." --top-p 0.9 --temperature 0.8 --seed 7
 
-Both kinds of directory become the one-process model through the converters (convert/: a
+Both kinds of directory become the one-process model through the converters (checkpoint/convert/: a
 checkpoint is merged from its tensor shards and stages, newest weights under 2BW; a HuggingFace
 GPT-2 or Llama directory is imported). The tokenizer is the one recorded with the checkpoint or
 carried by the HuggingFace directory (checkpoint/convert/tokenizers.py), or --tokenizer-type/-model; without

@@ -2,7 +2,7 @@
 
 Order matters: watch the launcher (a worker never outlives it), parse flags, build the tokenizer
 (the config needs its vocabulary), build and validate the typed config once
-(`config_pipeline.build_config`: flags, DeepSpeed JSON, planner), check the checkpoint
+(`config.build.build_config`: flags, DeepSpeed JSON, planner), check the checkpoint
 directories and what resuming changes (a new layout, e.g. from --auto-plan on a new allocation:
 the log says what changed; checkpoint/resume.py), then the data (every bad input is a one-line error,
 exit 2), and only then start the process group and train. The process group starts in the order clusters need

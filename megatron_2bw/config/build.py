@@ -10,7 +10,7 @@ The steps, in order (each returns a new Config; nothing is mutated):
 
 1. flags -> Config (`arguments.config_from_args`); the layout flags the user typed are recorded
    in `Config.fixed` (`FLAG_FIXES`: the flag and its value, e.g. "--pipeline-schedule flush");
-2. --deepspeed_config JSON on top (`ds_config.merge_flags_and_ds_config`): a conflict with a typed
+2. --deepspeed_config JSON on top (`ds_json.merge_flags_and_ds_config`): a conflict with a typed
    flag is a one-line error naming both; what the JSON states is recorded in `Config.fixed`
    ("pipeline.schedule=flush in the DeepSpeed config");
 3. the vocabulary size the tokenizer implies (known before anything is validated);
@@ -47,7 +47,7 @@ FLAG_FIXES = {
 
 class BuiltConfig(NamedTuple):
     config: Config
-    deepspeed: object = None  # ds_config.DeepSpeedSettings when a DeepSpeed JSON was given
+    deepspeed: object = None  # ds_json.DeepSpeedSettings when a DeepSpeed JSON was given
 
     @property
     def lr_schedule(self):
@@ -76,7 +76,7 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
                  planner: Callable[[Config], Config] | None = None) -> BuiltConfig:
     """The validated Config of a pretrain run (see the module docstring for the steps). `args`:
     the parsed flags (`pretrain.build_parser`); `typed`: the flags given on the command line
-    (`ds_config.explicit_flags(argv)`); `vocab_size`: the tokenizer's padded vocabulary (None:
+    (`ds_json.explicit_flags(argv)`); `vocab_size`: the tokenizer's padded vocabulary (None:
     --vocab-size); `planner`: --auto-plan's Config -> Config. Raises ConfigError (one line)."""
     typed = set(typed)
     cfg = config_from_args(args, family)

@@ -3,6 +3,10 @@ one-line ConfigError naming the setting and the fix; `check_config` runs them on
 config."""
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import sys
+
 from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FAMILIES, OPTIMIZERS,
                                          PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
                                          RECOMPUTE_METHODS, SCHEDULES, ConfigError)
@@ -151,6 +155,10 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     _check_observability(tr, world_size)
     if o.name not in OPTIMIZERS:
         _fail(f"unknown optimizer {o.name!r}: use one of {', '.join(OPTIMIZERS)}")
+    error = (optimizer_impl_error(o.impl, o.name, "cuda" if p.backend == "nccl" else None)
+             or _kernel_missing(o.impl))
+    if error:
+        _fail(error)
     if o.lr < 0 or o.min_lr < 0:
         _fail(f"learning rates must be >= 0, got --lr {o.lr} --min-lr {o.min_lr}")
     if o.clip_grad < 0:
@@ -176,6 +184,44 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     if pr.max_skipped_steps is not None and pr.max_skipped_steps < 0:
         _fail(f"--max-skipped-steps must be >= 0 (0: no limit), got {pr.max_skipped_steps}")
     return cfg
+
+
+# --optimizer-impl: which kernel steps the flat optimizer (optim/kernels.py implements them)
+OPTIMIZER_IMPLS = ("auto", "native", "torch-fused", "apex", "unfused")
+ADAM_ONLY_IMPLS = ("native", "apex")
+# what a machine may lack for a kernel: config probes for it (`_kernel_missing`), optim/kernels.py
+# finds it when the kernel does not load
+IMPL_MISSING = {
+    "native": "--optimizer-impl native builds a C kernel on first use (optim/native.py) and no C "
+              "compiler (cc or gcc on PATH) built one here: install one or use --optimizer-impl "
+              "auto",
+    "apex": "--optimizer-impl apex needs NVIDIA apex with its CUDA extensions (amp_C), not "
+            "importable here: install apex or use --optimizer-impl auto",
+}
+
+
+def optimizer_impl_error(impl: str, optimizer: str, device_type: str | None = None) -> str | None:
+    """A one-line error when kernel `impl` cannot step `optimizer` ("adam", "sgd") on a
+    `device_type` device (None: not known yet), else None. What the machine lacks
+    (`IMPL_MISSING`) the caller probes."""
+    if impl not in OPTIMIZER_IMPLS:
+        return f"unknown --optimizer-impl {impl!r}: use one of {', '.join(OPTIMIZER_IMPLS)}"
+    if impl in ADAM_ONLY_IMPLS and optimizer != "adam":
+        return (f"--optimizer-impl {impl} is an Adam kernel, not one for --optimizer "
+                f"{optimizer}: use --optimizer-impl auto")
+    if impl == "native" and device_type not in (None, "cpu"):
+        return (f"--optimizer-impl native is a CPU kernel and this run steps on {device_type}: "
+                "use --optimizer-impl auto (or --distributed-backend gloo)")
+    return None
+
+
+def _kernel_missing(impl: str) -> str | None:
+    """IMPL_MISSING's line when this machine visibly lacks what kernel `impl` needs."""
+    if impl == "native" and not (shutil.which("cc") or shutil.which("gcc")):
+        return IMPL_MISSING[impl]
+    if impl == "apex" and "amp_C" not in sys.modules and importlib.util.find_spec("amp_C") is None:
+        return IMPL_MISSING[impl]
+    return None
 
 
 def _fail(message: str):

@@ -9,6 +9,7 @@ from dataclasses import replace
 from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
         RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config, ConfigError, ModelConfig,
         OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
+from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
@@ -155,6 +156,11 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
+                   help="the kernel that steps the optimizer: auto (default) = torch's fused "
+                        "kernel where it runs, else apex's (CUDA, Adam), else unfused torch ops; "
+                        "native = the C kernel for Adam on a CPU (built with cc on first use; "
+                        "writes the 2BW compensation's prediction in the step's pass)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
@@ -275,7 +281,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
         lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style)
+        lr_decay_style=args.lr_decay_style, impl=getattr(args, "optimizer_impl", "auto"))
     precision = PrecisionConfig(
         dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,

@@ -151,6 +151,9 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None
     lr_decay_style: str = "constant"
+    # --optimizer-impl: the kernel that steps it (optim/kernels.py); "auto": torch's fused kernel
+    # where it runs, else apex (CUDA) or the unfused ops; "native" (Adam, CPU) only when asked
+    impl: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@
 `--mock-data` -> MockGPTDataset; `--data-path` -> indexed datasets (blended by weight), split by
 `--split`, tokenizer from `--tokenizer-type/--tokenizer-model` (or --vocab-size for the
 NullTokenizer); neither -> the embedded default corpus (default_corpus.py). Everything is
-file-locked and cached, so every rank may call this before any process group exists.
+built once per node (data/cache.py, no locks) and cached, so every rank may call this before
+any process group exists.
 """
 from __future__ import annotations
 

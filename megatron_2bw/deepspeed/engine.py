@@ -76,7 +76,7 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
 
     def __init__(self, module: PipelineModule, cfg, ds_json: dict, settings,
                  training_data=None, collate_fn=None):
-        """`cfg` and `settings` (ds_config.DeepSpeedSettings) from config_from_deepspeed."""
+        """`cfg` and `settings` (config.ds_json.DeepSpeedSettings) from config_from_deepspeed."""
         from megatron_2bw.pipeline.engine import PipelineEngine
         from megatron_2bw.training.build import build_grid
         self._cfg, self._config, self._settings = cfg, ds_json, settings

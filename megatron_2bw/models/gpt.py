@@ -1,7 +1,7 @@
 """A Megatron-shaped GPT built from layer specs: embedding | N pre-norm transformer layers | head.
 
 The GPT-2 shape by default (learned positions, LayerNorm, GeLU, biases); the architecture flags
-(config.py) give the Llama shape (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases).
+(config/schema.py) give the Llama shape (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases).
 
 The output layer reuses the word embedding (tied, key "word_embeddings") unless
 `untie_embeddings_and_output_weights` is set. The embedding, the output layer and the loss are

@@ -1,10 +1,17 @@
-"""Which kernel steps a flat optimizer (optim/optimizer.py's `impl`): `choose_impl` picks the first
-of these that works on the device; `make_optimizer(..., impl=)` forces one (`_check_impl`: a
-one-line error when it cannot run here).
+"""Which kernel steps a flat optimizer (optim/optimizer.py's `impl`): `OptimizerConfig.impl`, the
+Megatron-style flag `--optimizer-impl {auto,native,torch-fused,apex,unfused}` (default auto), or
+`make_optimizer(..., impl=)`, which beats the config. `resolve_impl` turns it into a kernel: auto
+is `choose_impl`'s, the first of torch-fused, apex, unfused that works on the device (the same
+rule on every device: never native); any other name is that kernel, or a one-line ConfigError
+when it cannot run here (the config's checks, config/checks.py `optimizer_impl_error`, refuse
+what they can see before any process group: an unknown name, native or apex with SGD, native
+with --distributed-backend nccl or without a C compiler, apex not importable).
 
-    native       Adam on a CPU: optim/native.py's C kernel, built on first use where the machine
-                 has a C compiler: one pass that steps out of place without a copy and writes
-                 2BW's prediction in the same pass (`step(..., predict=)`, `fuses_prediction`).
+    native       opt-in (--optimizer-impl native): Adam on a CPU, optim/native.py's C kernel,
+                 built on first use where the machine has a C compiler: one pass that steps out
+                 of place without a copy and writes 2BW's prediction in the same pass
+                 (`step(..., predict=)`, `fuses_prediction`); its own rounding (relative 1e-7
+                 per step from torch's), so runs with it are not bitwise torch's.
     torch-fused  torch._fused_adamw_ / torch._fused_sgd_ (the kernels behind
                  torch.optim.AdamW(fused=True)): one pass over weights, gradient and state
                  (CUDA; CPU from torch 2.4). Fused AdamW rounds differently from the unfused
@@ -21,9 +28,12 @@ import functools
 
 import torch
 
+from megatron_2bw.config import ConfigError
+from megatron_2bw.config.checks import IMPL_MISSING, OPTIMIZER_IMPLS, optimizer_impl_error
 from megatron_2bw.optim import native
 
-IMPLS = ("native", "torch-fused", "apex", "unfused")
+AUTO = OPTIMIZER_IMPLS[0]  # "auto": `choose_impl`
+IMPLS = OPTIMIZER_IMPLS[1:]  # the kernels
 
 
 def _apex_adam():
@@ -58,9 +68,8 @@ def _torch_fused_works(device, kind: str) -> bool:
 
 
 def choose_impl(device, kind: str) -> str:
-    """The fastest kernel available for optimizer `kind` on `device` (see the docstring)."""
-    if kind == "adam" and torch.device(device).type == "cpu" and native.library() is not None:
-        return "native"
+    """The default kernel for optimizer `kind` on `device` ("auto"; see the docstring): torch's
+    fused kernel where it works, else apex (Adam on CUDA), else unfused; never native."""
     if _torch_fused_works(torch.device(device), kind):
         return "torch-fused"
     if kind == "adam" and torch.device(device).type == "cuda" and _apex_adam() is not None:
@@ -68,17 +77,20 @@ def choose_impl(device, kind: str) -> str:
     return "unfused"
 
 
-def _check_impl(impl: str, kind: str, device) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown optimizer kernel {impl!r}: use one of {IMPLS}")
-    if impl == "apex" and (kind != "adam" or _apex_adam() is None):
-        raise ValueError("the apex kernel needs Adam and an importable apex (pip install apex "
-                         "with its CUDA extensions): use impl='torch-fused' or 'unfused'")
-    if impl == "native" and (kind != "adam" or torch.device(device).type != "cpu"
-                             or native.library() is None):
-        raise ValueError("the native kernel is Adam on a CPU with a C compiler (cc or gcc) to "
-                         "build it: use impl='torch-fused' or 'unfused'")
-    if impl == "torch-fused" and not _torch_fused_works(torch.device(device), kind):
-        raise ValueError(f"this torch ({torch.__version__}) has no fused {kind} kernel for "
-                         f"{torch.device(device)}: use impl='unfused'")
+def resolve_impl(impl: str | None, kind: str, device) -> str:
+    """The kernel that steps optimizer `kind` on `device` for `impl` (None or "auto":
+    `choose_impl`'s); a one-line ConfigError naming --optimizer-impl when it cannot run here."""
+    impl = impl or AUTO
+    device = torch.device(device)
+    error = optimizer_impl_error(impl, kind, device.type)
+    if error is None and impl == AUTO:
+        return choose_impl(device, kind)
+    if error is None and ((impl == "native" and native.library() is None)
+                          or (impl == "apex" and _apex_adam() is None)):
+        error = IMPL_MISSING[impl]
+    if error is None and impl == "torch-fused" and not _torch_fused_works(device, kind):
+        error = (f"--optimizer-impl torch-fused: this torch ({torch.__version__}) has no fused "
+                 f"{kind} kernel for {device}: use --optimizer-impl auto")
+    if error:
+        raise ConfigError(error)
     return impl

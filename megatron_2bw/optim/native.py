@@ -1,4 +1,5 @@
-"""AdamW's CPU kernel, with 2BW's prediction in the same pass (`impl="native"`, native_adam.c).
+"""AdamW's CPU kernel, with 2BW's prediction in the same pass (`impl="native"`, native_adam.c):
+opt-in, `--optimizer-impl native` (optim/kernels.py; the default is torch's kernels).
 
 Why. On a CPU torch's fused AdamW is one pass over weights, gradient and moments, but the 2BW
 compensation's prediction (pipeline/compensation.py) is more passes of its own over the same
@@ -19,7 +20,7 @@ suffix) and renames it into place (concurrent ranks never see half a library). T
 the widest vector unit at load time (gcc's target_clones: avx512f, avx2, baseline), so one build
 serves every node of a cluster's shared home. The built library is checked once against the
 arithmetic below on a few elements; anything failing (no compiler, a build error, a wrong result)
-leaves `library()` None, and `optim.kernels.choose_impl` takes torch's fused kernel.
+leaves `library()` None, and `--optimizer-impl native` a one-line error (optim/kernels.py).
 
 Arithmetic, fp32, each operation rounded as written (-ffp-contract=off, no fast math), so the
 vector loop and its tail agree and any split of a range gives the same bits; with bias1 = 1 -
@@ -139,7 +140,7 @@ def _check(*tensors) -> None:
     for t in tensors:
         if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
             raise ValueError("the native AdamW kernel takes contiguous CPU buffers: use "
-                             "impl='torch-fused' for this device")
+                             "--optimizer-impl auto for this device")
 
 
 def adamw_step(lib, src, dst, g, m, v, k, keep=None, pred=None, spike: bool = False,

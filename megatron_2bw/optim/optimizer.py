@@ -8,8 +8,9 @@ torch.optim.AdamW / torch.optim.SGD, so a plain PyTorch loop is the reference
 [0, decay_end), so a step is at most two kernel calls (the decayed range, then the rest with weight
 decay 0).
 
-Kernels (`impl`): optim/kernels.py, which picks the fastest one that works on the device
-(native on a CPU for Adam, torch's fused ones, apex, unfused); `impl=` forces one.
+Kernels (`impl`): optim/kernels.py. `cfg.impl` (--optimizer-impl; default auto: torch's fused
+kernels where they run, else apex or unfused, on every device) or `impl=` (beats it) names one;
+the native CPU kernel runs only when asked for.
 
 State (`state_dict`): {"exp_avg", "exp_avg_sq", "steps"} / {"momentum", "steps"}, the same for
 every kernel, so a checkpoint moves between machines with different kernels. Adam made with
@@ -52,8 +53,8 @@ import torch
 
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.optim import native
-from megatron_2bw.optim.kernels import (IMPLS, _apex_adam, _check_impl, _torch_fused_works,
-        choose_impl)  # noqa: F401
+from megatron_2bw.optim.kernels import (IMPLS, _apex_adam, _torch_fused_works,  # noqa: F401
+        resolve_impl)
 OPTIONAL_STATE = ("last_grad",)  # state keys a loaded state may lack (see the docstring)
 
 
@@ -81,7 +82,7 @@ class FlatAdamW(_Ranges):
     def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig,
                  impl: str | None = None, keep_grad: bool = False):
         self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
-        self.impl = _check_impl(impl, "adam", device) if impl else choose_impl(device, "adam")
+        self.impl = resolve_impl(impl or cfg.impl, "adam", device)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
         # the gradient of the latest step (keep_grad: `predict(..., nesterov=True)` reads it)
@@ -276,7 +277,7 @@ class FlatSGD(_Ranges):
     def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig,
                  impl: str | None = None):
         self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
-        self.impl = _check_impl(impl, "sgd", device) if impl else choose_impl(device, "sgd")
+        self.impl = resolve_impl(impl or cfg.impl, "sgd", device)
         self.momentum = torch.zeros(numel, dtype=torch.float32, device=device)
         self.steps = 0
 
@@ -340,7 +341,7 @@ def chunk_elements(device, numel: int) -> int:
 
 def make_optimizer(cfg: OptimizerConfig, numel: int, decay_end: int, device,
                    impl: str | None = None, keep_grad: bool = False):
-    """The flat optimizer of `cfg.name` with the best kernel for `device` (or `impl`);
+    """The flat optimizer of `cfg.name` with kernel `impl`, else `cfg.impl` (kernels.py);
     `keep_grad`: Adam keeps its latest gradient (the module docstring)."""
     if cfg.name == "adam":
         return FlatAdamW(numel, decay_end, device, cfg, impl, keep_grad=keep_grad)

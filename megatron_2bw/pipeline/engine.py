@@ -5,7 +5,7 @@ previous optimizer step up to and including this batch's step. In 2BW a window a
 the next batch's first forwards (there is no flush); windows are self-contained (the validator
 checks it, `simulate.check_schedule`, before the engine runs any window of a schedule), so
 evaluation or a checkpoint can happen between any two calls. Which weight version a batch uses and
-which one a step writes is the schedule kind's rule (`registry.py`); the engine only asks.
+which one a step writes is the schedule kind's rule (`schedule/kinds.py`); the engine only asks.
 
 Data: the first stage takes inputs and the last stage takes labels from `next(data_iter)`, one
 (inputs, labels) pair per forward, in microbatch order; other stages never touch the iterator.

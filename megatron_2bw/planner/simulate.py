@@ -1,4 +1,4 @@
-"""The planner's timing: replay the engine's own schedule tables through `pipeline.simulate`.
+"""The planner's timing: replay the engine's own schedule tables through `schedule.simulate`.
 
 The time per batch of a layout is the steady-state increment the simulator reports: the makespan
 of a b-batch segment minus that of an a-batch one, (a, b) = the schedule kind's `segments`, with

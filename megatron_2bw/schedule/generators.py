@@ -2,7 +2,7 @@
 
 Each generator takes (s, d, m, T, t0, slot) and returns stage s's actions for batches
 t0 .. t0+T-1 (microbatch k belongs to batch k // m); `slot(k)` is the weight-version slot of
-microbatch k, which only the schedule kind knows (`registry.py`). Sizes and m >= d-style
+microbatch k, which only the schedule kind knows (`kinds.py`). Sizes and m >= d-style
 requirements are checked by the kind before a generator runs.
 
     gpipe    all forwards of a batch, then all backwards (reverse order), then R N S.

@@ -1,6 +1,6 @@
 """Pipeline schedules: pure action tables (one ordered list of `Action`s per stage).
 
-A `Schedule` is a kind (`registry.py`: gpipe, flush, 2bw, and forward for eval; each owns its
+A `Schedule` is a kind (`kinds.py`: gpipe, flush, 2bw, and forward for eval; each owns its
 table generator and its rules) applied to d stages, m microbatches per batch and a segment of
 batches. Tables are written in the vocabulary of `actions.py`.
 

@@ -1,4 +1,4 @@
-"""The communication layer (parallel/comm.py, parallel/distributed.py): the backend's device, the
+"""The communication layer (parallel/comm.py, devices.py, distributed.py): the backend's device, the
 one-line device error, the set-up order clusters need, and the groups it creates (issue 13)."""
 import json
 
@@ -9,6 +9,7 @@ import torch.distributed as dist
 from megatron_2bw.config import ConfigError
 from megatron_2bw.testing.launch import spawn
 from megatron_2bw.parallel import comm as comm_mod
+from megatron_2bw.parallel import devices
 from megatron_2bw.parallel import distributed as D
 from megatron_2bw.parallel.comm import Comm, CommDeviceError
 from megatron_2bw.parallel.grid import ProcessGrid
@@ -47,9 +48,9 @@ def test_a_component_on_another_device_is_named(monkeypatch):
 
 
 def test_nccl_communicates_on_the_local_ranks_gpu(four_gpus):
-    assert D.backend_device("nccl", 2) == torch.device("cuda", 2)
-    assert D.backend_device("nccl", 6) == torch.device("cuda", 2)  # --gpus-per-task style wrap
-    assert D.backend_device("gloo", 3) == torch.device("cpu")
+    assert devices.backend_device("nccl", 2) == torch.device("cuda", 2)
+    assert devices.backend_device("nccl", 6) == torch.device("cuda", 2)  # --gpus-per-task style wrap
+    assert devices.backend_device("gloo", 3) == torch.device("cpu")
     assert four_gpus == [], "resolving a device sets nothing"
 
 
@@ -58,7 +59,7 @@ def test_nccl_without_gpus_is_a_clear_error_before_any_process_group(monkeypatch
     msg = ("the nccl backend needs CUDA GPUs and this process sees none: use "
            "--distributed-backend gloo")
     with pytest.raises(ConfigError, match=msg):
-        D.backend_device("nccl", 0)
+        devices.backend_device("nccl", 0)
     from megatron_2bw.pretrain import main
     with pytest.raises(SystemExit) as e:
         main("gpt", ["--mock-data", "--num-layers", "2", "--hidden-size", "32",

@@ -352,7 +352,7 @@ def _hangs(rank, world):
 def test_run_spawned_reports_failures_and_timeouts_in_one_line():
     import _common as C
     with pytest.raises(C.RunError, match=r"rank 1: ValueError: boom"):
-        C.run_spawned(_fails_on_rank_1, 2, timeout=60)
+        C.run_spawned(_fails_on_rank_1, 2, timeout=300)  # bounds a hang: rank 1 fails at once
     with pytest.raises(C.RunError, match="timed out after 2 s"):
         C.run_spawned(_hangs, 1, timeout=2)
 

@@ -5,7 +5,6 @@ the second Ctrl-C, and production code that reads no fault-injection setting."""
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -135,15 +134,13 @@ def test_the_fp16_skip_limit_defaults_to_the_loss_scale_fall_plus_ten():
 
 def test_a_second_ctrl_c_a_second_later_aborts():
     p = Preemption()
-    try:
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)  # torchrun forwarding the same Ctrl-C: not an abort
-        time.sleep(0.05)
+    try:  # raise_signal: to this thread, its Python handler has run when it returns (no sleep)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # torchrun forwarding the same Ctrl-C: not an abort
         assert p.requested and p.signal_name == "SIGINT"
         p._interrupted_at -= p.ABORT_AFTER_S
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)
+            signal.raise_signal(signal.SIGINT)
     finally:
         p.restore()
 

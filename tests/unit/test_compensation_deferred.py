@@ -3,11 +3,12 @@ in chunks changes no bit, a pending prediction is completed before anything read
 (the next batch's forward on its slot, the next step, views, checkpoints), and the engine works on
 it while a receive or a collective is in flight."""
 import copy
+import functools
 
 import pytest
 import torch
 
-from megatron_2bw.config import BatchConfig, Config, ModelConfig, TrainConfig
+from megatron_2bw.config import BatchConfig, Config, ModelConfig, OptimizerConfig, TrainConfig
 from megatron_2bw.optim import optimizer as optim
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.schedule import actions as A
@@ -15,20 +16,10 @@ from megatron_2bw.pipeline.batch_step import _wait
 from megatron_2bw.pipeline.compensation import method_names
 from megatron_2bw.pipeline.interpreter import Interpreter
 from megatron_2bw.training.build import build_engine, mock_batches
+import test_engine_units
 from test_engine_units import stepped
 
 COMPENSATED = [m for m in method_names() if m != "none"]
-
-
-@pytest.fixture
-def torch_kernels(monkeypatch):
-    """The optimizer's torch kernels: the native one predicts in the step, leaving nothing to
-    defer (test_native_adam.py)."""
-    monkeypatch.setattr(optim, "choose_impl", _torch_choice)
-
-
-def _torch_choice(device, kind):
-    return "torch-fused" if optim._torch_fused_works(torch.device(device), kind) else "unfused"
 
 
 # -- the optimizer: chunks change no bit ----------------------------------------------------------
@@ -39,10 +30,11 @@ def _torch_choice(device, kind):
 def test_predict_in_chunks_changes_no_bit_and_tiles_the_buffer(monkeypatch, variant, dtype,
                                                               kernel):
     name = "sgd" if variant == "sgd" else "adam"
-    if kernel == "torch":
-        monkeypatch.setattr(optim, "choose_impl", _torch_choice)
-    elif optim.native.library() is None:
-        pytest.skip("the native kernel (Adam's) is built where there is a C compiler")
+    if kernel == "native":  # asked for (--optimizer-impl native); the default is torch's
+        if optim.native.library() is None:
+            pytest.skip("the native kernel (Adam's) is built where there is a C compiler")
+        monkeypatch.setattr(test_engine_units, "make_optimizer",
+                            functools.partial(optim.make_optimizer, impl="native"))
     w, opt, _, _, flat = stepped(name, 3, keep_grad=variant == "nesterov")
     assert (opt.impl == "native") == (kernel == "native")
     assert 0 < w.decay_end < w.numel  # a chunk straddles the end of the decayed range below
@@ -67,18 +59,20 @@ def test_predict_chunk_size_is_small_on_a_cpu_and_bounded_elsewhere():
 
 
 # -- the engine: deferred equals immediate, bit for bit ---------------------------------------------
-def _engine(method):
+def _engine(method, impl="auto"):
+    """A one-stage 2BW engine with compensation `method`; `impl` (--optimizer-impl): the default
+    is torch's kernels, whose prediction the engine defers (native predicts in the step)."""
     cfg = Config(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                    vocab_size=64, seq_length=8),
                  batch=BatchConfig(micro_batch_size=2, global_batch_size=4),
-                 train=TrainConfig(train_iters=8), schedule="2bw",
-                 compensation=method).validate(1)
+                 optimizer=OptimizerConfig(impl=impl), train=TrainConfig(train_iters=8),
+                 schedule="2bw", compensation=method).validate(1)
     return build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu"), cfg
 
 
 @pytest.mark.parametrize("method", COMPENSATED)
 def test_deferred_prediction_equals_the_immediate_one_through_views_and_checkpoints(
-        method, torch_kernels):
+        method):
     """One stage, CPU: the prediction S(t) publishes stays pending through batch t + 1 (it writes
     the other slot) until S(t + 1) needs it done; evaluation views, a checkpoint's state and a
     load in between complete it first. Every loss and weight equals an engine that predicts at
@@ -168,7 +162,7 @@ def test_receive_waits_do_pending_chunks_until_the_receive_arrives():
     assert pending.done == 4 and it.p2p.waited == [(A.RECV_ACT, 0)]
 
 
-def test_a_step_completes_the_pending_prediction_before_it_changes_the_state(torch_kernels):
+def test_a_step_completes_the_pending_prediction_before_it_changes_the_state():
     """Today's tables run the forward that reads the predicted slot before the next step; a
     table that does not must still predict from the state the prediction started from."""
     engine, cfg = _engine("predict-spike")

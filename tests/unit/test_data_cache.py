@@ -38,7 +38,7 @@ def test_processes_share_one_cache(tmp_path, builders_only):
     with ctx.Pool(4) as pool:
         results = pool.starmap_async(
             _dataset_as_rank, [(r, data, tmp_path / "c", builders_only) for r in range(4)]
-        ).get(timeout=120)  # a builder that failed would leave the waiters waiting
+        ).get(timeout=600)  # a builder that failed would leave the waiters waiting
     built = [b for b, _ in results]
     if builders_only:  # a builder per (pretend) node: which ones build depends on timing
         assert any(built)

@@ -1,6 +1,7 @@
-"""The flat optimizers' kernels (optim/optimizer.py): torch's fused AdamW/SGD, apex's FusedAdam
-kernel and the unfused fallback all equal torch.optim over a real stage layout, in place and out
-of place (2BW), and their state is interchangeable (issue 16)."""
+"""The flat optimizers' kernels (optim/optimizer.py): torch's fused AdamW/SGD (the default), apex's
+FusedAdam kernel, the unfused fallback and the opt-in native one all equal torch.optim over a
+real stage layout, in place and out of place (2BW), and their state is interchangeable (issue
+16)."""
 import copy
 import sys
 import types
@@ -54,10 +55,12 @@ def test_every_kernel_matches_torch_optim(impl, name, out_of_place):
         torch.testing.assert_close(mine[n], p.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_the_fastest_kernel_is_chosen():
+def test_the_default_kernel_is_torch_s_fused_one_where_it_runs():
+    """--optimizer-impl auto: torch's kernels on every device; the native one only when asked
+    for (test_native_adam.py)."""
     fused = "torch-fused" if O._torch_fused_works(torch.device("cpu"), "adam") else "unfused"
-    want = "native" if O.native.library() is not None else fused
-    assert O.make_optimizer(OptimizerConfig(), 10, 5, "cpu").impl == want
+    assert O.make_optimizer(OptimizerConfig(), 10, 5, "cpu").impl == fused
+    assert O.make_optimizer(OptimizerConfig(impl="auto"), 10, 5, "cpu").impl == fused
     assert O.make_optimizer(OptimizerConfig(name="sgd"), 10, 5, "cpu").impl == fused
 
 
@@ -128,11 +131,11 @@ def test_apex_kernel_gets_adamw_arguments_in_its_order(monkeypatch):
 
 @pytest.mark.skipif(O._apex_adam() is not None, reason="apex is installed here")
 def test_a_missing_kernel_is_a_one_line_error():
-    with pytest.raises(ValueError, match=r"^the apex kernel needs Adam and an importable apex "
-                                         r"\(pip install apex") as e:
+    with pytest.raises(ValueError, match=r"^--optimizer-impl apex needs NVIDIA apex with its "
+                                         r"CUDA extensions \(amp_C\)") as e:
         O.make_optimizer(OptimizerConfig(), 10, 5, "cpu", impl="apex")
-    assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"unknown optimizer kernel 'fast'"):
+    assert "\n" not in str(e.value) and "--optimizer-impl auto" in str(e.value)
+    with pytest.raises(ValueError, match=r"unknown --optimizer-impl 'fast'"):
         O.make_optimizer(OptimizerConfig(), 10, 5, "cpu", impl="fast")
 
 

@@ -1,7 +1,8 @@
-"""The native CPU AdamW kernel (optim/native.py): built once per machine, checked, chosen on a
-CPU; its step with the 2BW prediction in the same pass writes the bits a later recomputation
-from the state writes (views, resumes, loads); any split of a range (chunks, threads) changes no
-bit; bf16 rounding is torch's; without a compiler torch's kernels take over."""
+"""The native CPU AdamW kernel (optim/native.py): built once per machine, checked, run when asked
+for (`--optimizer-impl native`, OptimizerConfig.impl; never the default); its step with the 2BW
+prediction in the same pass writes the bits a later recomputation from the state writes (views,
+resumes, loads); any split of a range (chunks, threads) changes no bit; bf16 rounding is torch's;
+without a compiler there is no library (asking for it: tests/unit/test_optimizer_impl.py)."""
 import os
 import struct
 import subprocess
@@ -19,7 +20,7 @@ from megatron_2bw.training.build import mock_batches
 
 LIB = native.library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler to build the native kernel")
-CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta2=0.95)
+CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, adam_beta2=0.95, impl="native")
 METHODS = {"predict": (False, False), "predict-nesterov": (True, False),
            "predict-spike": (False, True)}
 
@@ -29,11 +30,12 @@ def _state(n=1001, steps=3, seed=0):
     return torch.randn(n, generator=gen), [torch.randn(n, generator=gen) for _ in range(steps)]
 
 
-def test_native_is_chosen_for_adam_on_a_cpu_and_sgd_keeps_torch():
-    assert O.make_optimizer(CFG, 10, 5, "cpu").impl == "native"
-    sgd = O.make_optimizer(OptimizerConfig(name="sgd"), 10, 5, "cpu")
-    assert sgd.impl != "native"
-    with pytest.raises(ValueError, match="native kernel is Adam on a CPU"):
+def test_native_runs_when_asked_for_and_never_by_default():
+    assert O.make_optimizer(CFG, 10, 5, "cpu").impl == "native"  # the config asks
+    assert O.make_optimizer(OptimizerConfig(), 10, 5, "cpu", impl="native").impl == "native"
+    assert O.make_optimizer(OptimizerConfig(), 10, 5, "cpu").impl != "native"
+    assert O.make_optimizer(OptimizerConfig(name="sgd"), 10, 5, "cpu").impl != "native"
+    with pytest.raises(ValueError, match="--optimizer-impl native is an Adam kernel"):
         O.make_optimizer(OptimizerConfig(name="sgd"), 10, 5, "cpu", impl="native")
 
 
@@ -127,7 +129,7 @@ def test_bf16_rounding_is_torch_s():
     assert torch.equal(pred.isnan(), want.isnan())
 
 
-def test_without_a_compiler_the_torch_kernels_take_over(tmp_path):
+def test_without_a_compiler_there_is_no_library(tmp_path):
     assert native.library(compiler=str(tmp_path / "no-such-cc"), cache_dir=str(tmp_path)) is None
     assert native.library(compiler="false", cache_dir=str(tmp_path)) is None  # the build fails
     assert list(tmp_path.iterdir()) == []  # no half-built library left behind
@@ -135,13 +137,13 @@ def test_without_a_compiler_the_torch_kernels_take_over(tmp_path):
     assert built is not None and [f.suffix for f in tmp_path.iterdir()] == [".so"]
 
 
-def test_a_compensated_engine_predicts_in_the_step_and_follows_the_torch_kernels(monkeypatch):
-    from test_compensation_deferred import _engine, _torch_choice
+def test_a_compensated_engine_predicts_in_the_step_and_follows_the_torch_kernels():
+    from test_compensation_deferred import _engine
     engines = {}
-    for kernel in ("native", "torch"):
-        if kernel == "torch":
-            monkeypatch.setattr(O, "choose_impl", _torch_choice)
-        engines[kernel], cfg = _engine("predict-nesterov")
+    for kernel, impl in (("native", "native"), ("torch", "auto")):
+        engines[kernel], cfg = _engine("predict-nesterov", impl)
+    assert engines["native"].stepper.optimizer.impl == "native"
+    assert engines["torch"].stepper.optimizer.impl != "native"
     native_comp = engines["native"].stepper.compensation
     assert native_comp.fused and not native_comp.defer
     assert not engines["torch"].stepper.compensation.fused

@@ -8,7 +8,6 @@ import torch
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig
 from megatron_2bw.models.gpt import gpt_layer_specs
-from megatron_2bw.optim import optimizer as optimizer_module
 from megatron_2bw.optim.distributed import DistributedOptimizer, full_state
 from megatron_2bw.optim.optimizer import make_optimizer
 from megatron_2bw.models.stage import StageModule
@@ -71,21 +70,22 @@ def test_sharded_weights_pad_regions_and_keep_the_parameters():
 @pytest.mark.parametrize("kernel", ["unfused", "default"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["adam", "sgd"])
-def test_every_rank_stepping_its_shard_equals_stepping_the_whole(name, dtype, kernel,
-                                                                 monkeypatch):
-    """Bit for bit with the unfused kernel; the device's default kernel (torch's fused one on
-    this CPU) rounds the few elements of a vector tail at a shard cut differently (1 ulp: see
-    optim/optimizer.py), so it is compared with a tolerance."""
-    if kernel == "unfused":
-        monkeypatch.setattr(optimizer_module, "choose_impl", lambda device, kind: "unfused")
+def test_every_rank_stepping_its_shard_equals_stepping_the_whole(name, dtype, kernel):
+    """Bit for bit with the unfused kernel (asked for: --optimizer-impl unfused, which the
+    distributed optimizer's shards take from the config); the device's default kernel (torch's
+    fused one on this CPU) rounds the few elements of a vector tail at a shard cut differently
+    (1 ulp: see optim/optimizer.py), so it is compared with a tolerance."""
     same = torch.equal if kernel == "unfused" else \
         (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-7))
-    cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1)
+    cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1,
+                          impl="unfused" if kernel == "unfused" else "auto")
     model, count = _model(), 3
     whole = _sharded(model, 1, 0, dtype)
     whole_opt = make_optimizer(cfg, whole.numel, whole.decay_end, "cpu")
     ranks = [_sharded(model, count, r, dtype) for r in range(count)]
     opts = [DistributedOptimizer(cfg, w, "cpu") for w in ranks]
+    assert {o.impl for opt in opts for o in opt.inner} == {whole_opt.impl}
+    assert (whole_opt.impl == "unfused") == (kernel == "unfused")
     gen = torch.Generator().manual_seed(1)
     for step in range(3):
         grad = torch.randn(whole.numel, generator=gen)

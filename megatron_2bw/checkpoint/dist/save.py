@@ -20,7 +20,7 @@ background thread while training goes on, and published collectively on the main
    `iter_XXXXXXX`, fsyncs the parent, moves `latest` and prunes (--keep-last).
 
 A process killed before step 3 leaves only the `.tmp-` directory (removed at the next start,
-checkpoint_files.remove_temporary_files); `latest` still names the previous checkpoint.
+files.remove_temporary_files); `latest` still names the previous checkpoint.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ CHECKSUMS = "checksums.sha256"
 
 
 class _HashingStream(HashingWriter):
-    """checkpoint_files.HashingWriter that reports its digest when closed."""
+    """fs.HashingWriter that reports its digest when closed."""
 
     def __init__(self, f, on_close):
         super().__init__(f)

@@ -1,7 +1,7 @@
 """Rank/world detection from launcher environments (torchrun, SLURM srun, MPI)."""
 import pytest
 
-from megatron_2bw.parallel import distributed as D
+from megatron_2bw.parallel import launcher as D
 
 
 @pytest.fixture
