@@ -80,23 +80,6 @@ def test_bad_architecture_settings_are_one_line_errors(argv, t, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_pretrain_rejects_bad_groups_before_any_process_group(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(root / "pretrain_gpt.py"), "--mock-data",
-                           "--model", "llama-debug", "--tensor-model-parallel-size", "4"],
-                          capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(root), "WORLD_SIZE": "4", "RANK": "0",
-                               "PATH": "/usr/bin:/bin"})
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        "error: --num-query-groups 2 is not divisible by --tensor-model-parallel-size 4: every "
-        "tensor rank holds whole query groups; use a multiple of 4 groups or a smaller tensor "
-        "size"]
-
-
 def _tiny(**kw):
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                 vocab_size=256)

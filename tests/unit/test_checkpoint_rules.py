@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.checkpoint import files as checkpoint_files
 from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.config.build import build_config
 from megatron_2bw.checkpoint.files import LATEST, CheckpointError, latest_iteration, write_latest

@@ -1,7 +1,6 @@
 """Index caches without file locks: local rank 0 builds (unique temporary names, atomic renames),
 the other ranks of the node wait for the files; concurrent builders (one per node on a shared
 filesystem) are harmless; a waiter whose builder never comes fails with one line."""
-import multiprocessing
 import os
 import threading
 from pathlib import Path
@@ -13,7 +12,6 @@ from megatron_2bw.data import cache
 from megatron_2bw.data.cache import cached_arrays, wait_until
 from megatron_2bw.data.errors import DataError
 
-from test_data_gpt import make_dataset
 
 
 def _dataset_as_rank(local_rank, data, cache_dir, builders_only):
@@ -29,26 +27,6 @@ def _dataset_as_rank(local_rank, data, cache_dir, builders_only):
 
 def _no_leftovers(d: Path):
     return not [p.name for p in d.iterdir() if ".tmp-" in p.name]
-
-
-@pytest.mark.parametrize("builders_only", [False, True], ids=["one-node", "shared-fs-nodes"])
-def test_processes_share_one_cache(tmp_path, builders_only):
-    data = make_dataset(tmp_path / "d")
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(4) as pool:
-        results = pool.starmap_async(
-            _dataset_as_rank, [(r, data, tmp_path / "c", builders_only) for r in range(4)]
-        ).get(timeout=600)  # a builder that failed would leave the waiters waiting
-    built = [b for b, _ in results]
-    if builders_only:  # a builder per (pretend) node: which ones build depends on timing
-        assert any(built)
-    else:
-        assert built == [True, False, False, False]
-    assert all(samples == results[0][1] for _, samples in results)
-    assert len(list((tmp_path / "c").glob("*.npy"))) == 3
-    assert _no_leftovers(tmp_path / "c")
-    again = _dataset_as_rank(0, data, tmp_path / "c", False)  # a later run reuses the files
-    assert again == (False, results[0][1])
 
 
 def test_waiters_wait_for_the_builder(tmp_path):

@@ -3,7 +3,6 @@ tools/plan.py and the planner as a Config -> Config step (planner/auto.py)."""
 import io
 import json
 import random
-import time
 from dataclasses import replace
 
 import pytest
@@ -86,10 +85,10 @@ def test_search_is_fast_for_64_gpus_and_32_blocks():
     model = named_model("gpt-2.7b")
     assert model.num_layers == 32
     topo = Topology(num_nodes=8, gpus_per_node=8, gpu_memory_gb=80)
-    t0 = time.process_time()  # CPU time: robust to other processes sharing the cores
     res = search(model, topo, AnalyticProfile(), 512, dtype="bf16")
-    assert time.process_time() - t0 < 1.0
-    assert res.considered > 1000 and res.simulated < res.fitting
+    # fast by its work, not by a clock (no test depends on timing or load): of thousands of
+    # layouts that fit, the lower bound leaves only a handful to simulate
+    assert res.considered > 1000 and res.fitting > 1000 and res.simulated <= 16
     assert res.best.layout.num_gpus == 64
 
 
