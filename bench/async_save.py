@@ -38,7 +38,7 @@ VARIANTS = ("none", "sync", "async")
 
 def make_config(spec: dict, variant: str, save_dir: str):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-            ParallelConfig, TrainConfig)
+                                     ParallelConfig, TrainConfig)
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
                         vocab_size=spec["vocab"])

@@ -58,7 +58,7 @@ def split_run(run: str) -> tuple[str, str]:
 
 def make_config(spec: dict, run: str, m: int, dist: bool = False):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-            ParallelConfig, PrecisionConfig, TrainConfig)
+                                     ParallelConfig, PrecisionConfig, TrainConfig)
     b, d, w = spec["micro"], spec["d"], spec["w"]
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
@@ -169,7 +169,7 @@ def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list, dist: b
     """The planner's memory model for this stage (planner/cost_model.py)."""
     from megatron_2bw.models.flops import layer_costs
     from megatron_2bw.planner.cost_model import (activation_bytes, stage_params, stage_tied,
-            state_bytes)
+                                                 state_bytes)
     cfg = make_config(spec, schedule, m, dist)
     kind = schedule_kind(cfg.schedule)
     costs = layer_costs(cfg.model, spec["micro"], 1, spec["dtype"], "gpt")

@@ -43,7 +43,7 @@ VARIANTS = ("plain", "engine-flush", "engine-2bw")
 
 def make_config(spec: dict, schedule: str):
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-            ParallelConfig, TrainConfig)
+                                     ParallelConfig, TrainConfig)
     b, m = spec["micro"], spec["m"]
     model = ModelConfig(num_layers=spec["layers"], hidden_size=spec["hidden"],
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],

@@ -60,7 +60,7 @@ def _floats(xs):
 
 def run_ours(rank, world, spec, schedule):
     from megatron_2bw.config import (BatchConfig, Config, OptimizerConfig, ParallelConfig,
-            TrainConfig)
+                                     TrainConfig)
     from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.pipeline.engine import PipelineEngine
     from megatron_2bw.models.stage import LayerSpec

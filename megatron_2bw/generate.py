@@ -21,9 +21,9 @@ import sys
 
 import torch
 
-from megatron_2bw.config.flags import FlagParser, exit_on_config_error
-from megatron_2bw.config import ConfigError
 from megatron_2bw.checkpoint.convert.tokenizers import eod_or_none
+from megatron_2bw.config import ConfigError
+from megatron_2bw.config.flags import FlagParser, exit_on_config_error
 from megatron_2bw.data.tokenizer import TOKENIZER_TYPES, NullTokenizer, build_tokenizer
 
 

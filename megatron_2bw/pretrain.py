@@ -22,17 +22,17 @@ import signal
 import sys
 from typing import Any, Callable, NamedTuple
 
-from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
-        add_training_args, exit_on_config_error)
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.config.build import build_config
-from megatron_2bw.data.flags import add_data_args
+from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
+                                       add_training_args, exit_on_config_error)
 from megatron_2bw.data.build import build_pretrain_data, pretrain_tokenizer
+from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
 from megatron_2bw.parallel.launcher import env_rank_world, launched
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
-        abort_on_sigint, describe, watch_launcher)
+                                               abort_on_sigint, describe, watch_launcher)
 
 
 def build_parser(family: str) -> FlagParser:

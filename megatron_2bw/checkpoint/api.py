@@ -30,9 +30,9 @@ import shutil
 
 import torch
 
-from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, agree,
-        iteration_dir, latest_iteration, not_newer, optimizer_shard_name, prune, rank_dir,
-        remove_temporary_files, write_latest)
+from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, agree, iteration_dir,
+                                           latest_iteration, not_newer, optimizer_shard_name,
+                                           prune, rank_dir, remove_temporary_files, write_latest)
 from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout
 from megatron_2bw.config import Config, TrainConfig
 from megatron_2bw.config.paths import check_writable_dir

@@ -17,11 +17,11 @@ import os
 import re
 import sys
 
-from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, iteration_dir,
-        latest_iteration, rank_dir, sha256_of)
 from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common
 from megatron_2bw.checkpoint.dist.save import COMMON
 from megatron_2bw.checkpoint.dist.storage import CHECKSUMS, METADATA, read_checksums
+from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, iteration_dir,
+                                           latest_iteration, rank_dir, sha256_of)
 
 
 def _size(n: int) -> str:

@@ -12,7 +12,8 @@ import re
 import torch
 
 from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, agree, latest_iteration,
-        optimizer_shard_name, rank_dir, read_checkpoint_file, write_with_checksum)
+                                           optimizer_shard_name, rank_dir, read_checkpoint_file,
+                                           write_with_checksum)
 
 # the layer parameter names of commit e2f4b58 and before -> today's
 _LEGACY_NAMES = ((re.compile(r"^(layers\.\d+\.)(qkv|qv_bias|proj)(\.|$)"),

@@ -12,10 +12,9 @@ environment (parallel/launcher.py), never an engine, a process group or a file o
 
     from megatron_2bw.config import Config, ConfigError, ModelConfig
 """
-from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FAMILIES,
-                                         OPTIMIZERS, PRECISIONS, RANK_ORDERS,
-                                         RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES,
-                                         ConfigError)
+from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FAMILIES, OPTIMIZERS,
+                                         PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
+                                         RECOMPUTE_METHODS, SCHEDULES, ConfigError)
 from megatron_2bw.config.schema import (BatchConfig, Config, Fixed, ModelConfig, OptimizerConfig,
                                         ParallelConfig, PrecisionConfig, TrainConfig,
                                         num_microbatches)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.config import Config, Fixed
+from megatron_2bw.config.flags import config_from_args
 
 # typed flag -> the Config path it fixes (what --auto-plan keeps as given)
 FLAG_FIXES = {

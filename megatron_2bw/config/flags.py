@@ -7,8 +7,9 @@ import sys
 from dataclasses import replace
 
 from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
-        RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config, ConfigError, ModelConfig,
-        OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig)
+                                 RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config,
+                                 ConfigError, ModelConfig, OptimizerConfig, ParallelConfig,
+                                 PrecisionConfig, TrainConfig)
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names

@@ -21,9 +21,8 @@ import numpy as np
 
 from megatron_2bw.data.bert_dataset import BertDataset, check_probabilities
 from megatron_2bw.data.blended_dataset import (BlendedDataset, normalize, parse_data_path,
-        samples_per_dataset)
+                                               samples_per_dataset)
 from megatron_2bw.data.cache import writable_dir
-from megatron_2bw.fs import user_cache_dir
 from megatron_2bw.data.consistency import check_dataset
 from megatron_2bw.data.default_corpus import default_corpus
 from megatron_2bw.data.errors import DataError
@@ -31,6 +30,7 @@ from megatron_2bw.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, 
 from megatron_2bw.data.indexed_dataset import MMapIndexedDataset
 from megatron_2bw.data.mock import MockGPTDataset
 from megatron_2bw.data.tokenizer import Tokenizer, build_tokenizer, vocab_size_with_padding
+from megatron_2bw.fs import user_cache_dir
 
 
 DEFAULT_SPLIT = "969, 30, 1"

@@ -22,13 +22,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_2bw.fs import atomic_build_dir, user_cache_dir
 from megatron_2bw.data.cache import is_local_builder, wait_until
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.indexed_dataset import MMapIndexedDataset
 from megatron_2bw.data.preprocess import write_documents
 from megatron_2bw.data.tokenizer import (GPTSentencePieceTokenizer, SentencePieceTokenizer,
-        train_sentencepiece)
+                                         train_sentencepiece)
+from megatron_2bw.fs import atomic_build_dir, user_cache_dir
 
 CORPUS_VERSION = 1
 DEFAULT_VOCAB_SIZE = 2000

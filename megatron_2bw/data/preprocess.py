@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.indexed_dataset import (IndexedDatasetBuilder, data_file_path,
-        index_file_path, optimal_dtype)
+                                               index_file_path, optimal_dtype)
 from megatron_2bw.data.tokenizer import build_tokenizer
 
 # A sentence ends at . ! ? (optionally followed by quotes/brackets) before whitespace and an

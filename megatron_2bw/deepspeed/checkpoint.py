@@ -32,8 +32,8 @@ from operator import attrgetter
 import torch
 
 from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree,
-        read_checkpoint_file, remove_temporary_files, write_checkpoint_file, write_error,
-        write_with_checksum)
+                                           read_checkpoint_file, remove_temporary_files,
+                                           write_checkpoint_file, write_error, write_with_checksum)
 from megatron_2bw.fs import fsync_directory, unique_temp, writable_problem
 
 LATEST = "latest"

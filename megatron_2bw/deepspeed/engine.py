@@ -20,16 +20,16 @@ import time
 
 import torch
 
-from megatron_2bw.parallel.comm import Comm
-from megatron_2bw.parallel.distributed import current_rank_world
-from megatron_2bw.parallel.devices import default_device
-from megatron_2bw.parallel.launcher import env_rank_world
-from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.deepspeed.pipe.module import PipelineError, PipelineModule
-from megatron_2bw.schedule.kinds import ScheduleKind
-from megatron_2bw.deepspeed.utils import RepeatingLoader
 from megatron_2bw.deepspeed.checkpoint import CheckpointMixin
+from megatron_2bw.deepspeed.pipe.module import PipelineError, PipelineModule
+from megatron_2bw.deepspeed.utils import RepeatingLoader
 from megatron_2bw.deepspeed.views import MPU, LRSchedulerView, OptimizerView
+from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.parallel.devices import default_device
+from megatron_2bw.parallel.distributed import current_rank_world
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.parallel.launcher import env_rank_world
+from megatron_2bw.schedule.kinds import ScheduleKind
 
 
 def _as_iterator(data):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.deepspeed.pipe.module import PipelineError
+from megatron_2bw.parallel.grid import ProcessGrid
 
 
 class MPU:

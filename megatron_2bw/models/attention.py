@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear,
-        TPGroup, set_partition_attrs)
 from megatron_2bw.models.recompute import recompute
 from megatron_2bw.models.rope import RotaryEmbedding
+from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear,
+                                          TPGroup, set_partition_attrs)
 
 # scaled_dot_product_attention broadcasts key/value groups itself from torch 2.5 on
 _NATIVE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)

@@ -12,15 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.models.stage import LayerSpec
-from megatron_2bw.tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding,
-        copy_to_tp_region, gather_from_sequence_parallel_region, mark_sequence_parallel,
-        scatter_to_sequence_parallel_region, set_partition_attrs, vocab_parallel_cross_entropy)
-from megatron_2bw.tensor_parallel.layers import sharded_normal
 from megatron_2bw.models.gpt import TIED_KEY, gpt_partition, learned_positions, tied_init
 from megatron_2bw.models.norms import build_norm
+from megatron_2bw.models.stage import LayerSpec
 from megatron_2bw.models.transformer import (SequenceDropout, TransformerLayer,
-        transformer_draws_random)
+                                             transformer_draws_random)
+from megatron_2bw.tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding,
+                                          copy_to_tp_region, gather_from_sequence_parallel_region,
+                                          mark_sequence_parallel,
+                                          scatter_to_sequence_parallel_region, set_partition_attrs,
+                                          vocab_parallel_cross_entropy)
+from megatron_2bw.tensor_parallel.layers import sharded_normal
 
 
 class BertEmbedding(nn.Module):

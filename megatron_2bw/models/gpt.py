@@ -15,15 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.models.stage import LayerSpec
-from megatron_2bw.models.partition import split_evenly
-from megatron_2bw.tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding,
-        gather_linear, mark_sequence_parallel, scatter_to_sequence_parallel_region,
-        vocab_parallel_cross_entropy)
-from megatron_2bw.tensor_parallel.layers import sharded_normal
 from megatron_2bw.models.norms import build_norm
+from megatron_2bw.models.partition import split_evenly
+from megatron_2bw.models.stage import LayerSpec
 from megatron_2bw.models.transformer import (SequenceDropout, TransformerLayer,
-        transformer_draws_random)
+                                             transformer_draws_random)
+from megatron_2bw.tensor_parallel import (RNGTracker, TPGroup, VocabParallelEmbedding,
+                                          gather_linear, mark_sequence_parallel,
+                                          scatter_to_sequence_parallel_region,
+                                          vocab_parallel_cross_entropy)
+from megatron_2bw.tensor_parallel.layers import sharded_normal
 
 TIED_KEY = "word_embeddings"
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
-        gather_linear, set_partition_attrs)
+                                          gather_linear, set_partition_attrs)
 from megatron_2bw.tensor_parallel.layers import sharded_normal
 
 

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.tensor_parallel import RNGTracker, TPGroup, mark_sequence_parallel
 from megatron_2bw.models.attention import SelfAttention
 from megatron_2bw.models.mlp import MLP
 from megatron_2bw.models.norms import build_norm
+from megatron_2bw.tensor_parallel import RNGTracker, TPGroup, mark_sequence_parallel
 
 
 def transformer_draws_random(cfg: ModelConfig) -> bool:

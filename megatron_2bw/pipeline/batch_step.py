@@ -43,10 +43,10 @@ from megatron_2bw.config import Config
 from megatron_2bw.optim import LRSchedule, make_loss_scaler, make_optimizer
 from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.training.reliability import NumericsError, describe
 from megatron_2bw.pipeline.compensation import Compensator, compensation_method
 from megatron_2bw.pipeline.flags import ControlFlags
 from megatron_2bw.pipeline.weights import VersionedWeights
+from megatron_2bw.training.reliability import NumericsError, describe
 
 BUCKET_ELEMENTS = 2 ** 24  # 64 MB of fp32 per all-reduce call
 

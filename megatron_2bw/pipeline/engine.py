@@ -27,19 +27,19 @@ from typing import Callable, Iterator
 import torch
 
 from megatron_2bw.config import Config
+from megatron_2bw.models.stage import LayerSpec, StageModule
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.parallel.p2p import P2P
-from megatron_2bw.schedule import actions as A
 from megatron_2bw.pipeline.batch_step import BatchStepper
 from megatron_2bw.pipeline.compensation import compensation_method
 from megatron_2bw.pipeline.host_memory import keep_freed_memory
 from megatron_2bw.pipeline.interpreter import Interpreter
-from megatron_2bw.models.stage import LayerSpec, StageModule
-from megatron_2bw.schedule.kinds import schedule_kind
-from megatron_2bw.schedule.tables import forward_only, make_schedule
-from megatron_2bw.schedule.simulate import check_schedule
 from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pipeline.weights import VersionedWeights
+from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule.kinds import schedule_kind
+from megatron_2bw.schedule.simulate import check_schedule
+from megatron_2bw.schedule.tables import forward_only, make_schedule
 
 UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how many
 

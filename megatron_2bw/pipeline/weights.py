@@ -46,8 +46,8 @@ import copy
 import torch
 from torch import nn
 
-from megatron_2bw.pipeline.flags import FLAGS
 from megatron_2bw.optim.shard_layout import ShardLayout
+from megatron_2bw.pipeline.flags import FLAGS
 
 TAIL = 1 + len(FLAGS)  # loss, then one slot per control flag
 

@@ -12,11 +12,11 @@ tables (simulate.py), the search (search.py), --auto-plan (auto.py), the pre-sta
 (memory_check.py) and tools/plan.py (cli.py).
 Must not import: tensor_parallel, data, checkpoint, deepspeed, testing, pretrain, generate.
 """
+from megatron_2bw.models.partition import partition
 from megatron_2bw.planner.auto import Plan, plan, planner_inputs
 from megatron_2bw.planner.cost_model import Layout, Setup, StagePlan, stage_plan, state_bytes
-from megatron_2bw.models.partition import partition
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, load_profile,
-        measure_profile, save_profile)
+                                          measure_profile, save_profile)
 from megatron_2bw.planner.search import SCHEDULES, SearchResult, search
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology, resolve_topology

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_2bw.config import RANK_ORDERS, Config
-from megatron_2bw.schedule.kinds import schedule_kind
 from megatron_2bw.planner.profile import AnalyticProfile, load_profile
 from megatron_2bw.planner.search import RECOMPUTE, SCHEDULES, SearchResult, search
 from megatron_2bw.planner.simulate import Estimate
 from megatron_2bw.planner.topology import PlanError, resolve_topology
+from megatron_2bw.schedule.kinds import schedule_kind
 
 TOPOLOGY_FLAGS = ("gpus_per_node", "gpu_memory_gb", "intra_node_bandwidth_gbps",
                   "inter_node_bandwidth_gbps", "intra_node_latency_us", "inter_node_latency_us")

@@ -43,14 +43,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.pipeline.weights import TAIL
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
+from megatron_2bw.models.partition import partition
+from megatron_2bw.optim.shard_layout import padded_numel
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
-        keeps_master)
+                                                keeps_master)
+from megatron_2bw.pipeline.weights import TAIL
 from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind
-from megatron_2bw.optim.shard_layout import padded_numel
-from megatron_2bw.models.partition import partition
 
 OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
 

@@ -27,10 +27,10 @@ from megatron_2bw.config import RANK_ORDERS, ModelConfig
 from megatron_2bw.config import num_microbatches as config_microbatches
 from megatron_2bw.models.flops import DTYPE_BYTES
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
-from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
 from megatron_2bw.planner.cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology
+from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
 
 SCHEDULES = schedule_names()
 TIE = 1e-5  # relative difference of two predictions that counts as a tie

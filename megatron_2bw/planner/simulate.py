@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_2bw.schedule.tables import make_schedule
-from megatron_2bw.schedule.simulate import SimResult, simulate
 from megatron_2bw.planner.cost_model import StagePlan
 from megatron_2bw.planner.topology import GB
+from megatron_2bw.schedule.simulate import SimResult, simulate
+from megatron_2bw.schedule.tables import make_schedule
 
 
 @dataclass

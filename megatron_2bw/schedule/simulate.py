@@ -21,7 +21,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from megatron_2bw.schedule.actions import (BACKWARD, FORWARD, NORM, RECV_ACT, RECV_GRAD, REDUCE,
-        SEND_ACT, SEND_GRAD, STEP, Action)
+                                           SEND_ACT, SEND_GRAD, STEP, Action)
 from megatron_2bw.schedule.render import render_timeline
 from megatron_2bw.schedule.tables import Schedule
 

@@ -10,11 +10,15 @@ deepspeed, testing, pretrain, generate.
 """
 from megatron_2bw.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_2bw.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-        VocabParallelEmbedding, mark_sequence_parallel, set_partition_attrs)
+                                                 VocabParallelEmbedding, mark_sequence_parallel,
+                                                 set_partition_attrs)
 from megatron_2bw.tensor_parallel.mappings import (TPGroup, copy_to_tp_region,
-        gather_from_sequence_parallel_region, gather_from_tp_region, gather_linear,
-        reduce_from_tp_region, reduce_output, reduce_scatter_to_sequence_parallel_region,
-        scatter_to_sequence_parallel_region, scatter_to_tp_region)
+                                                   gather_from_sequence_parallel_region,
+                                                   gather_from_tp_region, gather_linear,
+                                                   reduce_from_tp_region, reduce_output,
+                                                   reduce_scatter_to_sequence_parallel_region,
+                                                   scatter_to_sequence_parallel_region,
+                                                   scatter_to_tp_region)
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 __all__ = ["TPGroup", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

@@ -18,7 +18,8 @@ from torch import nn
 
 from megatron_2bw.tensor_parallel.initialize import normal_shard
 from megatron_2bw.tensor_parallel.mappings import (TPGroup, gather_from_tp_region, gather_linear,
-        reduce_from_tp_region, reduce_output, scatter_to_tp_region)
+                                                   reduce_from_tp_region, reduce_output,
+                                                   scatter_to_tp_region)
 
 
 def set_partition_attrs(param: nn.Parameter, partition_dim: int | None) -> nn.Parameter:

@@ -10,13 +10,14 @@ import torch
 from megatron_2bw.checkpoint.api import check_iterations, load_checkpoint
 from megatron_2bw.config import Config
 from megatron_2bw.data.prefetch import close_pipelines, input_pipeline
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.training.build import build_engine
 from megatron_2bw.training.observe.interval_log import IntervalLog
 from megatron_2bw.training.observe.logger import TrainLogger
-from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.observe.profiling import StepProfiler
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError, Preemption,
-        check_numerics)
-from megatron_2bw.training.build import build_engine
+                                               check_numerics)
+
 
 def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool:
     """--exit-interval (the same iteration everywhere) / --exit-duration-in-mins: each rank

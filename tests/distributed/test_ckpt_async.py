@@ -12,14 +12,14 @@ import torch
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from fault_hooks import InjectedFault
-from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration, temporary_files
 from megatron_2bw.checkpoint.api import load_checkpoint, preflight
 from megatron_2bw.checkpoint.dist import storage
+from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration, temporary_files
 from megatron_2bw.checkpoint.saver import AGREEMENT_DELAY, Checkpointer
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.reliability import FaultHooks
 from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.reliability import FaultHooks
 from test_resume import make_cfg, run
 
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatron_2bw.checkpoint import files as checkpoint_files
-from megatron_2bw.checkpoint.files import latest_iteration
 from megatron_2bw.checkpoint.api import load_checkpoint, save_checkpoint
-from megatron_2bw.checkpoint.dist import storage
-from megatron_2bw.checkpoint.saver import Checkpointer
 from megatron_2bw.checkpoint.convert.to_dist import torch_to_dist
+from megatron_2bw.checkpoint.dist import storage
+from megatron_2bw.checkpoint.files import latest_iteration
+from megatron_2bw.checkpoint.saver import Checkpointer
 from megatron_2bw.training.build import mock_batches
 from test_ckpt_async import _one_rank
 from test_fault_table import _front_door as fault_table_front_door

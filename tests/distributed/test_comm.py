@@ -7,12 +7,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_2bw.config import ConfigError
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.parallel import comm as comm_mod
 from megatron_2bw.parallel import devices
 from megatron_2bw.parallel import distributed as D
 from megatron_2bw.parallel.comm import Comm, CommDeviceError
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.testing.launch import spawn
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ import os
 
 import torch
 
-from megatron_2bw.checkpoint.files import iteration_dir
 from megatron_2bw.checkpoint.api import LATEST, load_checkpoint
 from megatron_2bw.checkpoint.dist.load import read_full, stage_boxes
+from megatron_2bw.checkpoint.files import iteration_dir
 from megatron_2bw.config.build import build_config
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.training.build import build_engine, build_grid
 
 from test_resume import _worker as _train_worker

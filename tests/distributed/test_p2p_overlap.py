@@ -7,9 +7,9 @@ import torch
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.parallel.p2p import P2P
-from megatron_2bw.schedule import actions as A
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.pipeline.interpreter import comm_groups
+from megatron_2bw.schedule import actions as A
 from megatron_2bw.testing.verify import parse, run
 
 

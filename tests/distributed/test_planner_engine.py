@@ -11,9 +11,9 @@ import torch
 
 from megatron_2bw.config import BatchConfig, Config, ModelConfig, OptimizerConfig, ParallelConfig
 from megatron_2bw.config import PrecisionConfig, TrainConfig
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.planner import AnalyticProfile, Topology
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, activation_bytes, stage_plan
+from megatron_2bw.testing.launch import spawn
 
 BATCHES = 3
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
 from megatron_2bw.testing.verify import parse, run
+from megatron_2bw.training.build import build_engine, build_grid, mock_batches
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 16 --train-iters 5 --data-parallel-size 2 "

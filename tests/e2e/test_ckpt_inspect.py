@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.api import load_checkpoint
+from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.inspect import main
 from test_ckpt_async import _one_rank
 from test_resume import make_cfg, run

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.checkpoint.files import LATEST, TMP_PREFIX, temporary_files
 from megatron_2bw.checkpoint.dist.load import read_full
+from megatron_2bw.checkpoint.files import LATEST, TMP_PREFIX, temporary_files
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = str(ROOT / "tests" / "fault_entry.py")

@@ -18,17 +18,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from megatron_2bw.config.build import build_config  # noqa: E402
 from megatron_2bw.checkpoint.api import CheckpointError  # noqa: E402
 from megatron_2bw.checkpoint.convert.hf import export_hf, import_hf, require_hf  # noqa: E402
 from megatron_2bw.checkpoint.convert.hf_mapping import ConvertError  # noqa: E402
 from megatron_2bw.checkpoint.convert.native import (FullModel, one_process_model, read_checkpoint,
-        write_checkpoint)
-from megatron_2bw.testing.launch import spawn  # noqa: E402
+                                                    write_checkpoint)
+from megatron_2bw.config.build import build_config  # noqa: E402
+from megatron_2bw.models.families import model_parts
 from megatron_2bw.pretrain import build_parser  # noqa: E402
+from megatron_2bw.testing.launch import spawn  # noqa: E402
 from megatron_2bw.testing.reference import reference_train  # noqa: E402
 from megatron_2bw.training.build import batches, build_grid, mock_batches, mock_dataset
-from megatron_2bw.models.families import model_parts
 from megatron_2bw.training.loop import train
 
 os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"

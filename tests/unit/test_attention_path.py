@@ -8,8 +8,8 @@ from megatron_2bw.config import ModelConfig
 from megatron_2bw.models import attention as attn_mod
 from megatron_2bw.models.bert import bert_layer_specs
 from megatron_2bw.models.gpt import gpt_layer_specs
-from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.models.stage import LayerSpec, StageModule
+from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.tensor_parallel import RNGTracker
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.config.flags import config_from_args
-from megatron_2bw.config.build import build_config
+from megatron_2bw.checkpoint.api import preflight, save_checkpoint
 from megatron_2bw.checkpoint.files import LATEST, CheckpointError, latest_iteration, write_latest
 from megatron_2bw.checkpoint.files import write_checkpoint_file
-from megatron_2bw.checkpoint.api import preflight, save_checkpoint
 from megatron_2bw.config import ConfigError, PrecisionConfig, TrainConfig
+from megatron_2bw.config.build import build_config
+from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.reliability import NumericsError, Preemption
 from megatron_2bw.training.build import build_engine, build_grid
+from megatron_2bw.training.reliability import NumericsError, Preemption
 
 ROOT = Path(__file__).resolve().parents[2]
 

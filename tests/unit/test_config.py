@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from megatron_2bw.config import (BatchConfig, Config, ConfigError, ModelConfig, OptimizerConfig,
-        ParallelConfig, PrecisionConfig, TrainConfig)
+                                 ParallelConfig, PrecisionConfig, TrainConfig)
 
 
 def make(schedule="2bw", model=None, parallel=None, batch=None, optimizer=None, precision=None,

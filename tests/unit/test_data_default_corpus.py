@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.data.build import build_gpt_train_data, build_pretrain_data
 from megatron_2bw.data.default_corpus import (DEFAULT_VOCAB_SIZE, default_corpus,
-        default_corpus_unigram_entropy, unigram_entropy)
+                                              default_corpus_unigram_entropy, unigram_entropy)
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
 from megatron_2bw.data.tokenizer import GPTSentencePieceTokenizer
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.indexed_dataset import (IndexedDatasetBuilder, MMapIndexedDataset,
-        optimal_dtype)
+                                               optimal_dtype)
 from megatron_2bw.data.tokenizer import GPTSentencePieceTokenizer, train_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from megatron_2bw.data.blended_dataset import build_blending_indices, parse_data
 from megatron_2bw.data.build import build_gpt_datasets, build_gpt_train_data
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.gpt_dataset import (GPTDataset, build_sample_index, parse_split,
-        split_indices)
+                                           split_indices)
 from megatron_2bw.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
 from megatron_2bw.data.mock import GPTBatches
 

@@ -7,7 +7,8 @@ import pytest
 
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.tokenizer import (GPTSentencePieceTokenizer, NullTokenizer,
-        SentencePieceTokenizer, build_tokenizer, train_sentencepiece, vocab_size_with_padding)
+                                         SentencePieceTokenizer, build_tokenizer,
+                                         train_sentencepiece, vocab_size_with_padding)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import train_tokenizer  # noqa: E402

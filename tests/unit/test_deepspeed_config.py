@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-import megatron_2bw as deepspeed
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.config.ds_json import (batch_triple, config_from_deepspeed, explicit_flags,
-        merge_flags_and_ds_config)
-from megatron_2bw.optim import LRSchedule
+                                         merge_flags_and_ds_config)
 from megatron_2bw.deepspeed.pipe import (LayerSpec, PipeDataParallelTopology, PipelineModule,
-        TiedLayerSpec)
+                                         TiedLayerSpec)
+from megatron_2bw.optim import LRSchedule
+import megatron_2bw as deepspeed
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.deepspeed.pipe import (LayerSpec, PipeDataParallelTopology,
-        PipeModelDataParallelTopology, PipelineModule, ProcessTopology, partition_layers,
-        partition_uniform)
+                                         PipeModelDataParallelTopology, PipelineModule,
+                                         ProcessTopology, partition_layers, partition_uniform)
 from megatron_2bw.deepspeed.pipe.topology import grid_layout
+from megatron_2bw.parallel.grid import ProcessGrid
 
 from test_deepspeed_config import deepspeed_module, one_line_error  # noqa: E402
 

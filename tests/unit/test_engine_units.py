@@ -7,11 +7,11 @@ import torch
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig
 from megatron_2bw.models.gpt import gpt_layer_specs, gpt_partition
-from megatron_2bw.optim.lr import LRSchedule
+from megatron_2bw.models.stage import StageModule
 from megatron_2bw.optim.loss_scale import DynamicLossScaler
+from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.optim.optimizer import make_optimizer, torch_reference_optimizer
 from megatron_2bw.parallel.p2p import decode_meta, encode_meta
-from megatron_2bw.models.stage import StageModule
 from megatron_2bw.pipeline.weights import VersionedWeights
 
 

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from megatron_2bw.config.flags import config_from_args
-from megatron_2bw.config.build import build_config
 from megatron_2bw.config import OptimizerConfig
+from megatron_2bw.config.build import build_config
+from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.pretrain import build_parser
 

@@ -6,7 +6,8 @@ import torch
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.bert import bert_layer_specs
 from megatron_2bw.models.flops import (layer_costs, layer_params, model_flops_per_sample,
-        named_model, num_parameters, pad_vocab, standard_parameter_count)
+                                       named_model, num_parameters, pad_vocab,
+                                       standard_parameter_count)
 from megatron_2bw.models.gpt import GPTEmbedding, GPTHead, gpt_layer_specs, gpt_loss
 from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.tensor_parallel import TPGroup

@@ -4,11 +4,12 @@ share; one line when it cannot fit."""
 import pytest
 
 from megatron_2bw.config import BatchConfig, Config, ModelConfig, ParallelConfig
+from megatron_2bw.models.families import model_parts
 from megatron_2bw.planner import AnalyticProfile, Topology
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.planner.memory_check import (DeviceMemory, MemoryCheckError, check_memory,
-        host_available_bytes, local_world_size, stage_estimates)
-from megatron_2bw.models.families import model_parts
+                                               host_available_bytes, local_world_size,
+                                               stage_estimates)
 
 GB = 2 ** 30
 

@@ -8,11 +8,11 @@ import torch
 
 from megatron_2bw.config import Config, ConfigError, OptimizerConfig, ParallelConfig
 from megatron_2bw.config import checks
+from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.optim import kernels, native
 from megatron_2bw.optim import optimizer as O
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser, parse
-from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.training.build import build_engine
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

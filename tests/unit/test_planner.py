@@ -6,15 +6,15 @@ import pytest
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import layer_costs
-from megatron_2bw.schedule.tables import count_in_flight, make_schedule
-from megatron_2bw.schedule.simulate import simulate
-from megatron_2bw.planner import (AnalyticProfile, PlanError, Topology, load_profile, predict,
-        resolve_topology, save_profile)
 from megatron_2bw.models.partition import partition
-from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.models.partition import PartitionError, bottleneck, stage_sums
+from megatron_2bw.planner import (AnalyticProfile, PlanError, Topology, load_profile, predict,
+                                  resolve_topology, save_profile)
+from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.planner.profile import MeasuredProfile, profile_from_dict
 from megatron_2bw.planner.simulate import run_segment
+from megatron_2bw.schedule.simulate import simulate
+from megatron_2bw.schedule.tables import count_in_flight, make_schedule
 
 MODEL = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=4, seq_length=32,
                     vocab_size=512)

@@ -5,10 +5,10 @@ import pytest
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule import simulate as sim
 from megatron_2bw.schedule.kinds import (DEFAULT_SCHEDULE, ScheduleKind, TwoBW, kind_with_slots,
-        register_kind, schedule_kind, schedule_names)
-from megatron_2bw.schedule.tables import (Schedule, count_in_flight, forward_only, generate_table,
-        make_schedule)
+                                         register_kind, schedule_kind, schedule_names)
 from megatron_2bw.schedule.simulate import ScheduleError, check_schedule, simulate, validate
+from megatron_2bw.schedule.tables import (Schedule, count_in_flight, forward_only, generate_table,
+                                          make_schedule)
 
 KINDS = schedule_names()
 

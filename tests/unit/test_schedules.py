@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.schedule.tables import (Schedule, forward_only, generate_table, make_schedule,
-        split_windows)
 from megatron_2bw.schedule.simulate import ScheduleError, format_grid, simulate, validate
+from megatron_2bw.schedule.tables import (Schedule, forward_only, generate_table, make_schedule,
+                                          split_windows)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 KINDS = ("gpipe", "flush", "2bw")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import sys
 
-from megatron_2bw.config.flags import FlagParser, exit_on_config_error
 from megatron_2bw.config import SCHEDULES, Config, ModelConfig
+from megatron_2bw.config.flags import FlagParser, exit_on_config_error
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 
 
@@ -78,7 +78,7 @@ def export(args) -> str:
     from megatron_2bw.checkpoint.convert.hf import export_hf
     from megatron_2bw.checkpoint.convert.native import read_checkpoint
     from megatron_2bw.checkpoint.convert.tokenizers import (carry_to_hf, eod_or_none,
-            recorded_tokenizer)
+                                                            recorded_tokenizer)
     model = read_checkpoint(args.load, args.iteration)
     tokenizer = recorded_tokenizer(args.load)
     eod = eod_or_none(tokenizer) if getattr(tokenizer, "name", "") != "NullTokenizer" else None

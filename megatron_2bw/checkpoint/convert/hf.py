@@ -16,12 +16,12 @@ from dataclasses import replace
 
 import torch
 
-from megatron_2bw.config import Config
-from megatron_2bw.data.tokenizer import vocab_size_with_padding
 from megatron_2bw.checkpoint.convert.hf_import import from_hf, model_config
 from megatron_2bw.checkpoint.convert.hf_mapping import (ConvertError, hf_class, hf_config_kwargs,
-        to_hf)
+                                                        to_hf)
 from megatron_2bw.checkpoint.convert.native import FullModel
+from megatron_2bw.config import Config
+from megatron_2bw.data.tokenizer import vocab_size_with_padding
 
 
 def require_hf():

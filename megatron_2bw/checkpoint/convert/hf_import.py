@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_2bw.config import ModelConfig
 from megatron_2bw.checkpoint.convert.hf_mapping import GPT2, LLAMA, ConvertError, _layer_names
+from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flavours import llama_architecture
 
 

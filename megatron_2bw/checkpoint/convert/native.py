@@ -24,18 +24,19 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, iteration_dir,
-        latest_iteration, rank_dir, read_checkpoint_file, write_latest, write_with_checksum)
-from megatron_2bw.checkpoint.layout import layout
 from megatron_2bw.checkpoint.dist.load import MODEL, is_dist_checkpoint, read_common, read_full
-from megatron_2bw.checkpoint.torch_format import first_stage_file, legacy_names
-from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
-        ParallelConfig, PrecisionConfig, TrainConfig)
-from megatron_2bw.optim.loss_scale import make_loss_scaler
+from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, iteration_dir,
+                                           latest_iteration, rank_dir, read_checkpoint_file,
+                                           write_latest, write_with_checksum)
+from megatron_2bw.checkpoint.layout import layout
 from megatron_2bw.checkpoint.names import (canonical, single_process, stage_module, tied_renames,
-                                         with_layout)
+                                           with_layout)
+from megatron_2bw.checkpoint.torch_format import first_stage_file, legacy_names
+from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig, ParallelConfig,
+                                 PrecisionConfig, TrainConfig)
 from megatron_2bw.models.families import model_parts
 from megatron_2bw.models.stage import StageModule
+from megatron_2bw.optim.loss_scale import make_loss_scaler
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.tensor_parallel.shards import merge_tensor_shards, split_shard
 

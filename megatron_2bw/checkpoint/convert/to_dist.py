@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from megatron_2bw.checkpoint.files import FILENAME, CheckpointError, latest_iteration, rank_dir
-from megatron_2bw.parallel.comm import Comm
-from megatron_2bw.training.reliability import NO_FAULTS
 from megatron_2bw.checkpoint.dist.save import DistSave, tmp_dir
 from megatron_2bw.checkpoint.dist.shards import param_boxes, state_shards
 from megatron_2bw.checkpoint.dist.storage import plan_save
+from megatron_2bw.checkpoint.files import FILENAME, CheckpointError, latest_iteration, rank_dir
 from megatron_2bw.checkpoint.torch_format import first_stage_file, read_torch
+from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.training.reliability import NO_FAULTS
 
 
 def _stage_layout(module) -> SimpleNamespace:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_2bw.checkpoint.files import CheckpointError
-from megatron_2bw.optim.optimizer import OPTIONAL_STATE
 from megatron_2bw.checkpoint.dist.save import COMMON, rng_key
 from megatron_2bw.checkpoint.dist.shards import (MODEL, OPTIMIZER, PREVIOUS, ParamBox, Shard,
-        empty_state, param_boxes, state_shards)
+                                                 empty_state, param_boxes, state_shards)
 from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, METADATA, read_boxes, read_checksums,
-        read_metadata, verify_file)
+                                                  read_metadata, verify_file)
+from megatron_2bw.checkpoint.files import CheckpointError
+from megatron_2bw.optim.optimizer import OPTIONAL_STATE
 
 
 @dataclass(frozen=True)

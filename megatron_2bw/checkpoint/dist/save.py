@@ -30,14 +30,14 @@ import threading
 
 import torch
 
+from megatron_2bw.checkpoint.dist.shards import state_shards
+from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, PlannedSave, finish_metadata,
+                                                  plan_save, write_files)
 from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree, iteration_dir,
-        latest_iteration, prune, write_error, write_latest)
+                                           latest_iteration, prune, write_error, write_latest)
 from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.fs import fsync_directory
 from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks
-from megatron_2bw.checkpoint.dist.shards import state_shards
-from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, PlannedSave, finish_metadata,
-        plan_save, write_files)
 
 COMMON = "common.pt"
 

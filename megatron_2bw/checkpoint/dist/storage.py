@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_2bw.checkpoint.dist.shards import Shard
 from megatron_2bw.checkpoint.files import CheckpointError, sha256_of
 from megatron_2bw.fs import HashingWriter
-from megatron_2bw.checkpoint.dist.shards import Shard
 
 METADATA = ".metadata"
 CHECKSUMS = "checksums.sha256"

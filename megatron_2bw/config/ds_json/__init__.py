@@ -56,11 +56,11 @@ deepspeed, testing, pretrain, generate.
 """
 from megatron_2bw.config.ds_json.batch import batch_triple
 from megatron_2bw.config.ds_json.engine_settings import DeepSpeedSettings
+from megatron_2bw.config.ds_json.keys import IGNORED_KEYS, REFUSED_KEYS, SUPPORTED_KEYS
 from megatron_2bw.config.ds_json.merge import (config_from_deepspeed, explicit_flags,
-        merge_flags_and_ds_config)
+                                               merge_flags_and_ds_config)
 from megatron_2bw.config.ds_json.read import load_ds_json
 from megatron_2bw.config.ds_json.schedulers import DS_SCHEDULERS, DeepSpeedLR, deepspeed_lr
-from megatron_2bw.config.ds_json.keys import IGNORED_KEYS, REFUSED_KEYS, SUPPORTED_KEYS
 from megatron_2bw.config.ds_json.sections import ds_settings
 from megatron_2bw.config.ds_json.setting import Setting
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_2bw.config import Config, Fixed
-from megatron_2bw.schedule.kinds import schedule_kind
 from megatron_2bw.config.ds_json.batch import batch_triple
 from megatron_2bw.config.ds_json.engine_settings import DeepSpeedSettings
 from megatron_2bw.config.ds_json.read import load_ds_json
 from megatron_2bw.config.ds_json.schedulers import DeepSpeedLR
 from megatron_2bw.config.ds_json.sections import ds_settings
 from megatron_2bw.config.ds_json.setting import Setting, fail
+from megatron_2bw.schedule.kinds import schedule_kind
 
 # the batch triple's keys: the Config path each one fixes (m has no field: the planner keeps it)
 BATCH_KEYS = (("train_batch_size", "batch.global_batch_size"),

@@ -4,12 +4,12 @@ optimizer and scheduler come from optim.py and schedulers.py."""
 from __future__ import annotations
 
 from megatron_2bw.config import SCHEDULES
-from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 from megatron_2bw.config.ds_json.engine_settings import DeepSpeedSettings
 from megatron_2bw.config.ds_json.keys import check_keys
 from megatron_2bw.config.ds_json.optim import optimizer_settings
 from megatron_2bw.config.ds_json.schedulers import scheduler_settings
 from megatron_2bw.config.ds_json.setting import Setting, fail
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 
 
 def _precision_settings(ds: dict) -> list[Setting]:

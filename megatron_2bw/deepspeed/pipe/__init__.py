@@ -10,11 +10,11 @@ Must not import: schedule, pipeline, tensor_parallel, optim, data, checkpoint, t
 testing, pretrain, generate.
 """
 from megatron_2bw.deepspeed.pipe.module import (LayerSpec, PipelineError, PipelineModule,
-        TiedLayerSpec)
-from megatron_2bw.models.partition import partition_balanced, partition_uniform
+                                                TiedLayerSpec)
 from megatron_2bw.deepspeed.pipe.partition import partition_layers
 from megatron_2bw.deepspeed.pipe.topology import (PipeDataParallelTopology,
-        PipeModelDataParallelTopology, ProcessTopology)
+                                                  PipeModelDataParallelTopology, ProcessTopology)
+from megatron_2bw.models.partition import partition_balanced, partition_uniform
 
 __all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology",
            "PipelineError", "PipelineModule", "ProcessTopology", "TiedLayerSpec",

@@ -27,15 +27,15 @@ import torch
 from torch import nn
 
 from megatron_2bw.config import ConfigError
-from megatron_2bw.parallel.comm import Comm
-from megatron_2bw.parallel.distributed import current_rank_world
-from megatron_2bw.parallel.devices import is_initialized
-from megatron_2bw.models.stage import LayerSpec as EngineLayerSpec
 from megatron_2bw.deepspeed.pipe.engine_view import EngineView
 from megatron_2bw.deepspeed.pipe.partition import (is_spec, is_tied_spec, layer_name,
-        partition_layers)
+                                                   partition_layers)
 from megatron_2bw.deepspeed.pipe.topology import (PipeDataParallelTopology, ProcessTopology,
-        grid_layout)
+                                                  grid_layout)
+from megatron_2bw.models.stage import LayerSpec as EngineLayerSpec
+from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.parallel.devices import is_initialized
+from megatron_2bw.parallel.distributed import current_rank_world
 
 
 class PipelineError(Exception):
