@@ -6,9 +6,9 @@
 Both kinds of directory become the one-process model through the converters (checkpoint/convert/: a
 checkpoint is merged from its tensor shards and stages, newest weights under 2BW; a HuggingFace
 GPT-2 or Llama directory is imported). The tokenizer is the one recorded with the checkpoint or
-carried by the HuggingFace directory (checkpoint/convert/tokenizers.py), or --tokenizer-type/-model; without
-one the prompt is space-separated token ids. Decoding recomputes the whole context every step
-(no key/value cache): meant for looking at samples, not for serving. Greedy decoding picks the
+carried by the HuggingFace directory (checkpoint/convert/tokenizers.py), or --tokenizer-type/-model;
+without one the prompt is space-separated token ids. Decoding recomputes the whole context every
+step (no key/value cache): meant for looking at samples, not for serving. Greedy decoding picks the
 most likely token (ties: the lowest id, as torch.argmax and HF's generate do); top-p samples
 from the smallest set of tokens whose probability reaches p, after dividing logits by the
 temperature. Generation stops after --max-new-tokens or at the tokenizer's end-of-document.

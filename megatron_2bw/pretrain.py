@@ -4,10 +4,11 @@ Order matters: watch the launcher (a worker never outlives it), parse flags, bui
 (the config needs its vocabulary), build and validate the typed config once
 (`config.build.build_config`: flags, DeepSpeed JSON, planner), check the checkpoint
 directories and what resuming changes (a new layout, e.g. from --auto-plan on a new allocation:
-the log says what changed; checkpoint/resume.py), then the data (every bad input is a one-line error,
-exit 2), and only then start the process group and train. The process group starts in the order clusters need
-(distributed.start_process_group): the rank's device from LOCAL_RANK or SLURM_LOCALID made
-current, `init_process_group(device_id=...)`, then the grid's groups. How a run ends:
+the log says what changed; checkpoint/resume.py), then the data (every bad input is a one-line
+error, exit 2), and only then start the process group and train. The process group starts in the
+order clusters need (distributed.start_process_group): the rank's device from LOCAL_RANK or
+SLURM_LOCALID made current, `init_process_group(device_id=...)`, then the grid's groups. How a run
+ends:
 
     0    trained to --train-iters, or stopped by --exit-* / SIGTERM / SIGUSR1 / SIGINT after
          saving a checkpoint (when --save is set)
@@ -147,7 +148,8 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
               f"seq {cfg.model.seq_length})", flush=True)
     interrupted = (f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
                    "(one Ctrl-C saves one when --save is set)")
-    previous = abort_on_sigint(interrupted)  # (training/reliability.py: a KeyboardInterrupt can be lost)
+    # (training/reliability.py: a KeyboardInterrupt can be lost)
+    previous = abort_on_sigint(interrupted)
     try:
         _train(cfg, grid, device, data, hooks, lr_schedule)
         if previous is not None:

@@ -12,8 +12,8 @@ A run is a schedule (`--pipeline-schedule`), optionally with a 2BW staleness com
 `+` (`2bw+predict` = `--pipeline-schedule 2bw --2bw-compensation predict`,
 megatron_2bw/pipeline/compensation.py). Every run goes through the real training code
 (`megatron_2bw.pretrain.parse` for the flags, the data and the config, then
-`megatron_2bw.training.loop.train`) on `--nproc` local gloo processes (one thread each), one run after
-the other, with the same seed, data order and lr schedule. The default model and data are the
+`megatron_2bw.training.loop.train`) on `--nproc` local gloo processes (one thread each), one run
+after the other, with the same seed, data order and lr schedule. The default model and data are the
 README's main job (embedded default corpus, 4 layers, hidden 64, 4 heads, seq 32, micro batch 4,
 global batch 32, --init-method-std 0.1, 2 pipeline stages) with the usual GPT pretraining
 optimizer settings: lr 1e-3 warmed up over the first 10% of the iterations, cosine decay to 1e-4,

@@ -3,8 +3,8 @@
 - torch_dist (the default; dist/ package): layout-free. Every tensor is saved under its global
   name and shape by the ranks that own it, so any (t, d, w), schedule and optimizer sharding
   loads it; --async-save writes it in the background.
-- torch (Megatron's layout; torch_format.py, files.py): one file per stage and tensor rank holding the
-  stage's engine state; loads only into the layout that saved it. Files of older versions of the
+- torch (Megatron's layout; torch_format.py, files.py): one file per stage and tensor rank holding
+  the stage's engine state; loads only into the layout that saved it. Files of older versions of the
   model code load too (`legacy_layout`, `legacy_names`). With the distributed optimizer each
   data-parallel rank also writes its optimizer shard (`optimizer_shard_name`,
   optim/distributed.py's state) and the stage file records how many there are
@@ -89,8 +89,9 @@ def _state_to_save(save_dir: str, engine, grid, everyone: bool) -> dict | None:
 def start_checkpoint(save_dir: str, engine, cfg: Config, grid, view, save_optim: bool = True,
                      keep_last: int = 0, hooks: FaultHooks = NO_FAULTS,
                      asynchronous: bool = False):
-    """Collective: begin a torch_dist save of the current iteration (checkpoint/dist/save.py); the caller
-    calls `.finish()` (collective) to publish it. `view`: ckpt.load.stage_boxes(engine, ...)."""
+    """Collective: begin a torch_dist save of the current iteration (checkpoint/dist/save.py); the
+    caller calls `.finish()` (collective) to publish it. `view`:
+    ckpt.load.stage_boxes(engine, ...)."""
     from megatron_2bw.checkpoint.dist.save import start_save, tmp_dir
     if grid.rank == 0 and os.path.exists(tmp_dir(save_dir, engine.iteration)):
         shutil.rmtree(tmp_dir(save_dir, engine.iteration))  # a failed save of this iteration

@@ -15,8 +15,8 @@
                                                         durable
     {dir}/.../.tmp-XXXXXX                               a write in progress (TMP_PREFIX)
 
-- Every file is written to a `.tmp-` name next to it, fsynced and renamed over the target (fs.py), so a
-  reader sees the old file or the new one, never half of one. A writer killed mid-write leaves
+- Every file is written to a `.tmp-` name next to it, fsynced and renamed over the target (fs.py),
+  so a reader sees the old file or the new one, never half of one. A writer killed mid-write leaves
   only a `.tmp-` file, which `remove_temporary_files` deletes at the next start.
 - A failed write (disk full, quota, permissions) is one CheckpointError naming the file, the
   bytes written and the OS error (torch.save would report "unexpected pos" instead).
@@ -89,7 +89,7 @@ def write_with_checksum(path: str, write) -> None:
     """write_checkpoint_file(path, write) and then its `.sha256` sidecar (hashed while writing)."""
     digest = write_checkpoint_file(path, write)
     write_checkpoint_file(path + ".sha256",
-                 lambda f: f.write(f"{digest}  {os.path.basename(path)}\n".encode()))
+                          lambda f: f.write(f"{digest}  {os.path.basename(path)}\n".encode()))
 
 
 def verify_checksum(path: str) -> None:
@@ -137,7 +137,8 @@ def write_latest(directory: str, iteration: int) -> None:
     current = latest_iteration(directory)
     if current is not None and iteration <= current:
         raise CheckpointError(not_newer(directory, iteration, current))
-    write_checkpoint_file(os.path.join(directory, LATEST), lambda f: f.write(f"{iteration}\n".encode()))
+    write_checkpoint_file(os.path.join(directory, LATEST),
+                          lambda f: f.write(f"{iteration}\n".encode()))
 
 
 def not_newer(directory: str, iteration: int, current: int) -> str:

@@ -23,5 +23,3 @@ class ConfigError(ValueError):
 
 
 MODEL_FAMILIES = ("gpt", "bert")
-
-

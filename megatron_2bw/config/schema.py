@@ -25,6 +25,7 @@ from typing import NamedTuple
 from megatron_2bw.config.choices import NO_COMPENSATION
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 
+
 def num_microbatches(global_batch: int, micro_batch: int, data_parallel: int) -> int:
     """m = B / (b x w): microbatches per batch per pipeline (the one place it is computed)."""
     return global_batch // (micro_batch * data_parallel)
@@ -201,7 +202,8 @@ class TrainConfig:
     wandb_save_dir: str | None = None
     wall_clock_breakdown: bool = False
     trace: str | None = None          # write per-rank action traces to {trace}.rank{r}.json
-    # observability (training/observe/logger.py, training/observe/profiling.py, training/observe/straggler.py; Megatron's flag names)
+    # observability (training/observe/logger.py, training/observe/profiling.py,
+    # training/observe/straggler.py; Megatron's flag names)
     tensorboard_dir: str | None = None
     tensorboard_queue_size: int = 1000
     log_timers_to_tensorboard: bool = False

@@ -9,8 +9,8 @@ of all the parameters:
 Who builds: the process with local rank 0 (torchrun's LOCAL_RANK, SLURM_LOCALID, ...; a plain
 `python` run is local rank 0) builds the missing files; every other process waits for the
 description file (polling with backoff) and then memory-maps the arrays. A builder writes each
-file under a name unique to it (host, pid, random suffix; fs.py), fsyncs it and renames it into place,
-so readers never see a half-written file and several builders (one per node on a shared
+file under a name unique to it (host, pid, random suffix; fs.py), fsyncs it and renames it into
+place, so readers never see a half-written file and several builders (one per node on a shared
 filesystem, or two jobs at once) are harmless: they write identical bytes and the last rename
 wins. Nothing relies on `fcntl.flock`, which many cluster filesystems do not implement.
 

@@ -11,7 +11,8 @@ access: deepspeed/pipe/engine_view.py).
 This is a view over the core engine's public surface (`pipeline/engine.py`): it assigns nothing
 inside it; DeepSpeed's lr arithmetic (skipped steps do not advance the scheduler) is the
 `lr_schedule` it passes to the engine's constructor, and the grid comes from the builder the
-training loop uses (`training.build_grid`). `tests/distributed/test_deepspeed_surface.py` checks this.
+training loop uses (`training.build_grid`).
+`tests/distributed/test_deepspeed_surface.py` checks this.
 """
 from __future__ import annotations
 

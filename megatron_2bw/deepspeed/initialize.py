@@ -91,8 +91,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if _is_ds_pipeline_module(model):
         model = PipelineModule.from_deepspeed(model)
     if not isinstance(model, PipelineModule):
-        raise ConfigError(f"initialize trains a megatron_2bw.deepspeed.pipe.PipelineModule (or DeepSpeed's), "
-                          f"got {type(model).__name__}")
+        raise ConfigError(f"initialize trains a megatron_2bw.deepspeed.pipe.PipelineModule "
+                          f"(or DeepSpeed's), got {type(model).__name__}")
     if optimizer is not None:
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError("an optimizer factory is not supported: give an \"optimizer\" "

@@ -104,7 +104,7 @@ def _check(n: int, d: int) -> None:
         raise PartitionError(f"the number of pipeline stages must be an integer >= 1, got {d!r}")
     if d > n:
         raise PartitionError(f"cannot split {n} layers into {d} non-empty stages: use at most {n} "
-                        "pipeline stages")
+                             "pipeline stages")
 
 
 __all__ = ["partition", "bottleneck", "stage_sums"]

@@ -4,9 +4,9 @@
 another buffer (2BW writes the new version next to the one still in use: torch's kernels first set
 dst to src and update it in place, the native one reads src and writes dst). The arithmetic matches
 torch.optim.AdamW / torch.optim.SGD, so a plain PyTorch loop is the reference
-(tests/unit/test_engine_units.py). The flat layout puts decayed parameters (matrices, embeddings) first:
-[0, decay_end), so a step is at most two kernel calls (the decayed range, then the rest with weight
-decay 0).
+(tests/unit/test_engine_units.py). The flat layout puts decayed parameters (matrices, embeddings)
+first: [0, decay_end), so a step is at most two kernel calls (the decayed range, then the rest with
+weight decay 0).
 
 Kernels (`impl`): optim/kernels.py. `cfg.impl` (--optimizer-impl; default auto: torch's fused
 kernels where they run, else apex or unfused, on every device) or `impl=` (beats it) names one;

@@ -33,8 +33,8 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   gradient buffer per version slot (+ the loss and control flags), the low-precision gradient
   buffer (bf16/fp16), optimizer state (Adam 2, SGD 1 fp32 copies; one more, the kept gradient,
   with a compensation that keeps it: `Method.keeps_grad`); with the distributed optimizer
-  every buffer is padded to a multiple of w (`optim/shard_layout.py`) and master weights and optimizer
-  state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
+  every buffer is padded to a multiple of w (`optim/shard_layout.py`) and master weights and
+  optimizer state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
   `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m); full recomputation stashes only
   each transformer layer's input and needs one layer's full activations while recomputing.
 """

@@ -22,8 +22,8 @@ names or restates a rule (`tests/unit/test_rule_owners.py` fails if one does).
     stage_actions(s, d, m, T, t0)     stage s's table for batches t0 .. t0+T-1 (generators.py)
 
 Every rule follows from `num_slots` where it can (the slot of batch t is t % num_slots, once,
-here); the rest are per-kind attributes that `tests/unit/test_schedules.py` proves against the kind's
-own tables. To add a schedule: write its table generator in generators.py, subclass
+here); the rest are per-kind attributes that `tests/unit/test_schedules.py` proves against the
+kind's own tables. To add a schedule: write its table generator in generators.py, subclass
 `ScheduleKind` here and `register_kind` an instance; nothing else changes.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ def merge_tensor_shards(results: list[dict], problems: list[str]) -> list[dict]:
             if dim is None:
                 if any(not torch.equal(parts[0], p) for p in parts[1:]):
                     problems.append(f"replicated parameter {name} differs across tensor "
-                                        f"ranks on stage {first['stage']}")
+                                    f"ranks on stage {first['stage']}")
                 params[name] = parts[0]
             else:
                 params[name] = torch.cat(parts, dim=dim)

@@ -3,15 +3,15 @@
 Spawns t * d * w local gloo processes, trains the GPT with the chosen schedule, and compares every
 parameter of every rank with the single-process reference of docs/ARCHITECTURE.md section 1
 (plain training for gpipe/flush, the delayed-update reference for 2bw, and for 2bw with
-`--2bw-compensation M` that method's reference in megatron_2bw/testing/reference.py). The relative difference
-of a tensor is ||a - b|| / max(||b||, init_std * sqrt(numel)) (L2 norms): a wrong update anywhere
-moves many elements by about lr and shows up at 1e-3 and above, while single elements whose
+`--2bw-compensation M` that method's reference in megatron_2bw/testing/reference.py). The relative
+difference of a tensor is ||a - b|| / max(||b||, init_std * sqrt(numel)) (L2 norms): a wrong update
+anywhere moves many elements by about lr and shows up at 1e-3 and above, while single elements whose
 gradient is only rounding noise (a dead GeLU unit, say; Adam normalizes their update to about lr
 whatever its sign) cannot fail the check on their own. The run passes when the largest relative
 difference over all tensors, and over the per-iteration losses, is within --rtol. It also checks
 that the tied embedding copies on the first and last stage and all data-parallel replicas are
-bitwise equal. `tests/distributed/test_equivalence.py` shows that a broken engine fails it (`run(...,
-engine_class=...)`).
+bitwise equal. `tests/distributed/test_equivalence.py` shows that a broken engine fails it
+(`run(..., engine_class=...)`).
 """
 from __future__ import annotations
 

@@ -3,12 +3,13 @@ with 2bw and loaded at (1, 2, 2) flush and at (1, 4, 1) 2bw, the merged fp32 wei
 previous version and the Adam moments are bitwise equal to the saved ones, and the next
 iterations equal the single-process reference started from the merged state (rtol 1e-5).
 
-Merging here goes through the engine's own per-stage names, `tensor_parallel.shards.merge_tensor_shards` and the
-tied renames, not through the checkpoint's boxes (checkpoint/dist/shards.py), so a wrong box fails it.
-The same holds from a distributed-optimizer checkpoint (--use-distributed-optimizer, saved at
-(1, 2, 2) 2bw, each data-parallel rank writing its pieces of the moments: checkpoint/dist/shards.py, the
-pieces form) loaded without it at (1, 2, 1) flush and with it at (2, 1, 2) 2bw, whose pieces
-cover other parameters; the dumps' pieces are joined by `optim.distributed.full_state`."""
+Merging here goes through the engine's own per-stage names,
+`tensor_parallel.shards.merge_tensor_shards` and the tied renames, not through the checkpoint's
+boxes (checkpoint/dist/shards.py), so a wrong box fails it. The same holds from a
+distributed-optimizer checkpoint (--use-distributed-optimizer, saved at (1, 2, 2) 2bw, each
+data-parallel rank writing its pieces of the moments: checkpoint/dist/shards.py, the pieces form)
+loaded without it at (1, 2, 1) flush and with it at (2, 1, 2) 2bw, whose pieces cover other
+parameters; the dumps' pieces are joined by `optim.distributed.full_state`."""
 import copy
 import functools
 import os

@@ -49,7 +49,8 @@ def test_a_component_on_another_device_is_named(monkeypatch):
 
 def test_nccl_communicates_on_the_local_ranks_gpu(four_gpus):
     assert devices.backend_device("nccl", 2) == torch.device("cuda", 2)
-    assert devices.backend_device("nccl", 6) == torch.device("cuda", 2)  # --gpus-per-task style wrap
+    # --gpus-per-task style wrap
+    assert devices.backend_device("nccl", 6) == torch.device("cuda", 2)
     assert devices.backend_device("gloo", 3) == torch.device("cpu")
     assert four_gpus == [], "resolving a device sets nothing"
 

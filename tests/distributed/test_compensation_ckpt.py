@@ -1,9 +1,10 @@
 """torch_dist checkpoints of `--2bw-compensation predict-nesterov`, whose optimizer keeps its latest
-gradient (`optimizer.last_grad.<name>`, checkpoint/dist/shards.py): it loads bitwise into another layout
-(d=2 -> d=1) and into the distributed optimizer's pieces (w=2); a checkpoint without it (another
-method's, an older one) loads with last_grad = exp_avg, so the first prediction is bitwise
+gradient (`optimizer.last_grad.<name>`, checkpoint/dist/shards.py): it loads bitwise into another
+layout (d=2 -> d=1) and into the distributed optimizer's pieces (w=2); a checkpoint without it
+(another method's, an older one) loads with last_grad = exp_avg, so the first prediction is bitwise
 `predict`'s; a checkpoint with it loads into a run that keeps none (the key is ignored).
-Bitwise resume of the method itself: tests/distributed/test_resume.py, tests/distributed/test_distributed_optimizer.py."""
+Bitwise resume of the method itself: tests/distributed/test_resume.py,
+tests/distributed/test_distributed_optimizer.py."""
 import os
 
 import torch

@@ -103,8 +103,8 @@ def test_resume_is_bitwise_identical(precision):
 
 
 def test_resume_from_a_torch_dist_checkpoint_is_bitwise_identical():
-    """The layout-free format holds the shards' pieces as boxes of global tensors (checkpoint/dist/shards.py):
-    a run with the distributed optimizer resumes from it exactly."""
+    """The layout-free format holds the shards' pieces as boxes of global tensors
+    (checkpoint/dist/shards.py): a run with the distributed optimizer resumes from it exactly."""
     flags = ["--pipeline-schedule", "2bw", "--global-batch-size", "8", "--ckpt-format",
              "torch_dist"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,8 @@ from megatron_2bw.testing.launch import spawn
 from megatron_2bw.training.build import batches, build_grid, mock_dataset
 from megatron_2bw.training.loop import train
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
+sys.path.insert(0, os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
 
 
 def test_host_clock_totals_and_trace():

@@ -2,7 +2,6 @@
 tensor size does not divide) in one line, before any process group."""
 
 
-
 def test_pretrain_rejects_bad_groups_before_any_process_group(tmp_path):
     import subprocess
     import sys

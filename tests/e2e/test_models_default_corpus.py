@@ -1,7 +1,6 @@
 """pretrain_bert.py on the embedded default corpus, two processes: the masked-LM loss goes down."""
 
 
-
 def test_pretrain_bert_on_the_default_corpus_lowers_the_mlm_loss():
     import re
     import subprocess

@@ -1,7 +1,7 @@
-"""The boxes of global tensors (checkpoint/dist/shards.py), no processes: a flat range of a tensor is a few
-contiguous boxes, and a state in pieces of flat ranges (the distributed optimizer's state_dict,
-issue 17: fp32 masters and Adam moments) saves as more chunks of the same global tensors and
-reads back into any other split, or whole into a run without one."""
+"""The boxes of global tensors (checkpoint/dist/shards.py), no processes: a flat range of a tensor
+is a few contiguous boxes, and a state in pieces of flat ranges (the distributed optimizer's
+state_dict, issue 17: fp32 masters and Adam moments) saves as more chunks of the same global tensors
+and reads back into any other split, or whole into a run without one."""
 import math
 import random
 from types import SimpleNamespace
@@ -56,8 +56,8 @@ def _save(shards, objects, root, it=1):
 
 
 def _pieces(state: dict, ranges: list, rank: int) -> dict:
-    """The pieces form of a distributed optimizer's state (checkpoint/dist/shards.py) for `ranges` of the
-    flat layout, its fp32 masters the newest weights."""
+    """The pieces form of a distributed optimizer's state (checkpoint/dist/shards.py) for `ranges`
+    of the flat layout, its fp32 masters the newest weights."""
     opt = state["optimizer"]
     return {"sharded": {"count": 3, "rank": rank}, "steps": opt["steps"],
             "pieces": [{"range": (lo, hi), "exp_avg": opt["exp_avg"][lo:hi],

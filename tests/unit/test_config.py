@@ -203,12 +203,14 @@ def test_m_is_asked_of_the_config_alone():
     function)."""
     import ast
     import os
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "megatron_2bw")
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "megatron_2bw")
     found = []
     for folder, _, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
-            if not name.endswith(".py") or path.endswith(os.path.join("megatron_2bw", "config", "schema.py")):
+            if not name.endswith(".py") or path.endswith(os.path.join("megatron_2bw", "config",
+                                                                      "schema.py")):
                 continue
             for node in ast.walk(ast.parse(open(path).read())):
                 if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):

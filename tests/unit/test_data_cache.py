@@ -13,7 +13,6 @@ from megatron_2bw.data.cache import cached_arrays, wait_until
 from megatron_2bw.data.errors import DataError
 
 
-
 def _dataset_as_rank(local_rank, data, cache_dir, builders_only):
     """One launcher-started process: torchrun's variables say who it is."""
     os.environ.update(RANK=str(local_rank), WORLD_SIZE="4", LOCAL_RANK=str(local_rank))

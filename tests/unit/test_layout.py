@@ -261,7 +261,7 @@ def test_a_product_import_of_testing_is_found(tmp_path):
                              "testing/verify.py": "from pkg.core import check\nrun = 1\n",
                              "testing/reference.py": "from pkg.testing import verify\n"})
     assert judges_imported_by(import_graph(root), "pkg") == ["pkg.core -> pkg.testing",
-                                                           "pkg.core -> pkg.testing.verify"]
+                                                             "pkg.core -> pkg.testing.verify"]
 
 
 def test_a_broken_must_not_import_is_found(tmp_path):

@@ -42,14 +42,14 @@ def test_the_default_on_a_cpu_is_torch_s_kernel_not_native(monkeypatch):
         fused = "torch-fused" if O._torch_fused_works(torch.device("cpu"), kind) else "unfused"
         assert kernels.choose_impl("cpu", kind) == fused
         assert kernels.resolve_impl(None, kind, "cpu") == kernels.resolve_impl("auto", kind,
-                                                                                "cpu") == fused
+                                                                               "cpu") == fused
     engine = build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu")
     assert engine.stepper.optimizer.impl == FUSED != "native"
     monkeypatch.setattr(kernels, "_torch_fused_works", lambda device, kind: False)
     assert kernels.choose_impl("cpu", "adam") == "unfused"  # the fallback, with or without cc
 
 
-# -- flag -> config -> the engine's optimizer --------------------------------------------------------
+# -- flag -> config -> the engine's optimizer ------------------------------------------------------
 @pytest.mark.parametrize("impl", ["native", "torch-fused", "unfused"])
 def test_the_flag_reaches_the_engine_s_optimizer(impl):
     if impl == "native" and not HAS_NATIVE:
@@ -69,7 +69,7 @@ def test_sgd_takes_the_flag_too():
     assert O.make_optimizer(cfg.optimizer, 10, 5, "cpu").impl == "unfused"
 
 
-# -- bad and impossible choices: one line, before any process group ----------------------------------
+# -- bad and impossible choices: one line, before any process group --------------------------------
 BAD = [  # (id, OptimizerConfig fields, ParallelConfig fields, words the line must hold)
     ("unknown", dict(impl="fast"), {}, ["unknown --optimizer-impl 'fast'", "auto, native"]),
     ("native-sgd", dict(impl="native", name="sgd"), {},

@@ -58,7 +58,8 @@ def _exhaustive(model, topo, prof, batch, dtype):
     return best
 
 
-@pytest.mark.parametrize("problems,at_least", [(12, 6), pytest.param(40, 20, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("problems,at_least",
+                         [(12, 6), pytest.param(40, 20, marks=pytest.mark.slow)])
 def test_search_choice_equals_exhaustive_simulation(problems, at_least):
     checked = same = 0
     for model, topo, prof, batch, dtype in _problems(problems, seed=1):

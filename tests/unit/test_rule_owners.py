@@ -137,7 +137,7 @@ BEFORE = [
     ('def in_flight(schedule, d, m, stage):\n    return m if schedule == "gpipe" else '
      'min(d - stage, m)', "name-compare"),
     ('overlap = f if L.schedule == "2bw" else 0.0', "name-compare"),           # cost_model.py
-    ('delayed = cfg.schedule == "2bw"', "name-compare"),                       # testing/reference.py
+    ('delayed = cfg.schedule == "2bw"', "name-compare"),                      # testing/reference.py
     ('ver = lambda k: (k // m) % 2', "slot-rule"),                              # schedules.py
     ('newest = (t + 1) % 2 if w.num_slots > 1 else 0', "slot-rule"),           # engine.py
     ('w[t0 % 2] = max(t0 - 1, 0)', "slot-rule"),                                # schedules.py

@@ -1,6 +1,7 @@
 """Schedules (gpipe, flush, 2bw, forward-only), the simulator/validator and the grid printer.
 
-Golden grids live in tests/golden/; regenerate with `UPDATE_GOLDEN=1 python -m pytest tests/unit/test_schedules.py`.
+Golden grids live in tests/golden/; regenerate with
+`UPDATE_GOLDEN=1 python -m pytest tests/unit/test_schedules.py`.
 """
 import os
 import re

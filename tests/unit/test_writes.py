@@ -105,7 +105,7 @@ def writes(source: str) -> list[str]:
         name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
         bad = False
         if (owner in torch_mods and name in TARGET) or (owner is None and name in torch_names
-                                                         and name in TARGET):
+                                                        and name in TARGET):
             bad = not into_callback_file(node, _arg(node, TARGET[name], "f"))
         elif (owner in np_mods | {"np"} or (owner is None and name in np_names)) \
                 and name in NUMPY_TARGET:

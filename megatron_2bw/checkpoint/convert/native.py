@@ -9,9 +9,9 @@ first name, `layers.0.word_embeddings.weight`). Any layout reads the same: each 
 (checkpoint/files.py) holds the stage's newest fp32 weights as one flat buffer with its parameter
 names (pipeline/weights.py; under 2BW the newest version, not the one the next batch runs on).
 Shapes and tensor-parallel split dims come from building the stage on the meta device (no
-memory), tensor shards are merged by `tensor_parallel.shards.merge_tensor_shards` (concatenation along each
-parameter's `partition_dim`), and parameter names are global already, so stages only need their
-tied copies renamed. Writing is the inverse: split every full tensor into the chunk a stage of
+memory), tensor shards are merged by `tensor_parallel.shards.merge_tensor_shards` (concatenation
+along each parameter's `partition_dim`), and parameter names are global already, so stages only need
+their tied copies renamed. Writing is the inverse: split every full tensor into the chunk a stage of
 rank r holds (the chunk `tensor_parallel.layers.sharded_normal` initializes) and flatten the
 stage's parameters in the engine's order (`VersionedWeights._ordered_params`).
 """

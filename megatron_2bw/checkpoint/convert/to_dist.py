@@ -4,9 +4,9 @@ state carries over (newest weights, the 2BW previous version, optimizer buffers 
 loss scaler, iteration and data position), so `--load NEW` resumes exactly with any layout.
 
 Each stage file's flat buffers are cut into boxes of global tensors with the stage's layout,
-which building the stage on the meta device gives (checkpoint/convert/native.py), the same way an engine of
-that layout would (shards.py); boxes held twice (a tied embedding, parameters every tensor rank
-holds) are written once.
+which building the stage on the meta device gives (checkpoint/convert/native.py), the same way an
+engine of that layout would (shards.py); boxes held twice (a tied embedding, parameters every tensor
+rank holds) are written once.
 """
 from __future__ import annotations
 

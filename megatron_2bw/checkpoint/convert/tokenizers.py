@@ -41,7 +41,7 @@ def record_tokenizer(directory: str, tokenizer: Tokenizer | None) -> None:
     else:
         args["vocab_size"] = tokenizer.vocab_size - 1  # the NullTokenizer's --vocab-size
     write_checkpoint_file(os.path.join(directory, TOKENIZER_ARGS),
-                 lambda f: f.write((json.dumps(args) + "\n").encode()))
+                          lambda f: f.write((json.dumps(args) + "\n").encode()))
 
 
 def recorded_tokenizer(directory: str) -> Tokenizer | None:
@@ -84,8 +84,8 @@ def carry_to_checkpoint(hf_dir: str, ckpt_dir: str) -> bool:
     build_tokenizer(SENTENCEPIECE, model)  # a one-line error if it is not sentencepiece
     _copy(model, os.path.join(ckpt_dir, TOKENIZER_MODEL))
     write_checkpoint_file(os.path.join(ckpt_dir, TOKENIZER_ARGS),
-                 lambda f: f.write((json.dumps({"tokenizer_type": SENTENCEPIECE}) + "\n")
-                                   .encode()))
+                          lambda f: f.write((json.dumps({"tokenizer_type": SENTENCEPIECE}) + "\n")
+                                            .encode()))
     return True
 
 
@@ -98,5 +98,5 @@ def carry_to_hf(ckpt_dir: str, hf_dir: str) -> bool:
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
               "add_eos_token": False}
     write_checkpoint_file(os.path.join(hf_dir, "tokenizer_config.json"),
-                 lambda f: f.write((json.dumps(config, indent=2) + "\n").encode()))
+                          lambda f: f.write((json.dumps(config, indent=2) + "\n").encode()))
     return True

@@ -60,7 +60,8 @@ def rng_state(device) -> dict:
 
 
 def nested_tensors(value) -> list:
-    """Every tensor in nested lists and dicts (an optimizer's pieces form: checkpoint/dist/shards.py)."""
+    """Every tensor in nested lists and dicts (an optimizer's pieces form:
+    checkpoint/dist/shards.py)."""
     if isinstance(value, torch.Tensor):
         return [value]
     items = value.values() if isinstance(value, dict) else \
@@ -162,7 +163,7 @@ class DistSave:
     def _publish(self, tmp: str, final: str, results: list, digests: dict) -> None:
         digests.update(finish_metadata(self.planned, results))
         digests[COMMON] = write_checkpoint_file(os.path.join(tmp, COMMON),
-                                       lambda f: torch.save(self.common, f))
+                                                lambda f: torch.save(self.common, f))
         write_checkpoint_file(os.path.join(tmp, CHECKSUMS), lambda f: f.write("".join(
             f"{digest}  {name}\n" for name, digest in sorted(digests.items())).encode()))
         fsync_directory(tmp)

@@ -12,8 +12,8 @@ or the optimizer's sharding:
                                load.py)
 
 <name> is the parameter's name in the one-process model (`layers.<spec index>.<path>`, a tied
-embedding once, under its first name: checkpoint/convert/native.py). A rank holds boxes (offsets, sizes) of
-the tensors it owns:
+embedding once, under its first name: checkpoint/convert/native.py). A rank holds boxes (offsets,
+sizes) of the tensors it owns:
 
 - tensor parallelism: rank r's shard is the r-th equal chunk along the parameter's partition dim
   (`tensor_parallel.layers.shard_box`); a replicated parameter is the whole tensor on every rank;

@@ -1,16 +1,18 @@
 """What the training loop logs at each log interval and evaluation (the fields, in line order):
 
-    consumed samples, ms/iteration, ETA            training/observe/progress.py (host wall clock, no sync)
+    consumed samples, ms/iteration, ETA            training/observe/progress.py (host wall clock,
+                                                   no sync)
     lr, loss, grad norm, loss scale, skipped       the engine (read once per interval)
     samples/s, tokens/s, TFLOP/s/device            Megatron's model FLOPs (models/flops.py)
-    memory GB per stage [, reserved GB per stage]  training/observe/memory.py (peaks of the interval)
+    memory GB per stage [, reserved GB per stage]  training/observe/memory.py (peaks of the
+                                                   interval)
     ms <action> ...                                --wall-clock-breakdown (pipeline/timers.py)
     compute/wait ms per stage, slowest rank ...    --log-straggler (training/observe/straggler.py)
     validation loss, validation ppl                each --eval-interval (ppl = exp(min(loss, 20)))
 
 `interval` is collective (memory and straggler tables are gathered from every rank) and is
-called on every rank; only the reporting rank prints and writes (training/observe/logger.py). The engine's timers
-are read and cleared here, once per interval, whenever the engine times its actions
+called on every rank; only the reporting rank prints and writes (training/observe/logger.py). The
+engine's timers are read and cleared here, once per interval, whenever the engine times its actions
 (`TrainConfig.times_actions`); with --log-timers-to-tensorboard alone they go to TensorBoard only.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Training logs: one console line per log interval from the last pipeline stage, the same numbers
-to wandb and TensorBoard (training/observe/writers.py), a progress bar on a terminal (training/observe/progress.py).
+to wandb and TensorBoard (training/observe/writers.py), a progress bar on a terminal
+(training/observe/progress.py).
 
 A line is `iteration   N/T | key value | key value ...`: numbers as written by `TrainLogger.log`
 (lr in scientific notation, other floats to 4 significant digits, per-stage lists in brackets),
