@@ -89,7 +89,8 @@ def _old_stop_requested(cfg, started, iteration, engine):
 
 
 def _install_bug(bug):
-    from megatron_2bw.training.loop import reliability, loop as training
+    from megatron_2bw.training import loop as training
+    from megatron_2bw.training import reliability
     if bug == "preemption":
         reliability.Preemption.agreed = _old_preemption_agreed
     elif bug == "exit-duration":
@@ -97,7 +98,7 @@ def _install_bug(bug):
 
 
 def _worker(rank, world_size, d, bug):
-    from megatron_2bw.training.loop import loop as training
+    from megatron_2bw.training import loop as training
     _install_bug(bug)
     build = training.build_engine
 

@@ -138,7 +138,7 @@ def _train_on_default_corpus(rank, world_size, argv, out):
     from megatron_2bw.data.build import pretrain_tokenizer
     from megatron_2bw.data.flags import add_data_args
     from megatron_2bw.data.mock import GPTBatches
-    from megatron_2bw.training.loop import loop as training
+    from megatron_2bw.training import loop as training
     p = argparse.ArgumentParser()
     for add in (add_model_args, add_parallel_args, add_training_args, add_data_args):
         add(p)
