@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from matrix import matrix
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pipeline.compensation import Compensator, keeps_master, method_names
 from megatron_2bw.pipeline.engine import PipelineEngine
@@ -31,9 +32,10 @@ def flags(method, t, d, w, *extra):
 
 
 # -- the engine equals the reference ---------------------------------------------------------------
-@pytest.mark.parametrize("t,d,w", [(1, 2, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)],
-                         ids=["d2", "d2w2", "d4", "t2d2"])
-@pytest.mark.parametrize("method", COMPENSATED)
+@pytest.mark.parametrize("method,t,d,w", matrix(
+    [(m, *layout) for m in COMPENSATED for layout in [(1, 2, 1), (1, 2, 2), (1, 4, 1), (2, 2, 1)]],
+    default=[("predict", 1, 2, 1), ("predict-spike", 1, 2, 2), ("predict-nesterov", 1, 4, 1),
+             ("predict-nesterov", 2, 2, 1)]))
 def test_compensated_2bw_matches_its_reference(method, t, d, w):
     cfg, _ = parse(flags(method, t, d, w))
     rep = run(cfg, timeout_minutes=1)
@@ -41,7 +43,8 @@ def test_compensated_2bw_matches_its_reference(method, t, d, w):
     assert rep.clipped_steps > 0 and rep.tied_equal and rep.replicas_equal
 
 
-@pytest.mark.parametrize("method", COMPENSATED)
+@pytest.mark.parametrize("method", matrix([(m,) for m in COMPENSATED],
+                                          default=[("predict-nesterov",)]))
 def test_compensated_2bw_with_the_distributed_optimizer_matches_its_reference(method):
     """--use-distributed-optimizer at d2w2 (fp32: the predict master is sharded too; a tied
     region of its own on both stages): each rank predicts (and spikes) its shard and the slot is
@@ -70,7 +73,7 @@ class IgnoresCompensation(PipelineEngine):
         self.stepper.compensation = Compensator("none", c.optimizer, c.w, c.lr)
 
 
-@pytest.mark.parametrize("method", COMPENSATED)
+@pytest.mark.parametrize("method", matrix([(m,) for m in COMPENSATED], default=[("predict",)]))
 def test_checker_catches_an_engine_that_ignores_the_compensation(method):
     cfg, _ = parse(flags(method, 1, 2, 1))
     rep = run(cfg, timeout_minutes=1, engine_class=IgnoresCompensation)

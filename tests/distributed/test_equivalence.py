@@ -3,8 +3,11 @@
 Each case runs tools/verify_equivalence.py's logic: spawn t*d*w ranks, train, compare every
 parameter with plain PyTorch training (gpipe/flush) or the delayed-update reference (2bw).
 """
+from itertools import product
+
 import pytest
 
+from matrix import matrix
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.testing.verify import main, parse, report, run
 
@@ -18,8 +21,9 @@ def flags(schedule, d, w, *extra, m=4):
             + TINY + list(extra))
 
 
-@pytest.mark.parametrize("d,w", [(2, 1), (2, 2), (4, 1)], ids=["d2w1", "d2w2", "d4w1"])
-@pytest.mark.parametrize("schedule", ["gpipe", "flush", "2bw"])
+@pytest.mark.parametrize("schedule,d,w", matrix(
+    product(["gpipe", "flush", "2bw"], [2, 4], [1, 2]),
+    default=[("gpipe", 2, 1), ("flush", 2, 2), ("2bw", 4, 1), ("2bw", 2, 2)]))
 def test_adam_with_clipping_matches_reference(schedule, d, w, capsys):
     cfg, _ = parse(flags(schedule, d, w, "--optimizer", "adam", "--clip-grad", "0.3"))
     rep = run(cfg, timeout_minutes=1)

@@ -6,6 +6,7 @@ import tempfile
 import pytest
 import torch
 
+from matrix import matrix
 from megatron_2bw.checkpoint.api import LATEST, CheckpointError, rank_dir
 from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common, read_full
 from megatron_2bw.checkpoint.files import iteration_dir
@@ -61,12 +62,12 @@ def newest_weights(save_dir):
     return [out]
 
 
-@pytest.mark.parametrize("schedule,fmt", [("2bw", "torch_dist"), ("2bw+predict", "torch_dist"),
-                                          ("2bw+predict-spike", "torch_dist"),
-                                          ("2bw+predict-nesterov", "torch_dist"),
-                                          ("2bw+predict-nesterov", "torch"),
-                                          ("flush", "torch_dist"), ("gpipe", "torch_dist"),
-                                          ("2bw", "torch")])
+@pytest.mark.parametrize("schedule,fmt", matrix(
+    [("2bw", "torch_dist"), ("2bw+predict", "torch_dist"), ("2bw+predict-spike", "torch_dist"),
+     ("2bw+predict-nesterov", "torch_dist"), ("2bw+predict-nesterov", "torch"),
+     ("flush", "torch_dist"), ("gpipe", "torch_dist"), ("gpipe", "torch"), ("2bw", "torch")],
+    default=[("2bw", "torch_dist"), ("2bw+predict-nesterov", "torch"), ("flush", "torch_dist"),
+             ("gpipe", "torch")]))
 def test_resume_is_bitwise_identical(schedule, fmt):
     """2bw+M: with --2bw-compensation M (the slot of the next batch holds a prediction)."""
     name, _, method = schedule.partition("+")

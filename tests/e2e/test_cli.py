@@ -141,17 +141,46 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("argv,world,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
-def test_bad_input_one_line_exit_2(argv, world, words):
-    proc = run_script(argv, world)
-    assert "EADDRINUSE" not in proc.stderr, "the check must run before any process group"
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].strip(), f"stderr is not one line: {proc.stderr!r}"
+def _one_line_exit_2(code, stdout, stderr, words):
+    assert code == 2, (code, stdout, stderr)
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].strip(), f"stderr is not one line: {stderr!r}"
     for word in words:
         assert word in lines[0], f"{word!r} not in {lines[0]!r}"
-    assert "Traceback" not in proc.stderr
-    assert proc.stdout == ""
+    assert "Traceback" not in stderr
+    assert stdout == ""
+
+
+@pytest.mark.parametrize("argv,world,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_input_one_line_exit_2(argv, world, words, monkeypatch, capsys):
+    """pretrain.main in this process (what pretrain_gpt.py runs): a process group started
+    before the check fails the test at once."""
+    from megatron_2bw import pretrain
+
+    def no_group(*args, **kwargs):
+        raise AssertionError("a process group was started before the check")
+    monkeypatch.setattr(pretrain, "start_process_group", no_group)
+    monkeypatch.setattr(pretrain, "watch_launcher", lambda: None)  # no launcher to watch here
+    for key in LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+    if world is not None:  # rank 0 of a torchrun launch
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", str(world)), ("LOCAL_RANK", "0")):
+            monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_:
+        pretrain.main("gpt", [str(a) for a in argv])
+    out = capsys.readouterr()
+    _one_line_exit_2(exit_.value.code, out.out, out.err, words)
+
+
+@pytest.mark.parametrize("case", ["bad-int-value", "world-ne-t*d*w", "data-path-without-tokenizer"])
+def test_bad_input_is_one_line_and_exit_2_from_the_script(case):
+    """The same through the process boundary: pretrain_gpt.py's exit status and its stderr, with
+    its rendezvous port held (a process group started first would fail with EADDRINUSE)."""
+    _, argv, world, words = next(c for c in BAD if c[0] == case)
+    proc = run_script(argv, world)
+    assert "EADDRINUSE" not in proc.stderr, "the check must run before any process group"
+    _one_line_exit_2(proc.returncode, proc.stdout, proc.stderr, words)
 
 
 # ---- the README main job ----------------------------------------------------------------------
