@@ -96,7 +96,7 @@ def test_deepspeed_layout_saves_atomically_and_loads_verified():
         spawn(_worker, 2, args=(ck, d), timeout_minutes=2)
         res = [torch.load(os.path.join(d, f"{r}.pt")) for r in range(2)]
     ranks_agree = {k: res[0][k] == res[1][k] for k in res[0]}
-    assert all(ranks_agree.values()), ranks_agree
+    assert all(ranks_agree.values()), (ranks_agree, res)
     r = res[0]
     path = os.path.join(ck, "bad", FAILING)
     assert r["new_tag"] == (f"cannot write checkpoint file {os.path.join(ck, '.tmp-bad', FAILING)}"
