@@ -118,7 +118,8 @@ def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
 
 @pytest.mark.parametrize("run,precision,w", [
     ("2bw", ["--bf16"], 2), pytest.param("2bw", ["--bf16"], 4, marks=pytest.mark.slow),
-    ("2bw+predict", [], 2)], ids=["bf16-w2", "bf16-w4", "fp32-predict-w2"])
+    pytest.param("2bw+predict", [], 2, marks=pytest.mark.slow)],
+    ids=["bf16-w2", "bf16-w4", "fp32-predict-w2"])
 def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, run, precision,
                                                                        w):
     """2BW (bf16; fp32 with --2bw-compensation predict, whose master is sharded too) at w with
@@ -297,6 +298,7 @@ def test_compare_convergence_constant_lr_nesterov_within_3_percent_of_gpipe(tmp_
     assert abs(summary["validation_rel_diff_vs_gpipe"]["2bw+predict-nesterov"]) <= 0.03
 
 
+@pytest.mark.slow  # wandb offline runs are read back in tests/e2e/test_wandb.py by default
 def test_compare_convergence_wandb_group(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     pytest.importorskip("wandb")

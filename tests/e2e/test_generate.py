@@ -7,12 +7,11 @@ slow one. generate.py prints text from the checkpoint; its greedy tokens equal H
 run trained with. Top-p sampling draws only from the nucleus and is reproducible by seed.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from inprocess import run_main
 from megatron_2bw.generate import generate, next_token
 from test_readme_commands import ROOT, readme_block, run
 
@@ -96,9 +95,10 @@ def test_top_p_draws_only_from_the_nucleus_and_follows_the_seed():
 
 
 def gen(*argv):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "generate.py"), *map(str, argv)],
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    """tools/generate.py's main in process (the README command itself runs as a subprocess in
+    test_readme_generate_prints_text_and_export_writes_a_hf_directory)."""
+    from megatron_2bw.generate import main
+    return run_main(main, argv)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from inprocess import run_main  # noqa: E402
 from megatron_2bw.checkpoint.api import CheckpointError  # noqa: E402
 from megatron_2bw.checkpoint.convert.hf import export_hf, import_hf, require_hf  # noqa: E402
 from megatron_2bw.checkpoint.convert.hf_mapping import ConvertError  # noqa: E402
@@ -187,9 +188,10 @@ def test_loading_with_other_architecture_flags_names_the_difference(tmp_path):
 
 # -- the command line and its errors -----------------------------------------------------------
 def convert(*argv):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint_convert.py"),
-                           *map(str, argv)], capture_output=True, text=True, timeout=180,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    """tools/checkpoint_convert.py's main in process (the README's export command runs as a
+    subprocess in tests/e2e/test_generate.py)."""
+    from megatron_2bw.checkpoint.convert.cli import main
+    return run_main(main, argv)
 
 
 def test_import_command_prints_flags_that_train(tmp_path):
