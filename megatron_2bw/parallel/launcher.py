@@ -8,15 +8,18 @@ import os
 
 from megatron_2bw.config import ConfigError
 
-LAUNCHER_VARS = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),   # torchrun, torch multiprocessing
-                 ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-                 ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                 ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"))           # MPICH, Intel MPI
+# (rank, world size, local rank, processes on this node) as each launcher names them
+LAUNCHER_VARS = (("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, torch mp
+                 ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+                 ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE"),                            # Open MPI
+                 ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))  # MPICH, Intel
+MPI_VARS = LAUNCHER_VARS[2:]
 
 
 def env_rank_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun, SLURM or MPI variables; (0, 1, 0) if none."""
-    for rank_var, world_var, local_var in LAUNCHER_VARS:
+    for rank_var, world_var, local_var, _ in LAUNCHER_VARS:
         if rank_var in os.environ and world_var in os.environ:
             return (int(os.environ[rank_var]), int(os.environ[world_var]),
                     int(os.environ.get(local_var, 0)))
@@ -26,7 +29,7 @@ def env_rank_world() -> tuple[int, int, int]:
 def launched() -> bool:
     """True when a launcher (torchrun, srun, mpirun, torch multiprocessing) started this process,
     i.e. its rank variables are set; False for a plain `python pretrain_gpt.py` from a shell."""
-    return any(r in os.environ and w in os.environ for r, w, _ in LAUNCHER_VARS)
+    return any(r in os.environ and w in os.environ for r, w, _, _ in LAUNCHER_VARS)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -77,9 +80,7 @@ def discover_env(port: int) -> None:
             hosts = expand_nodelist(nodes.strip())
             env["MASTER_ADDR"] = hosts[0] if hosts else nodes
     else:
-        for r, w, lr, ls in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                              "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                             ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
+        for r, w, lr, ls in MPI_VARS:
             if r in env and w in env:
                 env["RANK"], env["WORLD_SIZE"] = env[r], env[w]
                 env["LOCAL_RANK"] = env.get(lr, "0")

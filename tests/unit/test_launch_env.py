@@ -8,7 +8,8 @@ from megatron_2bw.parallel import launcher as D
 def clean_env(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
               "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
-              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"):
+              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+              "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
@@ -44,6 +45,20 @@ def test_mpi(clean_env):
     clean_env.setenv("OMPI_COMM_WORLD_SIZE", "4")
     clean_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
     assert D.env_rank_world() == (2, 4, 0)
+
+
+def test_mpich_pmi_is_read_by_the_one_list_both_front_doors_ask(clean_env):
+    """MPICH / Intel MPI (PMI_*): pretrain's env_rank_world and DeepSpeed's init_distributed
+    (discover_env) read the same LAUNCHER_VARS."""
+    clean_env.setenv("PMI_RANK", "5")
+    clean_env.setenv("PMI_SIZE", "6")
+    clean_env.setenv("MPI_LOCALRANKID", "1")
+    assert D.launched() and D.env_rank_world() == (5, 6, 1)
+    clean_env.setenv("MPI_LOCALNRANKS", "6")  # one node: no MASTER_ADDR needed
+    D.discover_env(29500)
+    import os
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == \
+        ("5", "6", "1")
 
 
 @pytest.mark.parametrize("nodelist,hosts", [
