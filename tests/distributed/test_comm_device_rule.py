@@ -98,6 +98,7 @@ def _install_bug(bug):
 
 
 def _worker(rank, world_size, d, bug):
+    from megatron_2bw.training import build as building
     from megatron_2bw.training import loop as training
     _install_bug(bug)
     build = training.build_engine
@@ -115,14 +116,14 @@ def _worker(rank, world_size, d, bug):
                              "--load", f"{d}/ck", "--exit-duration-in-mins", "1e-9",
                              "--eval-interval", "3", "--eval-iters", "1"]),
     }
-    grid = training.build_grid(runs["preempted"], rank, world_size)
+    grid = building.build_grid(runs["preempted"], rank, world_size)
     signalled = grid.rank_of(0, 0, 1)
     out = {}
     for name, cfg in runs.items():
-        dataset = training.mock_dataset(cfg)
+        dataset = building.mock_dataset(cfg)
 
         def make_data(start, cfg=cfg, dataset=dataset, name=name):
-            it = training.batches(cfg, dataset, grid.data, grid.dp_rank, start)
+            it = building.batches(cfg, dataset, grid.data, grid.dp_rank, start)
             if name == "preempted" and rank == signalled:
                 it = signal_after(it, SIGNAL_AT_MICROBATCH)
             return on_cpu(it)
@@ -130,7 +131,7 @@ def _worker(rank, world_size, d, bug):
         lines = []
         with default_device("meta"):   # careless tensors land here; the backend wants the CPU
             losses = training.train(cfg, grid, "cpu", make_data,
-                                    lambda cfg=cfg, dataset=dataset: on_cpu(training.batches(
+                                    lambda cfg=cfg, dataset=dataset: on_cpu(building.batches(
                                         cfg, dataset, grid.data, grid.dp_rank)),
                                     log=lines.append)
         out[name] = {"losses": losses, "lines": lines,

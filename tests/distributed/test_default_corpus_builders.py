@@ -1,9 +1,16 @@
-"""The embedded default corpus built by three processes at once: every one gets the same files
-(helpers in tests/unit/test_data_default_corpus.py)."""
+"""The embedded default corpus in processes: three builders at once get the same files, and
+the README's run on two ranks learns below the corpus's unigram entropy (-m slow); helpers in
+tests/unit/test_data_default_corpus.py."""
 import multiprocessing
 from pathlib import Path
 
-from test_data_default_corpus import digest
+import numpy as np
+import pytest
+import torch
+
+from megatron_2bw.data.default_corpus import default_corpus_unigram_entropy
+from test_data_default_corpus import (_train_on_default_corpus, cache, digest,  # noqa: F401
+                                      readme_run)  # (cache: a fixture)
 
 
 def test_concurrent_builders_agree(tmp_path):
@@ -20,3 +27,15 @@ def test_concurrent_builders_agree(tmp_path):
     stamp = (corpus_dir / "tokenizer.model").stat().st_mtime_ns
     assert digest(str(tmp_path)) == results[0]  # a later start reuses it
     assert (corpus_dir / "tokenizer.model").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_readme_run_on_default_corpus_beats_unigram_entropy(cache):
+    from megatron_2bw.testing.launch import spawn
+    entropy = default_corpus_unigram_entropy()
+    out = str(cache / "losses.pt")
+    spawn(_train_on_default_corpus, 2, (readme_run(), out))
+    losses = torch.load(out)
+    assert losses[0] > entropy + 0.5  # starts near ln(vocab)
+    final = float(np.mean(losses[-10:]))
+    assert final < entropy, f"final loss {final:.3f} >= unigram entropy {entropy:.3f}"
