@@ -18,10 +18,9 @@ Steps, each a subprocess whose output is streamed and kept in WORK/<step>.log:
 
 The whole check stops after 470 s (a step gets at most the time left). It prints step time,
 tokens/s, TFLOP/s per GPU (Megatron's model FLOPs), model-FLOPs utilization against the device's
-peak (megatron_2bw/training/observe/devices.py, or --peak-tflops), peak memory
-(torch.cuda.max_memory_allocated) next to the planner's memory model of the same layout
-(planner/cost_model.py), the validation losses and the verify verdicts; exit 0 when every step
-passed.
+peak (training/observe/devices.py, or --peak-tflops), peak memory (max_memory_allocated)
+next to the planner's memory model of the same layout (planner/cost_model.py), the validation
+losses and the verify verdicts; exit 0 when every step passed.
 
 --dry-run builds the same plan, validates every command's flags through the real parsers
 (pretrain.parse and verify.parse: the checks a job makes before its process group), checks the
@@ -371,8 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; "
                                                           "with --dry-run: pretend this many)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the device's peak dense bf16 TFLOP/s (default: "
-                        "megatron_2bw/training/observe/devices.py)")
+                   help="the device's peak dense bf16 TFLOP/s (default: its table entry)")
     p.add_argument("--micro-batch-size", type=int, default=8, help="lower it on small GPUs")
     p.add_argument("--work-dir", default=None, help="checkpoints, traces and logs (default: a "
                                                      "temporary directory)")

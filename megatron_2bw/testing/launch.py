@@ -11,10 +11,9 @@ that started it, and the ranks with it (`watch_launcher`).
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
-
-import multiprocessing
 
 import torch.multiprocessing as mp
 
