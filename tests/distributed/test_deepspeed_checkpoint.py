@@ -71,6 +71,7 @@ def _worker(rank, world, ck, outdir):
     out["after_failures"] = sorted(os.listdir(ck))
     out["good_intact"] = _listing(os.path.join(ck, "good")) == good
     out["latest"] = open(os.path.join(ck, "latest")).read()
+    comm.barrier()  # every rank has looked before rank 0 adds the legacy tag below
     if rank == 0:  # a tag as earlier versions wrote it: no checksums
         shutil.copytree(os.path.join(ck, "good"), os.path.join(ck, "legacy"),
                         ignore=shutil.ignore_patterns("*.sha256"))
