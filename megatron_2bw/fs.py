@@ -10,6 +10,11 @@ tests/unit/test_writes.py finds any other `torch.save` or `open(..., "w")`.
                                    sha256 of the bytes
     atomic_write_bytes(path, b)    the same for bytes; atomic_write_text(path, s) for text,
                                    atomic_save_npy(path, array) for numpy
+    atomic_create(path, write)     create-if-absent: write(file) into a temporary sibling and
+                                   hard-link it to `path` only if `path` does not exist yet (it
+                                   never replaces a file another process may have open); True
+                                   when ours was published (atomic_create_bytes, _npy alike)
+    publish_new(tmp, path)         the link-if-absent step on a finished temporary
     atomic_build_dir(final, build) build a whole directory under a temporary name, then rename
     unique_temp(path)              `.tmp-NAME-HOST-PID-RANDOM` next to `path`: unique across
                                    the hosts of a shared filesystem, so no locks are needed
@@ -215,6 +220,68 @@ def atomic_write_text(path, text: str) -> str:
 def atomic_save_npy(path, array) -> None:
     import numpy as np
     atomic_write(path, lambda f: np.save(f, array, allow_pickle=False))
+
+
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EMLINK,
+             errno.EXDEV}  # hard links not supported here (some FUSE / object-store mounts)
+
+
+def publish_new(tmp, final) -> bool:
+    """Give the finished, fsynced temporary `tmp` the name `final` only if no file has it yet
+    (create-if-absent): a hard link, which fails with EEXIST instead of replacing a file that
+    another process, on any node, may already have open (a rename over it would; on NFS its
+    reader then gets ESTALE). True when ours is published; False when another writer's file was
+    there first (theirs is kept, ours dropped). `tmp` is gone afterwards either way. Where hard
+    links are not supported, a rename when `final` is absent (the window left is between that
+    check and the rename)."""
+    tmp, final = str(tmp), str(final)
+    try:
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise
+            if os.path.lexists(final):
+                return False
+            os.rename(tmp, final)
+        fsync_directory(os.path.dirname(final) or ".")
+        return True
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_create(path, write: Callable) -> bool:
+    """write(file_object) into an AtomicFile of `path`, made durable and published with
+    `publish_new` (never over an existing `path`): True when ours is the file at `path` now,
+    False when another writer's was there first. On any error (one WriteError for an OS error)
+    nothing is published and the temporary is gone."""
+    f = AtomicFile(path)
+    try:
+        write(f)
+        f.close()
+    except BaseException as e:
+        f.discard()
+        failure = f.failed(e)
+        if failure is e:
+            raise
+        raise failure from None
+    tmp, f.tmp = f.tmp, None
+    try:
+        return publish_new(tmp, path)
+    except OSError as e:
+        raise WriteError(str(path), e, f.written) from None
+
+
+def atomic_create_bytes(path, data: bytes) -> bool:
+    return atomic_create(path, lambda f: f.write(data))
+
+
+def atomic_create_npy(path, array) -> bool:
+    import numpy as np
+    return atomic_create(path, lambda f: np.save(f, array, allow_pickle=False))
 
 
 def atomic_build_dir(final: Path, build: Callable[[Path], None]) -> bool:

@@ -9,10 +9,13 @@ of all the parameters:
 Who builds: the process with local rank 0 (torchrun's LOCAL_RANK, SLURM_LOCALID, ...; a plain
 `python` run is local rank 0) builds the missing files; every other process waits for the
 description file (polling with backoff) and then memory-maps the arrays. A builder writes each
-file under a name unique to it (host, pid, random suffix; fs.py), fsyncs it and renames it into
-place, so readers never see a half-written file and several builders (one per node on a shared
-filesystem, or two jobs at once) are harmless: they write identical bytes and the last rename
-wins. Nothing relies on `fcntl.flock`, which many cluster filesystems do not implement.
+file under a name unique to it (host, pid, random suffix; fs.py), fsyncs it and publishes it
+create-if-absent (`fs.atomic_create`: a hard link to the final name, which fails when the name
+exists), so readers never see a half-written file and several builders (one per node on a
+shared filesystem, or two jobs at once) are harmless: the first file published under a name is
+the one everybody keeps, the others are dropped, and no builder replaces a file another node may
+already have open (a rename over it would; on NFS that reader gets ESTALE). Nothing relies on
+`fcntl.flock`, which many cluster filesystems do not implement.
 
 A waiter gives up after `timeout_s` with a one-line error naming the file and the fix (a
 `--data-cache-path` every rank can see): that is what happens when the ranks do not share the
@@ -29,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_2bw.data.errors import DataError
-from megatron_2bw.fs import atomic_save_npy, atomic_write_bytes, writable_problem
+from megatron_2bw.fs import atomic_create_bytes, atomic_create_npy, writable_problem
 
 WAIT_TIMEOUT_S = 30 * 60.0  # building a large corpus's indices takes minutes
 
@@ -88,10 +91,10 @@ def cached_arrays(cache_dir: Path, description: dict, names: tuple[str, ...],
         if builder if builder is not None else is_local_builder():
             cache_dir.mkdir(parents=True, exist_ok=True)
             arrays = build()
-            for n, p in paths.items():
-                atomic_save_npy(p, np.ascontiguousarray(arrays[n]))
-            atomic_write_bytes(marker, json.dumps(description, sort_keys=True,
-                                                  indent=1).encode())
+            for n, p in paths.items():  # another builder's file, when first, is kept
+                atomic_create_npy(p, np.ascontiguousarray(arrays[n]))
+            atomic_create_bytes(marker, json.dumps(description, sort_keys=True,
+                                                   indent=1).encode())
             built = True
         else:
             wait_until(complete, marker, timeout_s)

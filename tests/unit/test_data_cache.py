@@ -105,5 +105,56 @@ def test_a_failed_build_leaves_no_partial_files(tmp_path):
         cached_arrays(tmp_path, {"class": "T"}, ("a",), build, builder=True)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError):  # an array np.save cannot write: its temp file is removed
-        cache.atomic_save_npy(tmp_path / "x.npy", np.array([object()]))
+        cache.atomic_create_npy(tmp_path / "x.npy", np.array([object()]))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_second_builder_never_replaces_the_first_builders_files(tmp_path):
+    """The publish race (issue 29): builder 2 checks the cache, finds it missing and builds;
+    meanwhile builder 1 publishes and a reader opens its files. Builder 2's publish keeps
+    builder 1's files (same inodes, still open by the reader), drops its own, and both end
+    with valid caches."""
+    description, names = {"class": "T", "k": 2}, ("a", "b")
+    seen = {}
+
+    def first_builder():
+        arrays, built = cached_arrays(tmp_path, description, names,
+                                      lambda: {"a": np.arange(6), "b": np.ones(3)}, builder=True)
+        seen["reader"] = arrays  # memory-mapped: a reader of builder 1's files
+        seen["inodes"] = {p.name: p.stat().st_ino for p in tmp_path.iterdir()}
+        return built
+
+    def second_build():  # builder 2 computes while builder 1 finishes and publishes
+        assert first_builder()
+        return {"a": np.arange(6), "b": np.ones(3)}
+
+    arrays, built = cached_arrays(tmp_path, description, names, second_build, builder=True)
+    assert built
+    assert {p.name: p.stat().st_ino for p in tmp_path.iterdir()} == seen["inodes"]
+    assert len(seen["inodes"]) == 3 and _no_leftovers(tmp_path)
+    for a in (arrays, seen["reader"]):
+        assert a["a"].tolist() == list(range(6)) and a["b"].tolist() == [1.0] * 3
+
+
+def test_create_if_absent_publishes_once(tmp_path):
+    from megatron_2bw import fs
+    path = tmp_path / "x.bin"
+    assert fs.atomic_create_bytes(path, b"first")
+    inode = path.stat().st_ino
+    assert not fs.atomic_create_bytes(path, b"second")
+    assert path.read_bytes() == b"first" and path.stat().st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
+
+
+def test_create_if_absent_without_hard_links(tmp_path, monkeypatch):
+    """A filesystem without hard links (EPERM): publish by rename, still never over a file."""
+    import errno
+    from megatron_2bw import fs
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(fs.os, "link", no_links)
+    path = tmp_path / "x.bin"
+    assert fs.atomic_create_bytes(path, b"first")
+    assert not fs.atomic_create_bytes(path, b"second")
+    assert path.read_bytes() == b"first" and sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
