@@ -2,8 +2,9 @@
 """The prepared GPU check: run it once on a GPU node before the first cluster job.
 
     python tools/gpu_check.py                     # a GPU node; under 8 minutes on one H200
+    python tools/gpu_check.py --quick             # under 2 minutes: fewer iterations, 1 verify
     python tools/gpu_check.py --out check.json    # the numbers as JSON too
-    python tools/gpu_check.py --dry-run           # anywhere: print and validate the plan only
+    python tools/gpu_check.py --dry-run [--quick] # anywhere: print and validate the plan only
 
 Steps, each a subprocess whose output is streamed and kept in WORK/<step>.log:
 
@@ -11,16 +12,20 @@ Steps, each a subprocess whose output is streamed and kept in WORK/<step>.log:
             seq 1024, vocab 50304), bf16, mock data, 2BW, evaluation every 50 iterations; it stops
             at --exit-interval 100 and saves a checkpoint (--save);
 2. resume   the same job resumed with --load to iteration 150 (its log must continue at 110),
-            with --wall-clock-breakdown and --trace on: the timers use CUDA events, so its step
-            time should match train's;
-3. verify   with 2+ GPUs: tools/verify_equivalence.py --distributed-backend nccl for 2bw and for
-            flush at d=2 (every parameter against the single-process reference).
+            with --wall-clock-breakdown, --trace and a torch.profiler trace (--profile) of two
+            iterations: the timers use CUDA events, so its step time should match train's;
+3. verify   with 2+ GPUs: tools/verify_equivalence.py --distributed-backend nccl for every
+            schedule (--quick: 2bw only) at d=2 (every parameter against the single-process
+            reference).
+--quick: train stops at 30, resume runs to 50, a 115 s limit.
 
 The whole check stops after 470 s (a step gets at most the time left). It prints step time,
-tokens/s, TFLOP/s per GPU (Megatron's model FLOPs), model-FLOPs utilization against the device's
-peak (training/observe/devices.py, or --peak-tflops), peak memory (max_memory_allocated)
-next to the planner's memory model of the same layout (planner/cost_model.py), the validation
-losses and the verify verdicts; exit 0 when every step passed.
+tokens/s, TFLOP/s per GPU (Megatron's model FLOPs), model-FLOPs utilization against the
+device's peak (training/observe/devices.py, or --peak-tflops), peak memory (max_memory_allocated)
+next to the planner's memory model of the same layout (planner/cost_model.py), the kernels the
+job configured and the ones the profiler saw run, the validation losses and the verify verdicts;
+exit 0 when every step passed and every requirement of tools/gpu_check_report.py held (MFU at or
+above --mfu-floor, flash attention, fused AdamW, TF32).
 
 --dry-run builds the same plan, validates every command's flags through the real parsers
 (pretrain.parse and verify.parse: the checks a job makes before its process group), checks the
@@ -37,7 +42,6 @@ import io
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
+from gpu_check_report import (Requirements, failed_requirements, parse_log,  # noqa: E402,F401
+                              profiled_kernels, report, summarize)
 
 GPT_125M = ("--model", "gpt-125m", "--seq-length", "1024", "--vocab-size", "50304")
 VERIFY_MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -72,6 +78,17 @@ class Settings:
     backend: str = "nccl"
     timeouts: dict = field(default_factory=lambda: {"train": 270, "resume": 200, "verify": 120})
     time_limit_s: float = 470.0    # the whole check: a step gets at most what is left
+    quick: bool = False
+    verify_schedules: tuple | None = None  # None: every schedule
+    require: Requirements = field(default_factory=Requirements)
+
+    @classmethod
+    def quick_mode(cls, **kw) -> "Settings":
+        """The --quick check: the same steps, fewer iterations, one verify; under 2 minutes."""
+        return cls(**{"exit_iters": 30, "train_iters": 50, "log_interval": 5,
+                      "eval_interval": 25, "eval_iters": 2, "time_limit_s": 115.0,
+                      "timeouts": {"train": 60, "resume": 50, "verify": 40}, "quick": True,
+                      "verify_schedules": ("2bw",), **kw})
 
 
 @dataclass
@@ -103,10 +120,12 @@ def plan(s: Settings) -> list[Step]:
     steps = [Step("train", "pretrain_gpt.py", job + ["--exit-interval", s.exit_iters], 1,
                   s.timeouts["train"]),
              Step("resume", "pretrain_gpt.py",
-                  job + ["--load", ckpt, "--wall-clock-breakdown", "--trace", trace], 1,
+                  job + ["--load", ckpt, "--wall-clock-breakdown", "--trace", trace,
+                         "--profile", "--profile-step-start", s.exit_iters + s.log_interval,
+                         "--profile-step-end", s.exit_iters + s.log_interval + 2], 1,
                   s.timeouts["resume"])]
-    if s.gpus >= 2:
-        for schedule in schedule_names():  # every training schedule (a tiny model: seconds)
+    if s.gpus >= 2:  # every training schedule (a tiny model: seconds each)
+        for schedule in s.verify_schedules or schedule_names():
             steps.append(Step(f"verify-{schedule}", "tools/verify_equivalence.py",
                               ["--distributed-backend", s.backend, "--schedule", schedule,
                                *VERIFY_MODEL], None, s.timeouts["verify"]))
@@ -193,27 +212,6 @@ def validate(steps: list[Step], s: Settings) -> list[str]:
 # ---- running and reading the logs -----------------------------------------------------------
 
 
-def parse_log(text: str) -> dict:
-    """{"iterations": [{"iteration", key: value}], "validation": [(iteration, loss)],
-    "parameters_m": float | None} from a pretrain log (lines as logger.parse_line reads them)."""
-    import re
-    from megatron_2bw.training.observe.logger import parse_line
-    out = {"iterations": [], "validation": [], "parameters_m": None}
-    for line in text.splitlines():
-        m = re.search(r"megatron-2bw: ([\d.]+)M parameters", line)
-        if m:
-            out["parameters_m"] = float(m.group(1))
-        parsed = parse_line(line)
-        if parsed is None:
-            continue
-        it, fields = parsed
-        if "validation loss" in fields:
-            out["validation"].append((it, fields["validation loss"]))
-        else:
-            out["iterations"].append({"iteration": it, **fields})
-    return out
-
-
 def run_step(step: Step, log_path: str, echo=print) -> tuple[int, str, float]:
     """Run the step in its own process group (killed whole on timeout); (rc, output, seconds)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -245,83 +243,6 @@ def _kill_group(proc) -> None:
             return
 
 
-def _steady(rows: list, key: str) -> float | None:
-    """Median of `key` over the log intervals after the first (which holds the warm-up)."""
-    values = [r[key] for r in rows[1:] or rows if isinstance(r.get(key), float)]
-    return statistics.median(values) if values else None
-
-
-def trace_events(prefix: str) -> int:
-    """Events in the resume step's trace as tools/plot_schedule.py --trace reads it (0: none)."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from plot_schedule import traced
-    try:
-        rows = traced(prefix)[0]
-    except SystemExit:
-        return 0
-    return sum(len(events) for _, events in rows)
-
-
-def summarize(s: Settings, logs: dict, rcs: dict, peak: float | None, model_gib: dict) -> dict:
-    """The numbers of the check and its verdicts (see the module doc)."""
-    train, resume = (parse_log(logs.get(k, "")) for k in ("train", "resume"))
-    out = {"steps": {k: "ok" if rc == 0 else f"failed (exit {rc})" for k, rc in rcs.items()}}
-    resumed = [r["iteration"] for r in resume["iterations"]]
-    trained = [r["iteration"] for r in train["iterations"]]
-    out["resumed_correctly"] = bool(trained and resumed and trained[-1] == s.exit_iters and
-                                    resumed[0] == s.exit_iters + s.log_interval and
-                                    resumed[-1] == s.train_iters)
-    for name, log in (("train", train), ("resume", resume)):
-        rate = _steady(log["iterations"], "samples/s")
-        tflops = _steady(log["iterations"], "TFLOP/s/device")
-        out[name] = {"step_time_s": s.global_batch / rate if rate else None,
-                     "tokens_per_s": _steady(log["iterations"], "tokens/s"),
-                     "tflops_per_gpu": tflops,
-                     "mfu": tflops / peak if tflops and peak else None,
-                     "peak_memory_gib": max((max(r["memory GB per stage"])
-                                             for r in log["iterations"]
-                                             if r.get("memory GB per stage")), default=None)}
-    rows = resume["iterations"]  # --wall-clock-breakdown: ms per iteration, by interval
-    keys = sorted({k for r in rows for k in r if k.startswith("ms ")})
-    out["breakdown_ms"] = {k[3:]: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
-    out["trace_events"] = trace_events(os.path.join(s.work_dir, "trace")) if "resume" in logs \
-        else 0
-    out["validation_losses"] = train["validation"] + resume["validation"]
-    out["parameters_m"] = train["parameters_m"]
-    out["planner_memory_gib"] = model_gib
-    out["peak_tflops"] = peak
-    for k in logs:
-        if k.startswith("verify-"):
-            out["steps"][k] += "" if "PASS" in logs[k] else " (no PASS)"
-    out["passed"] = (all(v == "ok" for v in out["steps"].values()) and out["resumed_correctly"]
-                     and out["trace_events"] > 0 and bool(out["breakdown_ms"]))
-    return out
-
-
-def report(out: dict, device: str) -> str:
-    def f(x, fmt):
-        return "n/a" if x is None else format(x, fmt)
-    t, r, mem = out["train"], out["resume"], out["planner_memory_gib"]
-    rows = [f"gpu_check on {device}: peak {f(out['peak_tflops'], 'g')} TFLOP/s bf16 dense"]
-    rows += [f"  {name:<14} {verdict}" for name, verdict in out["steps"].items()]
-    rows += [f"  resumed at the right iteration: {'yes' if out['resumed_correctly'] else 'NO'}",
-             f"  parameters      {f(out['parameters_m'], '.1f')} M",
-             f"  step time       {f(t['step_time_s'], '.3f')} s (train)   "
-             f"{f(r['step_time_s'], '.3f')} s (resume, timers + trace on)",
-             f"  tokens/s        {f(t['tokens_per_s'], '.4g')}",
-             "  resume ms/iter  " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                              out["breakdown_ms"].items())
-             + f" (--wall-clock-breakdown); --trace: {out['trace_events']} events",
-             f"  TFLOP/s per GPU {f(t['tflops_per_gpu'], '.1f')}   MFU {f(t['mfu'], '.1%')}",
-             f"  peak memory     {f(t['peak_memory_gib'], '.2f')} GiB measured   "
-             f"{mem['total']:.2f} GiB planner model ("
-             + ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k != "total") + ")",
-             "  validation loss " + ", ".join(f"{it}: {v:.3f}"
-                                               for it, v in out["validation_losses"]),
-             "PASS" if out["passed"] else "FAIL"]
-    return "\n".join(rows)
-
-
 def execute(s: Settings, peak: float | None, device: str, out_path: str | None = None,
             echo=print) -> dict:
     """Run the plan (stops at the first failed step), print the report, return the numbers."""
@@ -340,7 +261,8 @@ def execute(s: Settings, peak: float | None, device: str, out_path: str | None =
         echo(f"gpu_check: {st.name}: exit {rcs[st.name]} after {seconds:.0f} s")
         if rcs[st.name]:
             break
-    out = summarize(s, logs, rcs, peak, model_gib)
+    out = summarize(s, logs, rcs, peak, model_gib,
+                    os.path.join(s.work_dir, "checkpoints", "profile"))
     echo(report(out, device))
     if out_path:
         with open(out_path, "w") as fh:
@@ -359,7 +281,12 @@ def dry_run(s: Settings, echo=print) -> int:
     if not problems:
         mem = planner_memory_gib(parse_step(steps[0]))
         echo(f"planner memory model of the train step: {mem['total']:.2f} GiB per GPU")
-    echo(f"dry run: {len(steps)} steps for {s.gpus} GPU(s), "
+    r = s.require
+    echo("requirements: MFU " + ("not checked" if r.mfu_floor is None else
+                                 f">= {r.mfu_floor:.0%}")
+         + f", attention {' or '.join(r.attention) or 'any'}"
+         + (", fused AdamW" if r.fused_adamw else "") + (", TF32 fp32 matmuls" if r.tf32 else ""))
+    echo(f"dry run ({'quick' if s.quick else 'full'}): {len(steps)} steps for {s.gpus} GPU(s), "
          + ("all valid" if not problems else f"{len(problems)} problem(s)"))
     return 1 if problems else 0
 
@@ -375,14 +302,24 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default=None, help="checkpoints, traces and logs (default: a "
                                                      "temporary directory)")
     p.add_argument("--out", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--quick", action="store_true", help="under 2 minutes: 30 + 20 iterations, "
+                                                        "one verify schedule")
+    p.add_argument("--mfu-floor", type=float, default=Requirements.mfu_floor,
+                   help="the model-FLOPs utilization PASS needs (default %(default)s: GPT-125M "
+                        "in bf16 on an H100/H200-class GPU; lower it for smaller GPUs)")
     a = p.parse_args(argv)
+
+    def settings(gpus, work):
+        kw = {"gpus": gpus, "work_dir": work, "micro_batch": a.micro_batch_size,
+              "require": Requirements(mfu_floor=a.mfu_floor)}
+        return Settings.quick_mode(**kw) if a.quick else Settings(**kw)
     import torch
     from megatron_2bw.training.observe.devices import peak_tflops
     if a.dry_run:
         with contextlib.ExitStack() as stack:
             work = a.work_dir or stack.enter_context(tempfile.TemporaryDirectory())
             gpus = a.gpus if a.gpus is not None else max(torch.cuda.device_count(), 1)
-            return dry_run(Settings(gpus=gpus, work_dir=work, micro_batch=a.micro_batch_size))
+            return dry_run(settings(gpus, work))
     if not torch.cuda.is_available():
         print("error: no CUDA device here: run on a GPU node (or --dry-run to check the plan)",
               file=sys.stderr)
@@ -390,7 +327,7 @@ def main(argv=None) -> int:
     work = a.work_dir or tempfile.mkdtemp(prefix="gpu_check-")
     device = torch.cuda.get_device_name(0)
     gpus = min(a.gpus or torch.cuda.device_count(), torch.cuda.device_count())
-    s = Settings(gpus=gpus, work_dir=work, micro_batch=a.micro_batch_size)
+    s = settings(gpus, work)
     os.makedirs(work, exist_ok=True)
     out = execute(s, a.peak_tflops or peak_tflops(device), device, a.out)
     print(f"gpu_check: logs, checkpoints and traces in {work}")

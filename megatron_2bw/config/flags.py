@@ -175,6 +175,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--no-tf32", dest="tf32", action="store_false",
+                   help="on CUDA keep fp32 matmuls and convolutions in IEEE fp32 (default: TF32 "
+                        "tensor cores, as the pretrain scripts set on Ampere and newer)")
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
@@ -287,7 +290,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis, max_skipped_steps=args.max_skipped_steps)
+        hysteresis=args.hysteresis, max_skipped_steps=args.max_skipped_steps, tf32=args.tf32)
     train = TrainConfig(
         train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,

@@ -166,6 +166,7 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     max_skipped_steps: int | None = None  # fp16: end the run after this many skips in a row
+    tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (--no-tf32: off)
 
     def skip_limit(self) -> int:
         """The most consecutive skipped fp16 steps a run may take (0: no limit). By default the

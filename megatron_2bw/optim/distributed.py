@@ -50,6 +50,11 @@ class DistributedOptimizer:
         self.inner = [make_optimizer(cfg, p.size, min(max(weights.decay_end - p.lo, 0), p.size),
                                      device, keep_grad=keep_grad) for p in self.pieces]
 
+    @property
+    def impl(self) -> str:
+        """The kernel stepping the shard (optim/kernels.py), as the flat optimizers say."""
+        return self.inner[0].impl if self.inner else "none (an empty shard)"
+
     def step(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, lr: float) -> None:
         """Update this rank's pieces of the padded flat `dst` from `src` (or the master) and
         `grad` (which must hold the reduced gradient on these pieces)."""

@@ -12,6 +12,7 @@ from megatron_2bw.config import Config
 from megatron_2bw.data.prefetch import close_pipelines, input_pipeline
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import build_engine
+from megatron_2bw.training.kernels import kernels_line
 from megatron_2bw.training.observe.interval_log import IntervalLog
 from megatron_2bw.training.observe.logger import TrainLogger
 from megatron_2bw.training.observe.profiling import StepProfiler
@@ -47,6 +48,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     engine = build_engine(cfg, grid, device, lr_schedule=lr_schedule)
     engine.loss_fn = hooks.wrap_loss(engine.loss_fn, engine)
     hooks.on_engine(engine)
+    if reporter:
+        log(kernels_line(cfg, grid.tensor, device, engine.stepper.optimizer.impl))
     start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune,
                             log=log if reporter else None) if t.load else 0
     check_iterations(t.train_iters, start, t.load)

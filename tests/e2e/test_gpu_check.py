@@ -27,19 +27,61 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
-def test_dry_run_validates_the_plan(gpus):
-    r = _cli("--dry-run", "--gpus", str(gpus))
+@pytest.mark.parametrize("quick", [False, True])
+def test_dry_run_validates_the_plan(gpus, quick):
+    r = _cli("--dry-run", "--gpus", str(gpus), *(["--quick"] if quick else []))
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
-    verifies = len(schedule_names()) if gpus >= 2 else 0
-    assert f"dry run: {2 + verifies} steps for {gpus} GPU(s), all valid" in out
+    verified = (["2bw"] if quick else schedule_names()) if gpus >= 2 else []
+    mode = "quick" if quick else "full"
+    assert f"dry run ({mode}): {2 + len(verified)} steps for {gpus} GPU(s), all valid" in out
     assert "--model gpt-125m --seq-length 1024 --vocab-size 50304" in out and "--bf16" in out
     assert "--distributed-backend nccl" in out and "--nproc_per_node=1 pretrain_gpt.py" in out
-    assert "--exit-interval 100" in out and "--load" in out and "--trace" in out
+    exit_at, end = (30, 50) if quick else (100, 150)
+    assert f"--train-iters {end} " in out and f"--exit-interval {exit_at}" in out
+    assert "--load" in out and "--trace" in out and "--profile" in out
     for name in schedule_names():
         assert (f"verify_equivalence.py --distributed-backend nccl --schedule {name}" in out) == \
-            (gpus >= 2)
+            (name in verified)
     assert "planner memory model of the train step:" in out
+    assert ("requirements: MFU >= 35%, attention flash or cudnn, fused AdamW, TF32 fp32 "
+            "matmuls") in out
+    assert G.Settings.quick_mode(gpus=1, work_dir=".").time_limit_s < 120  # --quick: < 2 min
+
+
+def _measured(mfu=0.5, attention=("flash",), fused=True, fp32="tf32"):
+    return {"train": {"mfu": mfu},
+            "kernels_ran": {"attention": list(attention), "fused_adamw": fused},
+            "kernels": {"attention": "flash", "optimizer": "torch-fused", "fp32 matmul": fp32}}
+
+
+def test_a_silent_fall_back_fails_the_check():
+    req = G.Requirements()
+    assert G.failed_requirements(_measured(), req) == []
+    assert G.failed_requirements(_measured(attention=("cudnn",)), req) == []
+    for bad, word in [(_measured(mfu=0.2), "MFU 20.0% is below the 35% floor"),
+                      (_measured(mfu=None), "MFU n/a"),
+                      (_measured(attention=("math",)), "attention ran as math"),
+                      (_measured(attention=("flash", "efficient")), "ran as flash, efficient"),
+                      (_measured(attention=()), "nothing recorded"),
+                      (_measured(fused=False), "fused AdamW kernel"),
+                      (_measured(fp32="ieee"), "fp32 matmuls run as ieee")]:
+        problems = G.failed_requirements(bad, req)
+        assert len(problems) == 1 and word in problems[0], (word, problems)
+    assert G.failed_requirements(_measured(mfu=0.2), G.Requirements(mfu_floor=0.1)) == []
+
+
+def test_the_profiled_kernels_are_read_from_the_trace(tmp_path):
+    events = [{"name": "aten::_scaled_dot_product_flash_attention"}, {"name": "aten::mm"},
+              {"name": "aten::_fused_adamw_"}]
+    (tmp_path / "rank0.iter1-2.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    got = G.profiled_kernels(str(tmp_path))
+    assert got["attention"] == ["flash"] and got["fused_adamw"]
+    events[0]["name"] = "aten::_scaled_dot_product_attention_math"
+    events[2]["name"] = "aten::add_"
+    (tmp_path / "rank0.iter1-2.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    got = G.profiled_kernels(str(tmp_path))
+    assert got["attention"] == ["math"] and not got["fused_adamw"]
 
 
 def test_a_bad_plan_is_reported_per_step(tmp_path):
@@ -74,7 +116,8 @@ def test_device_peaks():
 def test_the_check_runs_end_to_end_on_cpu(tmp_path):
     s = G.Settings(gpus=1, work_dir=str(tmp_path), exit_iters=2, train_iters=4, micro_batch=2,
                    global_batch=4, log_interval=1, eval_interval=2, eval_iters=1, model=TINY,
-                   precision=(), backend="gloo", timeouts={"train": 120, "resume": 120})
+                   precision=(), backend="gloo", timeouts={"train": 120, "resume": 120},
+                   require=G.Requirements(mfu_floor=None, tf32=False))  # no TF32 on a CPU
     lines = []
     out = G.execute(s, peak=100.0, device="cpu", out_path=str(tmp_path / "c.json"),
                     echo=lines.append)
@@ -86,6 +129,16 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path):
     assert out["train"]["step_time_s"] > 0 and out["train"]["mfu"] > 0
     assert out["planner_memory_gib"]["total"] > 0 and out["train"]["peak_memory_gib"] > 0
     assert text.rstrip().endswith("PASS") and "MFU" in text
+    # what the profiler saw run (CPU: flash attention for CPU, torch's fused AdamW)
+    assert out["kernels_ran"]["attention"] == ["flash"] and out["kernels_ran"]["fused_adamw"]
+    assert out["kernels"] == {"attention": "flash", "optimizer": "torch-fused",
+                              "fp32 matmul": "ieee"}
+    s.require = G.Requirements(mfu_floor=0.99)  # the same run judged on a GPU's terms: FAIL
+    out = G.summarize(s, {k: (tmp_path / f"{k}.log").read_text() for k in ("train", "resume")},
+                      {"train": 0, "resume": 0}, 100.0, out["planner_memory_gib"],
+                      str(tmp_path / "checkpoints" / "profile"))
+    assert not out["passed"] and len(out["problems"]) == 2
+    assert "below the 99% floor" in out["problems"][0] and "not tf32" in out["problems"][1]
     saved = json.loads((tmp_path / "c.json").read_text())
     assert saved["device"] == "cpu" and saved["passed"]
     assert (tmp_path / "train.log").read_text().count("iteration") >= 2
