@@ -20,8 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from megatron_2bw.data.bert_dataset import BertDataset, check_probabilities
-from megatron_2bw.data.blended_dataset import (BlendedDataset, normalize, parse_data_path,
-                                               samples_per_dataset)
+from megatron_2bw.data.blended_dataset import BlendedDataset, blend_split, parse_data_path
 from megatron_2bw.data.cache import writable_dir
 from megatron_2bw.data.consistency import check_dataset
 from megatron_2bw.data.default_corpus import default_corpus
@@ -76,7 +75,8 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
                        num_samples: tuple, data_cache_path: str | None = None,
                        indexed: list | None = None) -> list:
     """[train, valid, test] GPT datasets (None for an empty split) of num_samples[i] samples
-    each (None: one epoch). Several prefixes are blended by weight (default: by token count).
+    each (None: one epoch). Several prefixes are blended as megatron-core blends them (by weight,
+    default: by their number of samples; blended_dataset.blend_split).
     `indexed`: the prefixes' datasets when already open (open_checked)."""
     prefixes, weights = parse_data_path(data_path)
     indexed = indexed or [MMapIndexedDataset(p) for p in prefixes]
@@ -95,11 +95,12 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
         if len(prefixes) == 1:
             out.append(part(0, n))
             continue
-        w = weights or [float(ds.sequence_lengths[r[s].start:r[s].stop].sum())
-                        for ds, r in zip(indexed, ranges)]
-        counts = samples_per_dataset(w, n) if n else [None] * len(prefixes)
-        parts = [part(i, c) for i, c in enumerate(counts)]
-        size = n or int(min(len(p) / x for p, x in zip(parts, normalize(w)) if x > 0))
+        empty = [p for p, r in zip(prefixes, ranges) if len(r[s]) == 0]
+        if empty:
+            raise DataError(f"--data-path: {empty[0]} has no documents in the {name} split "
+                            f"(--split {split}) while the other prefixes do: give it more "
+                            "documents or change --split")
+        parts, w, size = blend_split(part, len(prefixes), weights, n)  # Megatron's sizes
         out.append(BlendedDataset(parts, w, size, index_cache_dir(prefixes[0], data_cache_path,
                                                                   "BlendedDataset")))
     return out

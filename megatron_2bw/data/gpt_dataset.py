@@ -44,12 +44,14 @@ def parse_split(split: str) -> list[float]:
 
 
 def split_indices(weights: list[float], num_elements: int) -> list[int]:
-    """Megatron's document boundaries of the splits: [0, a, b, num_elements]."""
-    bounds = [0]
+    """megatron-core's document boundaries of the splits, [0, a, b, num_elements]: split k is
+    [round(c_k x n), round(c_k+1 x n)) with c_k the running sum of the normalized weights
+    (BlendedMegatronDatasetConfig's split matrix; Python's round, halves to even)."""
+    bounds, total = [0], 0.0
     for w in weights:
-        bounds.append(bounds[-1] + int(round(w * float(num_elements))))
-    excess = bounds[-1] - num_elements
-    return [bounds[0]] + [b - excess for b in bounds[1:]]
+        total = total + w
+        bounds.append(int(round(total * float(num_elements))))
+    return bounds
 
 
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,

@@ -74,7 +74,9 @@ def test_split():
     assert parse_split("969, 30, 1") == pytest.approx([0.969, 0.030, 0.001])
     assert parse_split("98/2") == pytest.approx([0.98, 0.02, 0.0])
     assert split_indices(parse_split("969,30,1"), 1000) == [0, 969, 999, 1000]
-    assert split_indices(parse_split("1,1,1"), 10) == [0, 4, 7, 10]  # Megatron's rounding
+    # megatron-core's split matrix: [round(c_k * n), round(c_k+1 * n)) of the running sums
+    assert split_indices(parse_split("1,1,1"), 10) == [0, 3, 7, 10]
+    assert split_indices(parse_split("90,5,5"), 50) == [0, 45, 48, 50]  # 47.5 rounds to 48
     for bad in ("", "a,b", "1,-1", "0,0,0", "1,2,3,4"):
         with pytest.raises(DataError, match="--split"):
             parse_split(bad)
