@@ -30,9 +30,10 @@ import shutil
 
 import torch
 
-from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, agree, iteration_dir,
-                                           latest_iteration, not_newer, optimizer_shard_name,
-                                           prune, rank_dir, remove_temporary_files, write_latest)
+from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, agree, agreed_latest,
+                                           dangling_latest, iteration_dir, latest_iteration,
+                                           not_newer, optimizer_shard_name, prune, rank_dir,
+                                           remove_temporary_files, verify_once, write_latest)
 from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout
 from megatron_2bw.config import Config, TrainConfig
 from megatron_2bw.config.paths import check_writable_dir
@@ -139,31 +140,37 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
     return path
 
 
-def _read(path: str, t: int, cfg: Config, grid) -> dict:
-    """A torch-format stage file for this run's model and layout (one-line error otherwise)."""
-    from megatron_2bw.checkpoint.torch_format import read_torch
-    payload = read_torch(path, t)
-    check_layout(payload["layout"], cfg, grid, path, resharding=False)
+def _read(path: str, t: int, cfg: Config, grid, engine, load_optim: bool) -> dict:
+    """Collective: a torch-format stage file for this run's model and layout (one-line error
+    otherwise), with the distributed optimizer's shards when `load_optim` and it holds them.
+    Every file is hashed once in the job, by one of its readers, before it is unpickled
+    (files.verify_once); every rank raises the same first problem."""
+    from megatron_2bw.checkpoint.torch_format import file_problem, read_torch
+    verify_once([path], grid, lambda p: file_problem(p, t))  # the replicas read one file
+    problem, shards, own = None, [], False
+    try:
+        payload = read_torch(path, t, verify=False)
+        check_layout(payload["layout"], cfg, grid, path, resharding=False)
+        count = payload.get("optimizer_shards")
+        if count and load_optim:  # its own shard when sharded over as many ranks, else all
+            own = engine.weights.sharded and grid.data == count
+            shards = [os.path.join(os.path.dirname(path), optimizer_shard_name(r))
+                      for r in ([grid.dp_rank] if own else range(count))]
+    except CheckpointError as e:
+        problem = str(e)
+    verify_once(shards, grid, lambda p: file_problem(p, t), problem)
+    if shards:
+        states = [read_torch(p, t, verify=False)["optimizer"] for p in shards]
+        payload["engine"]["optimizer"] = states[0] if own else states
     return payload
 
 
 def _read_dist(directory: str, engine, cfg: Config, grid, load_optim: bool) -> dict:
-    from megatron_2bw.checkpoint.dist.load import read_common, read_engine_state, stage_boxes
-    check_layout(read_common(directory)["layout"], cfg, grid, directory, resharding=True)
-    return read_engine_state(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
-                             load_optim)
-
-
-def _optimizer_shards(path: str, t: int, count: int, engine, grid):
-    """The distributed-optimizer state saved by `count` data-parallel ranks, as this engine
-    loads it: its own shard when it runs sharded over as many ranks, else all of them."""
-    from megatron_2bw.checkpoint.torch_format import read_torch
-    directory = os.path.dirname(path)
-    own = engine.weights.sharded and grid.data == count
-    ranks = [grid.dp_rank] if own else range(count)
-    shards = [read_torch(os.path.join(directory, optimizer_shard_name(r)), t)["optimizer"]
-              for r in ranks]
-    return shards[0] if own else shards
+    from megatron_2bw.checkpoint.dist.load import read_engine_state, stage_boxes
+    return read_engine_state(
+        directory, engine, stage_boxes(engine, cfg, grid), grid, cfg, load_optim,
+        check_common=lambda common: check_layout(common["layout"], cfg, grid, directory,
+                                                 resharding=True))
 
 
 def _loss_scaling(precision: dict) -> tuple:
@@ -180,7 +187,7 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     scaler (log says so): fp16's scale means nothing to fp32/bf16 and vice versa."""
     from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint
     from megatron_2bw.checkpoint.torch_format import stage_file
-    t = latest_iteration(load_dir)
+    t = agreed_latest(load_dir, grid)  # one reduction: every rank loads the same iteration
     if t is None:
         return 0
     directory = iteration_dir(load_dir, t)
@@ -189,10 +196,7 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     payload, problem = None, None
     try:
         payload = _read_dist(directory, engine, cfg, grid, load_optim and not finetune) if dist \
-            else _read(where, t, cfg, grid)
-        shards = None if dist else payload.get("optimizer_shards")
-        if shards and load_optim and not finetune:
-            payload["engine"]["optimizer"] = _optimizer_shards(where, t, shards, engine, grid)
+            else _read(where, t, cfg, grid, engine, load_optim and not finetune)
     except CheckpointError as e:
         problem = str(e)
     first = agree(problem, grid)  # every rank reports the same first error
@@ -266,6 +270,9 @@ def preflight(train: TrainConfig, rank: int = 0, log=print) -> int:
         if found is None and rank == 0:
             log(f"--load {load} holds no checkpoint yet and equals --save: starting from scratch "
                 "(the first start of this job)")
+        dangling = dangling_latest(load, found) if found is not None else None
+        if dangling:
+            raise CheckpointError(f"--load: {dangling}")
         start = 0 if (found is None or train.finetune) else found
     if save:
         _check_save_dir(save)

@@ -21,6 +21,11 @@
 - A failed write (disk full, quota, permissions) is one CheckpointError naming the file, the
   bytes written and the OS error (torch.save would report "unexpected pos" instead).
 - `latest` names an iteration only after every stage's file of it is complete.
+- Loading: every rank loads the iteration `latest` names, agreed in one reduction
+  (`agreed_latest`: ranks that see another `latest` or no iteration directory stop with one
+  line); each file is hashed once per job, by one of the ranks that read it, before anything
+  unpickles it, and the verdict is shared (`verify_once`); a process hashes a file at most once
+  (`file_digest` caches by path, inode, size and times).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import hashlib
 import os
 import re
 import shutil
+from typing import Callable
 
 from megatron_2bw import fs
 from megatron_2bw.config import ConfigError
@@ -92,14 +98,30 @@ def write_with_checksum(path: str, write) -> None:
                           lambda f: f.write(f"{digest}  {os.path.basename(path)}\n".encode()))
 
 
+_DIGESTS: dict[tuple, str] = {}  # a file's identity -> the sha256 this process computed
+
+
+def file_digest(path: str) -> str:
+    """sha256_of(path), computed at most once per process for one version of the file (keyed by
+    its real path, inode, size, mtime and ctime: a rewritten file is hashed again)."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_of(path)
+    return _DIGESTS[key]
+
+
 def verify_checksum(path: str) -> None:
     """Compare a checkpoint file with its `.sha256` sidecar; one-line error naming the file."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is "
+                              "incomplete; load an earlier iteration")
     side = path + ".sha256"
     if not os.path.exists(side):
         raise CheckpointError(f"checkpoint file {path} has no checksum ({side} is missing): the "
                               "save did not finish; load an earlier iteration")
-    want = open(side).read().split()[0]
-    if sha256_of(path) != want:
+    want = (open(side).read().split() or [""])[0]
+    if file_digest(path) != want:
         raise CheckpointError(f"checkpoint file {path} does not match its checksum: it is "
                               "truncated or corrupted; load an earlier iteration")
 
@@ -118,6 +140,88 @@ def read_checkpoint_file(path: str, weights_only: bool = True, verify: bool = Tr
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
                               "truncated or corrupted; load an earlier iteration") from None
+
+
+def problem_of(check: Callable[[], None]) -> str | None:
+    """The CheckpointError message `check()` raises, or None."""
+    try:
+        check()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def verify_once(paths: list[str], grid, check: Callable[[str], str | None],
+                problem: str | None = None, shared: bool = False) -> None:
+    """Collective: every file some rank is about to read (`paths`: this rank's) is checked by
+    one rank only, one of its readers (the i-th file in name order by its (i mod n)-th of n
+    readers, which spreads the hashing), and every rank gets every verdict. `check(path)`: the
+    problem with it, or None. `shared`: every rank passes the same paths (the lists are not
+    gathered). `problem`: an error this rank already has; passing it here keeps every rank in
+    the same collectives. Raises the first problem in rank order, the same on every rank.
+    Costs one gather of the lists (none when shared) and one of the verdicts."""
+    comm = grid.comm
+    world = comm.world_size if comm.distributed else 1
+    if shared:
+        readers = {p: list(range(world)) for p in paths}
+    else:
+        readers = {}
+        for rank, (theirs, listed) in enumerate(comm.gather_objects((problem, sorted(paths)))):
+            problem = problem or theirs
+            for p in listed:
+                readers.setdefault(p, []).append(rank)
+    if problem is None:
+        rank = comm.rank if comm.distributed else 0
+        mine = [p for i, p in enumerate(sorted(readers))
+                if readers[p][i % len(readers[p])] == rank]
+        problem = next((x for x in map(check, mine) if x), None)
+    first = agree(problem, grid)
+    if first:
+        raise CheckpointError(first)
+
+
+def dangling_latest(directory: str, iteration: int) -> str | None:
+    """The problem when `latest` names an iteration whose directory does not exist, else None."""
+    target = iteration_dir(directory, iteration)
+    if os.path.isdir(target):
+        return None
+    have = [os.path.basename(iteration_dir(directory, i)) for i in iterations(directory)]
+    holds = f"it holds {', '.join(have)}" if have else "it holds no iteration directory"
+    return (f"{os.path.join(directory, LATEST)} names iteration {iteration} but "
+            f"{os.path.basename(target)} does not exist in {directory} ({holds}): write an "
+            f"existing iteration into {LATEST}, or load another directory")
+
+
+def _seen(code: float) -> str:
+    code = int(code)
+    return {-1: f"no {LATEST}", -2: f"an unreadable {LATEST}"}.get(code, f"iteration {code}")
+
+
+def agreed_latest(directory: str, grid) -> int | None:
+    """Collective, one reduction: the iteration `latest` in `directory` names, which every rank
+    must see alike (None: no checkpoint). Ranks whose views differ (a node-local or stale view of
+    the filesystem) or a `latest` naming an iteration that does not exist stop every rank with
+    one line."""
+    problem = None
+    try:
+        t = latest_iteration(directory)
+        code = -1 if t is None else t
+        problem = None if t is None else dangling_latest(directory, t)
+    except CheckpointError as e:
+        t, code, problem = None, -2, str(e)
+    comm = grid.comm
+    hi, low, missing = comm.reduce_floats([float(code), -float(code), float(bool(problem))],
+                                          op="max")
+    if hi != -low:
+        raise CheckpointError(f"the ranks see different {LATEST} in {directory}: "
+                              f"{_seen(-low)} on some, {_seen(hi)} on others (this rank: "
+                              f"{_seen(code)}): a node-local or stale view of the filesystem; "
+                              "pass --load a directory on a filesystem every node sees alike")
+    if missing:
+        raise CheckpointError(problem or f"{os.path.join(directory, LATEST)} names iteration "
+                              f"{t}, whose directory another rank does not see: pass --load a "
+                              "directory on a filesystem every node sees alike")
+    return t
 
 
 def latest_iteration(directory: str) -> int | None:

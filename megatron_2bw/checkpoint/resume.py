@@ -16,7 +16,7 @@ import torch
 
 from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common
 from megatron_2bw.checkpoint.files import CheckpointError, iteration_dir, latest_iteration
-from megatron_2bw.checkpoint.torch_format import first_stage_file
+from megatron_2bw.checkpoint.torch_format import file_problem, first_stage_file
 from megatron_2bw.config import Config
 from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, Predict,
                                                 compensation_method, method_names)
@@ -31,10 +31,14 @@ def _saved(load: str, it: int) -> tuple[str, dict, int]:
         common = read_common(directory)
         return "torch_dist", dict(common.get("parallel") or {}), common["consumed_samples"]
     path = first_stage_file(load, it)
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint at iteration "
-                              f"{it} in --load {load} is incomplete")
-    payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    problem = file_problem(path, it)  # hashed before anything unpickles it (once per process)
+    if problem:
+        raise CheckpointError(f"--load {load}: {problem}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - a file that matches its checksum but not torch
+        raise CheckpointError(f"--load {load}: cannot read checkpoint file {path} "
+                              f"({type(e).__name__}): load an earlier iteration") from None
     lay = payload.get("layout") or {}
     return "torch", {"tensor": lay.get("tensor"), "pipeline": lay.get("pipeline"),
                      "schedule": payload["engine"]["schedule"],

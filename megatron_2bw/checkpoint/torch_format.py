@@ -12,7 +12,8 @@ import re
 import torch
 
 from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, agree, latest_iteration,
-                                           optimizer_shard_name, rank_dir, read_checkpoint_file,
+                                           optimizer_shard_name, problem_of, rank_dir,
+                                           read_checkpoint_file, verify_checksum,
                                            write_with_checksum)
 
 # the layer parameter names of commit e2f4b58 and before -> today's
@@ -96,12 +97,22 @@ def remove_stage_files(paths: list[str]) -> None:
             pass
 
 
-def read_torch(path: str, t: int) -> dict:
-    """One stage file, checksum verified, parameter names of old versions mapped to today's."""
+def file_problem(path: str, t: int) -> str | None:
+    """Why the stage (or optimizer shard) file `path` of iteration t cannot be used: missing, no
+    checksum, or not matching it (truncated, corrupted); None when it is whole."""
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint at iteration "
-                              f"{t} is incomplete or was written with another parallel layout")
-    payload = read_checkpoint_file(path)
+        return (f"checkpoint file {path} is missing: the checkpoint at iteration {t} is "
+                "incomplete or was written with another parallel layout")
+    return problem_of(lambda: verify_checksum(path))
+
+
+def read_torch(path: str, t: int, verify: bool = True) -> dict:
+    """One stage file, checksum verified first (unless `verify` is False: checked already,
+    files.verify_once), parameter names of old versions mapped to today's."""
+    problem = file_problem(path, t) if verify else None
+    if problem:
+        raise CheckpointError(problem)
+    payload = read_checkpoint_file(path, verify=False)
     engine = payload.get("engine")
     if engine is not None and "names" in engine:
         payload["engine"] = dict(engine, names=legacy_names(engine["names"]))

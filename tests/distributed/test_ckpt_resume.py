@@ -15,7 +15,6 @@ import torch
 from megatron_2bw.checkpoint import files as checkpoint_files
 from megatron_2bw.checkpoint.api import load_checkpoint, save_checkpoint
 from megatron_2bw.checkpoint.convert.to_dist import torch_to_dist
-from megatron_2bw.checkpoint.dist import storage
 from megatron_2bw.checkpoint.files import latest_iteration
 from megatron_2bw.checkpoint.saver import Checkpointer
 from megatron_2bw.training.build import mock_batches
@@ -181,8 +180,7 @@ def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
 
     def reread(path):
         raise AssertionError(f"a save re-read {path}")
-    for module in (checkpoint_files, storage):
-        monkeypatch.setattr(module, "sha256_of", reread)
+    monkeypatch.setattr(checkpoint_files, "sha256_of", reread)  # every reader's hash
     saver = Checkpointer(cfg, grid, engine)
     saver.save(wait=True)
     monkeypatch.undo()
@@ -192,3 +190,20 @@ def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
     assert set(sums) == set(os.listdir(directory)) - {"checksums.sha256"}
     for name, digest in sums.items():
         assert hashlib.sha256((directory / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_a_truncated_torch_stage_file_is_one_line_before_anything_unpickles_it(
+        one_rank_checkpoints, tmp_path, monkeypatch, capsys):
+    """Resuming reads the first stage file before any process group: it is hashed first, so
+    a truncated one is one line naming it and the fix (it was torch's zip traceback)."""
+    import shutil
+    ck = tmp_path / "torch"
+    shutil.copytree(one_rank_checkpoints / "torch", ck)
+    stage = ck / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    data = stage.read_bytes()
+    stage.write_bytes(data[:len(data) // 2])
+    code, out, err = _front_door(["--load", ck, "--pipeline-schedule", "2bw", "--ckpt-format",
+                                  "torch"], 1, monkeypatch, capsys)
+    assert (code, out) == (2, [])
+    assert err == [f"error: --load {ck}: checkpoint file {stage} does not match its checksum: it "
+                   "is truncated or corrupted; load an earlier iteration"]

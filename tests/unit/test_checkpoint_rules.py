@@ -117,6 +117,7 @@ def test_load_must_hold_a_checkpoint_unless_it_is_save(tmp_path):
     assert preflight(TrainConfig(load=missing, save=missing + "/."), log=lines.append) == 0
     assert len(lines) == 1 and "equals --save: starting from scratch" in lines[0]
     (tmp_path / "missing" / LATEST).write_text("7\n")
+    (tmp_path / "missing" / "iter_0000007").mkdir()
     assert preflight(TrainConfig(load=missing, save=missing, train_iters=7)) == 7
     assert preflight(TrainConfig(load=missing, train_iters=3, finetune=True)) == 0
 
@@ -154,3 +155,22 @@ def test_production_code_reads_no_fault_injection_setting():
         text = f.read_text()
         assert "MEGATRON_2BW_FAULT" not in text, f
         assert not env_read.search(text), f
+
+
+def test_latest_naming_an_iteration_that_does_not_exist_is_one_line(tmp_path):
+    """Not a message about --train-iters (issue 29): the file, the iteration and what exists."""
+    from megatron_2bw.checkpoint.api import load_checkpoint
+    from megatron_2bw.parallel.grid import ProcessGrid
+    ck = tmp_path / "ck"
+    (ck / "iter_0000002").mkdir(parents=True)
+    (ck / "iter_0000004").mkdir()
+    (ck / LATEST).write_text("9\n")
+    want = (f"{ck / LATEST} names iteration 9 but iter_0000009 does not exist in {ck} (it holds "
+            f"iter_0000002, iter_0000004): write an existing iteration into {LATEST}, or load "
+            "another directory")
+    with pytest.raises(CheckpointError) as e:
+        preflight(TrainConfig(load=str(ck), train_iters=3))
+    assert str(e.value) == f"--load: {want}"
+    with pytest.raises(CheckpointError) as e:  # the loader's own check (after the agreement)
+        load_checkpoint(str(ck), None, None, ProcessGrid(1, 1, 1))
+    assert str(e.value) == want

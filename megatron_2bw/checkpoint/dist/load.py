@@ -18,9 +18,10 @@ import torch
 from megatron_2bw.checkpoint.dist.save import COMMON, rng_key
 from megatron_2bw.checkpoint.dist.shards import (MODEL, OPTIMIZER, PREVIOUS, ParamBox, Shard,
                                                  empty_state, param_boxes, state_shards)
-from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, METADATA, read_boxes, read_checksums,
-                                                  read_metadata, verify_file)
-from megatron_2bw.checkpoint.files import CheckpointError
+from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, METADATA, file_problem, plan_read,
+                                                  read_boxes, read_checksums, read_metadata,
+                                                  run_read, verify_file)
+from megatron_2bw.checkpoint.files import CheckpointError, verify_once
 from megatron_2bw.optim.optimizer import OPTIONAL_STATE
 
 
@@ -47,12 +48,18 @@ def is_dist_checkpoint(directory: str) -> bool:
                for name in os.listdir(directory))
 
 
-def read_common(directory: str, sums: dict | None = None) -> dict:
+def read_common(directory: str, sums: dict | None = None, verify: bool = True) -> dict:
     """The checkpoint's common state (common.pt: iteration, data position, schedule, loss
-    scaler, optimizer step count, config, layout), checksum verified."""
-    sums = read_checksums(directory) if sums is None else sums
-    verify_file(directory, COMMON, sums)
-    return torch.load(os.path.join(directory, COMMON), map_location="cpu", weights_only=True)
+    scaler, optimizer step count, config, layout), checksum verified first unless `verify` is
+    False (checked already)."""
+    if verify:
+        verify_file(directory, COMMON, read_checksums(directory) if sums is None else sums)
+    path = os.path.join(directory, COMMON)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways
+        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): load "
+                              "an earlier iteration") from None
 
 
 def _optimizer_name(common: dict) -> str | None:
@@ -60,30 +67,50 @@ def _optimizer_name(common: dict) -> str | None:
 
 
 def read_engine_state(directory: str, engine, view: StageBoxes, grid, cfg,
-                      load_optim: bool = True) -> dict:
-    """This rank's engine state from the torch_dist checkpoint in `directory`, whatever layout
-    and schedule saved it: a payload shaped like a torch-format stage file ({"engine": state
-    for `PipelineEngine.load_state_dict`, "iteration", "consumed_samples", "layout", "config",
-    "rng", "common"}). The 2BW previous version is read when both runs keep two versions (the
-    engine falls back to the newest otherwise); the optimizer's buffers when `load_optim` and
-    the checkpoint holds them; the RNG state of this rank's coordinates when it exists."""
-    sums = read_checksums(directory)
-    common = read_common(directory, sums)
-    metadata = read_metadata(directory, sums)
-    keys = metadata.state_dict_metadata
-    previous = engine.weights.num_slots > 1 and any(k.startswith(PREVIOUS) for k in keys)
-    want_optim = load_optim and common.get("optimizer") is not None
-    if want_optim and _optimizer_name(common) != cfg.optimizer.name:
-        raise CheckpointError(f"checkpoint {directory} was saved with --optimizer "
-                              f"{_optimizer_name(common)}, this run uses --optimizer "
-                              f"{cfg.optimizer.name}: use the same optimizer, or pass "
-                              "--no-load-optim to start its state fresh")
-    buffers = empty_state(view.numel, engine.weights.dtype if previous else None,
-                          engine.optimizer.state_dict() if want_optim else {})
-    _drop_unsaved(buffers["optimizer"], keys)
-    targets, _ = state_shards(buffers, view.params, view.numel, reading=True)
-    key = rng_key(grid)
-    objects = read_boxes(directory, targets, [key] if key in keys else [], sums, metadata)
+                      load_optim: bool = True, check_common=None) -> dict:
+    """Collective: this rank's engine state from the torch_dist checkpoint in `directory`,
+    whatever layout and schedule saved it: a payload shaped like a torch-format stage file
+    ({"engine": state for `PipelineEngine.load_state_dict`, "iteration", "consumed_samples",
+    "layout", "config", "rng", "common"}). The 2BW previous version is read when both runs keep
+    two versions (the engine falls back to the newest otherwise); the optimizer's buffers when
+    `load_optim` and the checkpoint holds them; the RNG state of this rank's coordinates when it
+    exists. `check_common(common)` may refuse the checkpoint (CheckpointError).
+
+    Each file is hashed once in the job, before anything reads it (files.verify_once): common.pt
+    and .metadata by one rank each, then every .distcp by one of the ranks that read it; every
+    rank raises the same first problem."""
+    problem, sums = None, {}
+    try:
+        sums = read_checksums(directory)
+    except CheckpointError as e:
+        problem = str(e)
+    verify_once([COMMON, METADATA], grid, lambda name: file_problem(directory, name, sums),
+                problem, shared=True)
+    read, files = None, []
+    try:
+        common = read_common(directory, verify=False)
+        if check_common is not None:
+            check_common(common)
+        metadata = read_metadata(directory, verify=False)
+        keys = metadata.state_dict_metadata
+        previous = engine.weights.num_slots > 1 and any(k.startswith(PREVIOUS) for k in keys)
+        want_optim = load_optim and common.get("optimizer") is not None
+        if want_optim and _optimizer_name(common) != cfg.optimizer.name:
+            raise CheckpointError(f"checkpoint {directory} was saved with --optimizer "
+                                  f"{_optimizer_name(common)}, this run uses --optimizer "
+                                  f"{cfg.optimizer.name}: use the same optimizer, or pass "
+                                  "--no-load-optim to start its state fresh")
+        buffers = empty_state(view.numel, engine.weights.dtype if previous else None,
+                              engine.optimizer.state_dict() if want_optim else {})
+        _drop_unsaved(buffers["optimizer"], keys)
+        targets, _ = state_shards(buffers, view.params, view.numel, reading=True)
+        key = rng_key(grid)
+        read = plan_read(directory, targets, [key] if key in keys else [], metadata)
+        files = read.files
+    except CheckpointError as e:
+        problem = str(e)
+    verify_once(files, grid, lambda name: file_problem(directory, name, sums), problem)
+    objects = run_read(read)
     state = {"iteration": common["iteration"], "schedule": common["schedule"],
              "names": list(engine.weights.names), "newest": buffers["newest"],
              "scaler": common["scaler"], "skipped": common["skipped"]}

@@ -14,7 +14,9 @@ instead of DTensors, so the flat buffers of the pipeline engine need no device m
                                                    fsynced (runs on a background thread too)
     finish_metadata(save, results)                 rank 0: `.metadata` (and its sha256)
     read_boxes(directory, targets, objects, sums)  this rank's boxes of any layout, per rank,
-                                                   no collective
+                                                   no collective (each file checked first)
+    plan_read(...) / read.files / run_read(read)   the same in steps, for a job that has its
+                                                   files checked once (files.verify_once)
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_2bw.checkpoint.dist.shards import Shard
-from megatron_2bw.checkpoint.files import CheckpointError, sha256_of
+from megatron_2bw.checkpoint.files import CheckpointError, file_digest
 from megatron_2bw.fs import HashingWriter
 
 METADATA = ".metadata"
@@ -197,35 +199,35 @@ def read_checksums(directory: str) -> dict[str, str]:
     return sums
 
 
-def verify_file(directory: str, name: str, sums: dict[str, str]) -> None:
+def file_problem(directory: str, name: str, sums: dict[str, str]) -> str | None:
+    """Why the checkpoint file `name` cannot be used (missing, or not matching its sha256 in
+    the checksum list), else None; hashed at most once per process (files.file_digest)."""
     path = os.path.join(directory, name)
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; "
-                              "load an earlier iteration")
-    if name not in sums or sha256_of(path) != sums[name]:
-        raise CheckpointError(f"checkpoint file {path} does not match its checksum in "
-                              f"{CHECKSUMS}: it is truncated or corrupted; load an earlier "
-                              "iteration")
+        return (f"checkpoint file {path} is missing: the checkpoint is incomplete; load an "
+                "earlier iteration")
+    if name not in sums or file_digest(path) != sums[name]:
+        return (f"checkpoint file {path} does not match its checksum in {CHECKSUMS}: it is "
+                "truncated or corrupted; load an earlier iteration")
+    return None
 
 
-class _VerifyingReader(FileSystemReader):
-    """DCP's reader; each file is checked against the checksum list before it is read."""
-
-    def __init__(self, directory: str, sums: dict[str, str]):
-        super().__init__(directory)
-        self.directory, self.sums = directory, sums
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
-        for name in sorted({self.storage_data[r.storage_index].relative_path
-                            for r in plan.items}):
-            verify_file(self.directory, name, self.sums)
-        return super().read_data(plan, planner)
+def verify_file(directory: str, name: str, sums: dict[str, str]) -> None:
+    problem = file_problem(directory, name, sums)
+    if problem:
+        raise CheckpointError(problem)
 
 
-def read_metadata(directory: str, sums: dict[str, str] | None = None) -> Metadata:
-    sums = read_checksums(directory) if sums is None else sums
-    verify_file(directory, METADATA, sums)
-    return FileSystemReader(directory).read_metadata()
+def read_metadata(directory: str, sums: dict[str, str] | None = None,
+                  verify: bool = True) -> Metadata:
+    """DCP's `.metadata`, checked first unless `verify` is False (checked already)."""
+    if verify:
+        verify_file(directory, METADATA, read_checksums(directory) if sums is None else sums)
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways
+        raise CheckpointError(f"cannot read checkpoint file {os.path.join(directory, METADATA)} "
+                              f"({type(e).__name__}): load an earlier iteration") from None
 
 
 class ShardLoadPlanner(LoadPlanner):
@@ -279,14 +281,22 @@ class ShardLoadPlanner(LoadPlanner):
         pass
 
 
-def read_boxes(directory: str, targets: list[Shard], objects: list[str],
-               sums: dict[str, str] | None = None, metadata: Metadata | None = None) -> dict:
-    """Fill `targets` (views) from the checkpoint in `directory` and return the named `objects`;
-    this rank alone (no collective). CheckpointError (one line, naming the directory) on a
-    missing or damaged file, a missing tensor or a shape that differs."""
-    sums = read_checksums(directory) if sums is None else sums
-    metadata = read_metadata(directory, sums) if metadata is None else metadata
-    reader, planner = _VerifyingReader(directory, sums), ShardLoadPlanner(targets, objects)
+@dataclass
+class PlannedRead:
+    """One rank's read of a checkpoint: DCP's reader, the planner and the plan; `files` are the
+    names of the files it reads."""
+    directory: str
+    reader: FileSystemReader
+    planner: ShardLoadPlanner
+    plan: LoadPlan
+    files: list[str]
+
+
+def plan_read(directory: str, targets: list[Shard], objects: list[str],
+              metadata: Metadata) -> PlannedRead:
+    """Plan filling `targets` (views) and reading the named `objects`; a missing tensor or one
+    of another shape is one CheckpointError naming the directory. Reads no data file."""
+    reader, planner = FileSystemReader(directory), ShardLoadPlanner(targets, objects)
     reader.set_up_storage_reader(metadata, True)
     planner.set_up_planner({}, metadata, True)
     try:
@@ -294,12 +304,32 @@ def read_boxes(directory: str, targets: list[Shard], objects: list[str],
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {directory} {e}: it was saved for another model "
                               "(use matching flags)") from None
+    files = sorted({reader.storage_data[r.storage_index].relative_path for r in plan.items})
+    return PlannedRead(directory, reader, planner, plan, files)
+
+
+def run_read(read: PlannedRead) -> dict:
+    """Read the planned boxes (their files must have been checked); returns the objects."""
     try:
-        reader.read_data(plan, planner).wait()
+        read.reader.read_data(read.plan, read.planner).wait()
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - unpickling a damaged file fails in many ways
-        raise CheckpointError(f"cannot read checkpoint {directory} ({type(e).__name__}: "
+        raise CheckpointError(f"cannot read checkpoint {read.directory} ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}): load an earlier "
                               "iteration") from None
-    return planner.objects
+    return read.planner.objects
+
+
+def read_boxes(directory: str, targets: list[Shard], objects: list[str],
+               sums: dict[str, str] | None = None, metadata: Metadata | None = None) -> dict:
+    """Fill `targets` (views) from the checkpoint in `directory` and return the named `objects`;
+    this rank alone (no collective), each file checked against the checksum list before it is
+    read. CheckpointError (one line, naming the directory) on a missing or damaged file, a
+    missing tensor or a shape that differs."""
+    sums = read_checksums(directory) if sums is None else sums
+    metadata = read_metadata(directory, sums) if metadata is None else metadata
+    read = plan_read(directory, targets, objects, metadata)
+    for name in read.files:
+        verify_file(directory, name, sums)
+    return run_read(read)
