@@ -102,8 +102,11 @@ def parse(family: str, argv=None) -> Parsed:
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)
+        from megatron_2bw.training.build import data_role
+        reads, builder = data_role(cfg, rank, world_size, local_rank)  # middle stages read none
         data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
-                                   t.train_iters * gbs, valid, tokenizer=tokenizer)
+                                   t.train_iters * gbs, valid, tokenizer=tokenizer, reads=reads,
+                                   builder=builder)
         if not args.no_memory_check:  # every rank, before any process group
             from megatron_2bw.planner.memory_check import check_memory
             check_memory(cfg, world_size, rank, local_rank)

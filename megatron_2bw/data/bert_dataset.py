@@ -107,7 +107,8 @@ class BertDataset:
     def __init__(self, indexed: MMapIndexedDataset, doc_range: range, tokenizer,
                  num_samples: int | None, seq_length: int, seed: int, cache_dir: str | Path,
                  short_seq_prob: float = 0.1, mask_prob: float = 0.15, binary_head: bool = True,
-                 pair_task: str = "sop", split: str = "train"):
+                 pair_task: str = "sop", split: str = "train",
+                 builder: bool | None = None):
         if pair_task not in PAIR_TASKS:
             raise DataError(f"--sentence-pair-task {pair_task}: choose sop or nsp")
         if seq_length < 8:
@@ -133,7 +134,8 @@ class BertDataset:
             Path(cache_dir), self.description, ("samples_mapping",),
             lambda: {"samples_mapping": build_sample_mapping(
                 indexed.document_indices, indexed.sequence_lengths, doc_range, num_samples,
-                seq_length - 3, short_seq_prob, seed, 2 if binary_head else 1)})
+                seq_length - 3, short_seq_prob, seed, 2 if binary_head else 1)},
+            builder=builder)
         self.samples_mapping = arrays["samples_mapping"]
         if num_samples and len(self.samples_mapping) == 0:
             raise DataError(f"{idx_path}: no BERT samples in the {split} split: documents need "

@@ -141,7 +141,8 @@ class BlendedDataset:
     normalized weights; size None, the weights are sample counts and each dataset gives exactly
     that many (the exhaustive interleave)."""
 
-    def __init__(self, datasets: list, weights: list, size: int | None, cache_dir: str | Path):
+    def __init__(self, datasets: list, weights: list, size: int | None, cache_dir: str | Path,
+                 builder: bool | None = None):
         if len(datasets) != len(weights) or not datasets:
             raise DataError("--data-path: one weight per prefix is needed")
         if size is None:
@@ -156,7 +157,8 @@ class BlendedDataset:
                             "datasets": [getattr(d, "description", repr(d)) for d in datasets]}
         arrays, self.built_indices = cached_arrays(
             Path(cache_dir), self.description, ("dataset_index", "dataset_sample_index"),
-            lambda: dict(zip(("dataset_index", "dataset_sample_index"), build())))
+            lambda: dict(zip(("dataset_index", "dataset_sample_index"), build())),
+            builder=builder)
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
         for d, n in enumerate(np.bincount(self.dataset_index, minlength=len(datasets))):

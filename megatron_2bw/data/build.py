@@ -9,7 +9,12 @@
 `--split`, tokenizer from `--tokenizer-type/--tokenizer-model` (or --vocab-size for the
 NullTokenizer); neither -> the embedded default corpus (default_corpus.py). Everything is
 built once per node (data/cache.py, no locks) and cached, so every rank may call this before
-any process group exists.
+any process group exists. The checks that read a whole .bin or .idx run once per file version
+(consistency.py). A rank that reads no data (`reads=False`: a middle pipeline stage, which
+receives activations) opens no .bin and reads only each .idx's header, to size the splits as
+the data ranks do (so it takes part in evaluation exactly when they do); its datasets are
+`NO_DATA`. `builder`: whether this rank builds its node's caches (default: local rank 0; the
+pretrain script passes the node's first rank that reads data).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import numpy as np
 from megatron_2bw.data.bert_dataset import BertDataset, check_probabilities
 from megatron_2bw.data.blended_dataset import BlendedDataset, blend_split, parse_data_path
 from megatron_2bw.data.cache import writable_dir
-from megatron_2bw.data.consistency import check_dataset
+from megatron_2bw.data.consistency import check_dataset, open_dataset, split_counts
 from megatron_2bw.data.default_corpus import default_corpus
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_indices
@@ -61,19 +66,37 @@ def _split_ranges(num_documents: int, split: str) -> list[range]:
     return [range(b[i], b[i + 1]) for i in range(3)]
 
 
-def open_checked(data_path, tokenizer, data_cache_path: str | None = None) -> list:
-    """The --data-path prefixes' indexed datasets, each non-empty and within the tokenizer's
-    vocabulary (consistency.check_dataset); one-line DataError otherwise."""
+class NoData:
+    """The dataset of a rank that reads no data (a middle pipeline stage); never read."""
+
+    def __getitem__(self, i):
+        raise DataError(f"sample {i} asked of a rank that reads no data (a middle pipeline "
+                        "stage): only the first and last stage read batches")
+
+    def __repr__(self) -> str:
+        return "NO_DATA"
+
+
+NO_DATA = NoData()
+
+
+def open_checked(data_path, tokenizer, data_cache_path: str | None = None,
+                 builder: bool | None = None) -> list:
+    """The --data-path prefixes' indexed datasets, each whole (the .idx checks and the .bin's id
+    range run once per file version, cached), non-empty and within the tokenizer's vocabulary
+    (consistency.check_dataset); one-line DataError otherwise."""
     prefixes, _ = parse_data_path(data_path)
-    indexed = [MMapIndexedDataset(p) for p in prefixes]
-    for p, ds in zip(prefixes, indexed):
-        check_dataset(ds, tokenizer, index_cache_dir(p, data_cache_path, "TokenRange"))
+    indexed = []
+    for p in prefixes:
+        where = index_cache_dir(p, data_cache_path, "DataCheck")
+        indexed.append(open_dataset(p, where, builder))
+        check_dataset(indexed[-1], tokenizer, where, builder)
     return indexed
 
 
 def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
                        num_samples: tuple, data_cache_path: str | None = None,
-                       indexed: list | None = None) -> list:
+                       indexed: list | None = None, builder: bool | None = None) -> list:
     """[train, valid, test] GPT datasets (None for an empty split) of num_samples[i] samples
     each (None: one epoch). Several prefixes are blended as megatron-core blends them (by weight,
     default: by their number of samples; blended_dataset.blend_split).
@@ -91,18 +114,17 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
         def part(i, count):
             return GPTDataset(indexed[i], np.arange(ranges[i][s].start, ranges[i][s].stop),
                               count, seq_length, seed,
-                              index_cache_dir(prefixes[i], data_cache_path, "GPTDataset"), name)
+                              index_cache_dir(prefixes[i], data_cache_path, "GPTDataset"), name,
+                              builder=builder)
         if len(prefixes) == 1:
             out.append(part(0, n))
             continue
         empty = [p for p, r in zip(prefixes, ranges) if len(r[s]) == 0]
         if empty:
-            raise DataError(f"--data-path: {empty[0]} has no documents in the {name} split "
-                            f"(--split {split}) while the other prefixes do: give it more "
-                            "documents or change --split")
+            raise _empty_part(empty[0], name, split)
         parts, w, size = blend_split(part, len(prefixes), weights, n)  # Megatron's sizes
         out.append(BlendedDataset(parts, w, size, index_cache_dir(prefixes[0], data_cache_path,
-                                                                  "BlendedDataset")))
+                                                                  "BlendedDataset"), builder))
     return out
 
 
@@ -161,7 +183,8 @@ def _padded_vocab(args, tokenizer) -> int:
                                    _get(args, "tensor_model_parallel_size", 1))
 
 
-def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples, indexed) -> list:
+def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples, indexed,
+                   builder=None) -> list:
     prefixes, _ = parse_data_path(data_path)
     indexed = indexed[0]
     split = _get(args, "split", DEFAULT_SPLIT)
@@ -174,7 +197,7 @@ def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples, indexe
             short_seq_prob=_get(args, "short_seq_prob", 0.1),
             mask_prob=_get(args, "mask_prob", 0.15),
             binary_head=not _get(args, "bert_no_binary_head", False),
-            pair_task=_get(args, "sentence_pair_task", "sop"), split=name))
+            pair_task=_get(args, "sentence_pair_task", "sop"), split=name, builder=builder))
     return out
 
 
@@ -189,14 +212,14 @@ def _mock(args, family: str, vocab: int, seq_length: int, seed: int):
 
 def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None,
                         seed: int | None = None, train_samples: int | None = None,
-                        valid_samples: int = 0, tokenizer: Tokenizer | None = None
-                        ) -> PretrainData:
+                        valid_samples: int = 0, tokenizer: Tokenizer | None = None,
+                        reads: bool = True, builder: bool | None = None) -> PretrainData:
     """Train (and, when valid_samples > 0, validation) datasets for pretrain_{family}.py.
 
     train_samples defaults to --train-iters x --global-batch-size (one epoch when unknown);
     Megatron's valid_samples is (train_iters // eval_interval + 1) x eval_iters x global batch.
     valid is None when not asked for or when --split gives it no documents. `tokenizer`: the one
-    `pretrain_tokenizer` built (else it is built here)."""
+    `pretrain_tokenizer` built (else it is built here). `reads`, `builder`: the module doc."""
     if family not in _DEFAULTS:
         raise DataError(f"unknown model family {family!r}: gpt or bert")
     seq_length = seq_length or _get(args, "seq_length")
@@ -214,25 +237,56 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
     if family == "bert" and len(parse_data_path(data_path)[0]) != 1:
         raise DataError("--data-path: BERT takes one prefix (blending is GPT-only for now)")
     cache, split = _get(args, "data_cache_path"), _get(args, "split", DEFAULT_SPLIT)
-    indexed = open_checked(data_path, tokenizer, cache)
     samples = (_num_samples(args, train_samples), valid_samples, 0)
+    prefixes = parse_data_path(data_path)[0]
+    if not reads:
+        train, valid = _no_data(family, prefixes, split, samples)
+        if train is None:
+            raise _empty_train_split(split, {p: split_counts(p)[1] for p in prefixes})
+        return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
+    indexed = open_checked(data_path, tokenizer, cache, builder)
     if family == "gpt":
         train, valid, _ = build_gpt_datasets(data_path, split, seq_length, seed, samples, cache,
-                                             indexed)
+                                             indexed, builder)
     else:
         train, valid, _ = _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples,
-                                         indexed)
+                                         indexed, builder)
     if train is None:
-        raise _empty_train_split(split, parse_data_path(data_path)[0], indexed)
+        raise _empty_train_split(split, {p: len(ds.document_indices) - 1
+                                         for p, ds in zip(prefixes, indexed)})
     return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
 
 
-def _empty_train_split(split: str, prefixes: list, indexed: list) -> DataError:
-    """Why the train split got no documents: its --split weight is 0, or too few documents."""
+def _no_data(family: str, prefixes: list, split: str, samples: tuple) -> tuple:
+    """(train, valid) of a rank that reads no data: NO_DATA where the data ranks get a dataset,
+    None where they get none (the same split arithmetic on the counts in the .idx headers: GPT
+    splits sequences of each prefix, BERT the documents of its one prefix)."""
+    counts = [split_counts(p) for p in prefixes]
+    out = []
+    for s in range(2):
+        sizes = [n for n, _ in counts] if family == "gpt" else [counts[0][1]]
+        empty = [p for p, n in zip(prefixes, sizes) if len(_split_ranges(n, split)[s]) == 0]
+        if len(empty) == len(sizes) or samples[s] == 0:
+            out.append(None)
+            continue
+        if empty:  # a blend with a prefix that has none of this split
+            raise _empty_part(empty[0], SPLIT_NAMES[s], split)
+        out.append(NO_DATA)
+    return tuple(out)
+
+
+def _empty_part(prefix: str, name: str, split: str) -> DataError:
+    return DataError(f"--data-path: {prefix} has no documents in the {name} split (--split "
+                     f"{split}) while the other prefixes do: give it more documents or change "
+                     "--split")
+
+
+def _empty_train_split(split: str, docs: dict) -> DataError:
+    """Why the train split got no documents: its --split weight is 0, or too few documents
+    (`docs`: prefix -> its document count)."""
     if parse_split(split)[0] == 0:
         return DataError(f"--split {split}: the train split has weight 0: give it a positive "
                          "weight, e.g. --split 969,30,1")
-    docs = {p: len(ds.document_indices) - 1 for p, ds in zip(prefixes, indexed)}
     listed = ", ".join(f"{p} has {n}" for p, n in docs.items())
     return DataError(f"--split {split}: the train split rounds to 0 documents ({listed}): add "
                      "documents or raise the train weight")

@@ -7,7 +7,9 @@ of all the parameters:
     {md5}-{class}-description.json   written last: marks the set complete
 
 Who builds: the process with local rank 0 (torchrun's LOCAL_RANK, SLURM_LOCALID, ...; a plain
-`python` run is local rank 0) builds the missing files; every other process waits for the
+`python` run is local rank 0), or the one the caller names (`builder`: the pretrain script
+names the node's first rank that reads data, training/build.py `data_role`), builds the missing
+files; every other process waits for the
 description file (polling with backoff) and then memory-maps the arrays. A builder writes each
 file under a name unique to it (host, pid, random suffix; fs.py), fsyncs it and publishes it
 create-if-absent (`fs.atomic_create`: a hard link to the final name, which fails when the name
@@ -55,10 +57,11 @@ def wait_until(ready: Callable[[], bool], path: Path, timeout_s: float = WAIT_TI
     deadline, delay = time.monotonic() + timeout_s, 0.05
     while not ready():
         if time.monotonic() >= deadline:
-            raise DataError(f"{path}: not built after {timeout_s:g} s of waiting for local rank 0 "
-                            "to build it: make sure every rank sees the same directory (pass "
-                            "--data-cache-path DIR on a filesystem all nodes share) and that "
-                            "local rank 0 did not fail")
+            raise DataError(f"{path}: not built after {timeout_s:g} s of waiting for this "
+                            "node's builder (its first rank that reads data) to build it: make "
+                            "sure every rank sees the same directory (pass --data-cache-path "
+                            "DIR on a filesystem all nodes share) and that the builder did not "
+                            "fail")
         sleep(delay)
         delay = min(2 * delay, 2.0)
 

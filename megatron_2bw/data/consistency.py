@@ -11,9 +11,13 @@ prefix:
   2000-id tokenizer was written for another tokenizer, or its dtype code is wrong);
 - its smallest and largest token id lie in [0, tokenizer.vocab_size).
 
-The id range is a scan of the whole .bin, done once: it is cached like the sample indices
-(`cached_arrays`), keyed by the .bin/.idx path, size and mtime, so later runs and the other ranks
-read two numbers.
+The checks that read a whole file run once per file version and are cached like the sample
+indices (`cached_arrays`, keyed by the .bin/.idx paths, sizes and mtimes): the index's
+self-consistency (indexed_dataset.IndexReader: lengths, pointers, document indices) and the
+.bin's id range. The node's builder runs them (and keeps a failure's message, so every rank
+raises the same line); later runs and the other ranks read a few numbers and open the files
+without re-reading them (`open_dataset`). A rank that reads no data (a middle pipeline stage)
+needs only the split sizes: `split_counts` reads the 34-byte .idx header and nothing else.
 """
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ import numpy as np
 
 from megatron_2bw.data.cache import cached_arrays
 from megatron_2bw.data.errors import DataError
-from megatron_2bw.data.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
+from megatron_2bw.data.indexed_dataset import (MMapIndexedDataset, data_file_path, index_file_path,
+                                               index_header)
 
-RANGE_FORMAT = 1
+CHECK_FORMAT = 2
 _CHUNK = 1 << 24  # tokens per numpy pass
 
 
@@ -42,18 +47,55 @@ def scan_token_range(indexed: MMapIndexedDataset) -> np.ndarray:
     return np.array([0, -1] if lo is None else [lo, hi], dtype=np.int64)
 
 
-def token_range(indexed: MMapIndexedDataset, cache_dir: str | Path) -> tuple[int, int]:
-    """(smallest, largest) token id, scanned once and cached in cache_dir."""
-    description = {"class": "TokenRange", "format": RANGE_FORMAT}
-    for kind, path in (("bin", data_file_path(indexed.prefix)),
-                       ("idx", index_file_path(indexed.prefix))):
+def _full_check(prefix: str) -> dict[str, np.ndarray]:
+    """Open the dataset with every check of the whole .idx, scan the .bin's ids: the verdict
+    ("problem": a DataError's message as UTF-8, empty when whole; "tokens"; "token_range")."""
+    try:
+        indexed = MMapIndexedDataset(prefix)
+    except DataError as e:
+        return {"problem": np.frombuffer(str(e).encode(), np.uint8),
+                "tokens": np.zeros(1, np.int64), "token_range": np.array([0, -1], np.int64)}
+    return {"problem": np.zeros(0, np.uint8), "tokens": np.array([indexed.num_tokens], np.int64),
+            "token_range": scan_token_range(indexed)}
+
+
+def _verdict(prefix: str, cache_dir: str | Path, builder: bool | None = None) -> dict:
+    """The cached verdict of `_full_check` for this version of PREFIX.bin/.idx."""
+    description = {"class": "DataCheck", "format": CHECK_FORMAT}
+    for kind, path in (("idx", index_file_path(prefix)), ("bin", data_file_path(prefix))):
+        if not os.path.isfile(path):  # named as the dataset reader names it
+            MMapIndexedDataset(prefix)
         stat = os.stat(path)
         description.update({f"{kind}_path": os.path.realpath(path), f"{kind}_bytes": stat.st_size,
                             f"{kind}_mtime_ns": stat.st_mtime_ns})
-    arrays, _ = cached_arrays(Path(cache_dir), description, ("token_range",),
-                              lambda: {"token_range": scan_token_range(indexed)})
-    lo, hi = (int(x) for x in arrays["token_range"])
+    arrays, _ = cached_arrays(Path(cache_dir), description, ("problem", "tokens", "token_range"),
+                              lambda: _full_check(prefix), builder=builder)
+    problem = bytes(arrays["problem"]).decode()
+    if problem:
+        raise DataError(problem)
+    return arrays
+
+
+def open_dataset(prefix: str, cache_dir: str | Path, builder: bool | None = None
+                 ) -> MMapIndexedDataset:
+    """PREFIX's indexed dataset, its whole-file checks run once per file version (cached in
+    cache_dir; `builder`: default local rank 0); one-line DataError when it is not whole."""
+    tokens = int(_verdict(prefix, cache_dir, builder)["tokens"][0])
+    return MMapIndexedDataset(prefix, checked_tokens=tokens)
+
+
+def token_range(indexed: MMapIndexedDataset, cache_dir: str | Path,
+                builder: bool | None = None) -> tuple[int, int]:
+    """(smallest, largest) token id, scanned once per file version and cached in cache_dir."""
+    lo, hi = (int(x) for x in _verdict(indexed.prefix, cache_dir, builder)["token_range"])
     return lo, hi
+
+
+def split_counts(prefix: str) -> tuple[int, int]:
+    """(sequences, documents) of PREFIX from its .idx header alone: what a rank that reads no
+    data needs to size the splits as the ranks that read it do."""
+    _, sequences, document_indices, _ = index_header(index_file_path(prefix))
+    return sequences, max(document_indices - 1, 0)
 
 
 def _tokenizer_words(tokenizer, largest: int) -> tuple[str, str]:
@@ -68,7 +110,8 @@ def _tokenizer_words(tokenizer, largest: int) -> tuple[str, str]:
             "tools/preprocess_data.py with this one)")
 
 
-def check_dataset(indexed: MMapIndexedDataset, tokenizer, cache_dir: str | Path) -> None:
+def check_dataset(indexed: MMapIndexedDataset, tokenizer, cache_dir: str | Path,
+                  builder: bool | None = None) -> None:
     """One-line DataError unless the dataset is non-empty and its ids fit the tokenizer."""
     idx, bin_path = index_file_path(indexed.prefix), data_file_path(indexed.prefix)
     documents = len(indexed.document_indices) - 1
@@ -89,7 +132,7 @@ def check_dataset(indexed: MMapIndexedDataset, tokenizer, cache_dir: str | Path)
                         f"the {name} has {vocab}: the data was written for another tokenizer "
                         "or its dtype code is wrong; regenerate it with "
                         "tools/preprocess_data.py and this tokenizer")
-    lo, hi = token_range(indexed, cache_dir)
+    lo, hi = token_range(indexed, cache_dir, builder)
     if lo < 0 or hi >= vocab:
         name, fix = _tokenizer_words(tokenizer, hi)
         bad = f"go down to {lo}" if lo < 0 else f"go up to {hi}"

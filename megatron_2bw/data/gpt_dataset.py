@@ -98,7 +98,8 @@ class GPTDataset:
     """Samples of seq_length + 1 tokens from `documents` (sequence ids) of an indexed dataset."""
 
     def __init__(self, indexed: MMapIndexedDataset, documents: np.ndarray, num_samples: int | None,
-                 seq_length: int, seed: int, cache_dir: str | Path, split: str = "train"):
+                 seq_length: int, seed: int, cache_dir: str | Path, split: str = "train",
+                 builder: bool | None = None):
         self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
         self.documents = np.asarray(documents, dtype=np.int64)
         sizes = indexed.sequence_lengths
@@ -117,7 +118,7 @@ class GPTDataset:
             "num_samples": num_samples, "seq_length": seq_length, "seed": seed}
         arrays, self.built_indices = cached_arrays(
             Path(cache_dir), self.description, ("document_index", "sample_index", "shuffle_index"),
-            lambda: self._build(num_samples))
+            lambda: self._build(num_samples), builder=builder)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]

@@ -71,31 +71,39 @@ def _require_file(path: str, what: str) -> None:
                         "P.idx, as written by tools/preprocess_data.py)")
 
 
-class IndexReader:
-    """The parsed .idx: dtype, sequence_lengths, sequence_pointers, document_indices (memmapped)."""
+def index_header(idx_path: str) -> tuple[np.dtype, int, int, int]:
+    """(token dtype, sequence count, document index count, file size) from the 34-byte header
+    of a .idx; reads nothing else. One-line DataError when it is not a version-1 index."""
+    _require_file(idx_path, "index")
+    size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(_HEADER_BYTES)
+    if head[:len(INDEX_HEADER)] != INDEX_HEADER:
+        raise DataError(f"{idx_path}: not a Megatron mmap index (starts with "
+                        f"{head[:9]!r}, expected {INDEX_HEADER!r}): regenerate it with "
+                        "tools/preprocess_data.py")
+    if len(head) < _HEADER_BYTES:
+        raise DataError(f"{idx_path}: truncated header ({size} bytes, need "
+                        f"{_HEADER_BYTES}): regenerate it with tools/preprocess_data.py")
+    version, code, count, docs = struct.unpack("<QBQQ", head[len(INDEX_HEADER):])
+    if version != INDEX_VERSION:
+        raise DataError(f"{idx_path}: index version {version}, only version "
+                        f"{INDEX_VERSION} is supported: regenerate it with "
+                        "tools/preprocess_data.py")
+    if code not in DTYPES:
+        raise DataError(f"{idx_path}: unknown dtype code {code} (valid: 1-8): the file is "
+                        "corrupt; regenerate it with tools/preprocess_data.py")
+    return np.dtype(DTYPES[code]), count, docs, size
 
-    def __init__(self, idx_path: str):
-        _require_file(idx_path, "index")
+
+class IndexReader:
+    """The parsed .idx: dtype, sequence_lengths, sequence_pointers, document_indices (memmapped).
+    `checked_tokens`: the token count a full check of this very file found before (a cached
+    verdict, data/consistency.py): the checks that read the whole index are skipped."""
+
+    def __init__(self, idx_path: str, checked_tokens: int | None = None):
         self.path = idx_path
-        size = os.path.getsize(idx_path)
-        with open(idx_path, "rb") as f:
-            head = f.read(_HEADER_BYTES)
-        if head[:len(INDEX_HEADER)] != INDEX_HEADER:
-            raise DataError(f"{idx_path}: not a Megatron mmap index (starts with "
-                            f"{head[:9]!r}, expected {INDEX_HEADER!r}): regenerate it with "
-                            "tools/preprocess_data.py")
-        if len(head) < _HEADER_BYTES:
-            raise DataError(f"{idx_path}: truncated header ({size} bytes, need "
-                            f"{_HEADER_BYTES}): regenerate it with tools/preprocess_data.py")
-        version, code, count, docs = struct.unpack("<QBQQ", head[len(INDEX_HEADER):])
-        if version != INDEX_VERSION:
-            raise DataError(f"{idx_path}: index version {version}, only version "
-                            f"{INDEX_VERSION} is supported: regenerate it with "
-                            "tools/preprocess_data.py")
-        if code not in DTYPES:
-            raise DataError(f"{idx_path}: unknown dtype code {code} (valid: 1-8): the file is "
-                            "corrupt; regenerate it with tools/preprocess_data.py")
-        self.dtype = np.dtype(DTYPES[code])
+        self.dtype, count, docs, size = index_header(idx_path)
         self.sequence_count, self.document_count = count, docs
         need = _HEADER_BYTES + 12 * count + 8 * docs
         if size < need:
@@ -108,11 +116,12 @@ class IndexReader:
         self.sequence_lengths = np.frombuffer(buf, np.int32, count, off)
         self.sequence_pointers = np.frombuffer(buf, np.int64, count, off + 4 * count)
         self.document_indices = np.frombuffer(buf, np.int64, docs, off + 12 * count)
-        d = self.document_indices
-        if docs == 0 or d[0] != 0 or d[-1] != count or (docs > 1 and np.any(d[1:] < d[:-1])):
+        d, whole = self.document_indices, checked_tokens is None
+        if docs == 0 or d[0] != 0 or d[-1] != count or \
+                (whole and docs > 1 and np.any(d[1:] < d[:-1])):
             raise DataError(f"{idx_path}: inconsistent document indices (must rise from 0 to "
                             f"the sequence count {count}): {_REGENERATE}")
-        self.num_tokens = self._check_lengths_and_pointers()
+        self.num_tokens = self._check_lengths_and_pointers() if whole else int(checked_tokens)
 
     def _check_lengths_and_pointers(self) -> int:
         """Lengths >= 0 and pointers = running byte offsets; returns the total token count."""
@@ -152,12 +161,13 @@ class IndexReader:
 
 
 class MMapIndexedDataset:
-    """Read-only view of PREFIX.bin/.idx. `ds[i]` is sequence i as a zero-copy numpy array."""
+    """Read-only view of PREFIX.bin/.idx. `ds[i]` is sequence i as a zero-copy numpy array.
+    `checked_tokens`: see IndexReader (the sizes and the header are checked in any case)."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, checked_tokens: int | None = None):
         self.prefix = prefix
         bin_path = data_file_path(prefix)
-        self.index = IndexReader(index_file_path(prefix))
+        self.index = IndexReader(index_file_path(prefix), checked_tokens)
         _require_file(bin_path, "data")
         have, need = os.path.getsize(bin_path), self.index.bin_bytes_needed()
         if have < need:

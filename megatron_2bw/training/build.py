@@ -17,6 +17,23 @@ def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGri
     return grid.init_groups(comm)
 
 
+def data_role(cfg: Config, rank: int, world_size: int, local_rank: int) -> tuple[bool, bool]:
+    """(reads, builder) of a rank, before any process group: whether it reads batches (the
+    first and the last pipeline stage; the middle ones receive activations) and whether it
+    builds its node's data caches (the node's first rank that reads data). The ranks
+    rank - local_rank .. rank are taken to share this node, as torchrun and SLURM's block
+    distribution place them; with d <= 2 every rank reads and local rank 0 builds."""
+    grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
+                       cfg.resolved(world_size).data_parallel_size, rank=rank,
+                       rank_order=cfg.parallel.rank_order)
+    d = grid.pipeline
+
+    def reads(r: int) -> bool:
+        return grid.coords(r)[1] in (0, d - 1)
+    return reads(rank), reads(rank) and not any(reads(r) for r in
+                                                range(max(rank - local_rank, 0), rank))
+
+
 def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEngine,
                  lr_schedule=None):
     """The configured model's stage on this rank, run by `engine_class` (a PipelineEngine);
