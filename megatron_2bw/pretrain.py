@@ -25,8 +25,10 @@ from typing import Any, Callable, NamedTuple
 
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.config.build import build_config
+from megatron_2bw.config.compat import add_compat_args
 from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
                                        add_training_args, exit_on_config_error)
+from megatron_2bw.config.paths import check_output_paths
 from megatron_2bw.data.build import build_pretrain_data, pretrain_tokenizer
 from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.devices import backend_device, default_backend
@@ -63,6 +65,7 @@ def build_parser(family: str) -> FlagParser:
     g.add_argument("--no-memory-check", action="store_true",
                    help="start even when the planner's memory model says a rank's buffers do "
                         "not fit in its device's free memory")
+    add_compat_args(p)  # last: Megatron's other flags, where no group above took them
     return p
 
 
@@ -91,6 +94,9 @@ def parse(family: str, argv=None) -> Parsed:
             planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
         built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner)
         cfg = built.config
+        if rank == 0:
+            for line in built.notes:
+                print(line, flush=True)
         from megatron_2bw.checkpoint.api import preflight
         from megatron_2bw.checkpoint.resume import resume_note
         preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
@@ -99,6 +105,7 @@ def parse(family: str, argv=None) -> Parsed:
             print(note, flush=True)
         from megatron_2bw.training.observe.writers import check_tensorboard
         check_tensorboard(cfg.train)
+        check_output_paths(cfg.train)  # every path a run writes, before the first iteration
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)

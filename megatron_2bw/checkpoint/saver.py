@@ -20,6 +20,8 @@ boundary after it on, hence `iteration >= started + 3`.
 """
 from __future__ import annotations
 
+import time
+
 from megatron_2bw.checkpoint.api import save_checkpoint, start_checkpoint
 from megatron_2bw.config import Config
 from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks
@@ -37,7 +39,7 @@ class Checkpointer:
         if self.train.ckpt_format == "torch_dist":
             from megatron_2bw.checkpoint.dist.load import stage_boxes
             self.view = stage_boxes(engine, cfg, grid)
-        self.pending, self.started = None, None
+        self.pending, self.started, self.clock = None, None, 0.0
 
     @property
     def flags(self):
@@ -48,9 +50,15 @@ class Checkpointer:
         on the host unless `wait`."""
         self.wait()  # a second save waits for the first
         t = self.train
+        self.clock = time.time()
+        if self.log is not None:  # Megatron's lines (the reporting rank)
+            self.log(f"saving checkpoint at iteration {self.engine.iteration} to {t.save}")
         if not t.async_save:
             save_checkpoint(t.save, self.engine, self.cfg, self.grid, t.save_optim, t.keep_last,
                             self.hooks, view=self.view)
+            if self.log is not None:
+                self.log(f"successfully saved checkpoint at iteration {self.engine.iteration} "
+                         f"to {t.save} ({time.time() - self.clock:.2f} s)")
             return
         self.pending = start_checkpoint(t.save, self.engine, self.cfg, self.grid, self.view,
                                         t.save_optim, t.keep_last, self.hooks, asynchronous=True)
@@ -77,5 +85,7 @@ class Checkpointer:
         self.flags.raise_flag(FLAG, False)
         path = pending.finish()
         if self.log is not None:
+            self.log(f"successfully saved checkpoint at iteration {pending.iteration} to "
+                     f"{self.train.save} ({time.time() - self.clock:.2f} s)")
             self.log(f"saved iteration {pending.iteration} in {path}: written in the background "
                      f"while training went on, published at iteration {self.engine.iteration}")

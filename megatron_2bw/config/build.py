@@ -24,7 +24,9 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from megatron_2bw.config import Config, Fixed
+from megatron_2bw.config.compat import notes as compat_notes
 from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.config.ramps import resolve_ramp
 
 # typed flag -> the Config path it fixes (what --auto-plan keeps as given)
 FLAG_FIXES = {
@@ -48,6 +50,7 @@ FLAG_FIXES = {
 class BuiltConfig(NamedTuple):
     config: Config
     deepspeed: object = None  # ds_json.DeepSpeedSettings when a DeepSpeed JSON was given
+    notes: tuple[str, ...] = ()  # lines for the log: what a compatibility flag does here
 
     @property
     def lr_schedule(self):
@@ -79,7 +82,12 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
     (`ds_json.explicit_flags(argv)`); `vocab_size`: the tokenizer's padded vocabulary (None:
     --vocab-size); `planner`: --auto-plan's Config -> Config. Raises ConfigError (one line)."""
     typed = set(typed)
+    _check_sample_mode(args)
     cfg = config_from_args(args, family)
+    notes = list(compat_notes(args))
+    ramp_line = resolve_ramp(args, cfg.model.seq_length)[1]
+    if ramp_line:
+        notes.append(ramp_line)
     cfg = cfg.replace(fixed=tuple(f._replace(value=cfg.get(f.path))
                                   for f in fixed_by_flags(args, typed)))
     deepspeed = None
@@ -92,11 +100,35 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
     if planner is not None:
         cfg = planner(cfg)
     cfg = cfg.resolved(world_size)
+    if cfg.parallel.sequence_parallel and cfg.parallel.tensor == 1:  # Megatron's behaviour
+        notes.append("megatron-2bw: warning: --sequence-parallel needs "
+                     "--tensor-model-parallel-size > 1: turned off (t = 1)")
+        cfg = cfg.replace(parallel={"sequence_parallel": False})
     samples = getattr(args, "train_samples", None)
     if samples is not None:
         from megatron_2bw.config import ConfigError
         if samples < 1:
             raise ConfigError(f"--train-samples must be >= 1, got {samples}")
         cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
-    return BuiltConfig(cfg.validate(world_size), deepspeed)
+    return BuiltConfig(cfg.validate(world_size), deepspeed, tuple(notes))
+
+
+def _check_sample_mode(args) -> None:
+    """Megatron's rule: iteration-based runs (--train-iters) take iteration-based lr flags,
+    sample-based runs (--train-samples) sample-based ones."""
+    from megatron_2bw.config import ConfigError
+    if getattr(args, "train_samples", None) is not None:
+        bad = [f for f, v in (("--lr-decay-iters", getattr(args, "lr_decay_iters", None)),
+                              ("--lr-warmup-iters", getattr(args, "lr_warmup_iters", 0))) if v]
+        if bad:
+            raise ConfigError(f"--train-samples counts samples: use --lr-decay-samples / "
+                              f"--lr-warmup-samples (or --lr-warmup-fraction) instead of "
+                              f"{' and '.join(bad)}")
+    else:
+        bad = [f for f, v in (("--lr-decay-samples", getattr(args, "lr_decay_samples", None)),
+                              ("--lr-warmup-samples", getattr(args, "lr_warmup_samples", 0)))
+               if v]
+        if bad:
+            raise ConfigError(f"{' and '.join(bad)} count samples: give --train-samples, or "
+                              "use --lr-decay-iters / --lr-warmup-iters with --train-iters")
 

@@ -55,7 +55,9 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
                         ("--max-position-embeddings", m.max_position_embeddings)):
         if value is not None and value < 1:
             _fail(f"{name} must be >= 1 (or unset for the default), got {value}")
-    if m.hidden_size % m.num_attention_heads != 0:
+    if m.num_kv_channels is not None and m.num_kv_channels < 1:
+        _fail(f"--kv-channels must be >= 1, got {m.num_kv_channels}")
+    if m.num_kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
         _fail(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
               f"{m.num_attention_heads}: pick a head count that divides the hidden size")
     if m.num_attention_heads % p.tensor != 0:
@@ -85,10 +87,7 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     if m.selective_recompute and m.recompute_method is not None:
         _fail("--recompute-method applies to --recompute-granularity full, not selective: "
               "drop one of them")
-    if p.sequence_parallel:
-        if p.tensor < 2:
-            _fail("--sequence-parallel splits the sequence across tensor ranks: it needs "
-                  f"--tensor-model-parallel-size > 1 (got {p.tensor})")
+    if p.sequence_parallel:  # at t = 1 the config pipeline turns it off (build.py), as Megatron
         if m.seq_length % p.tensor:
             _fail(f"--sequence-parallel needs --seq-length {m.seq_length} divisible by "
                   f"--tensor-model-parallel-size {p.tensor}")
@@ -173,6 +172,7 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
               f"{', '.join(LR_DECAY_STYLES)}")
     if o.lr_warmup_iters < 0:
         _fail(f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
+    _check_lr_samples(o)
     if pr.dtype not in PRECISIONS:
         _fail(f"unknown precision {pr.dtype!r}: use one of {', '.join(PRECISIONS)}")
     if pr.loss_scale is not None and pr.loss_scale <= 0:
@@ -228,10 +228,25 @@ def _fail(message: str):
     raise ConfigError(message)
 
 
+def _check_lr_samples(o) -> None:
+    """Megatron's rules of the fraction and sample-based lr flags."""
+    if o.lr_warmup_fraction is not None:
+        if not 0 <= o.lr_warmup_fraction <= 1:
+            _fail(f"--lr-warmup-fraction must be in [0, 1], got {o.lr_warmup_fraction}")
+        if o.lr_warmup_iters or o.lr_warmup_samples:
+            _fail("--lr-warmup-fraction excludes --lr-warmup-iters and --lr-warmup-samples: "
+                  "give one warmup")
+    if o.lr_warmup_samples < 0 or (o.lr_decay_samples is not None and o.lr_decay_samples < 1):
+        _fail(f"--lr-warmup-samples must be >= 0 and --lr-decay-samples >= 1, got "
+              f"{o.lr_warmup_samples}, {o.lr_decay_samples}")
+
+
 def _check_observability(tr: TrainConfig, world_size: int | None) -> None:
     """The rules of the logging, profiling and straggler flags (one-line errors)."""
     if tr.log_timers_to_tensorboard and not tr.tensorboard_dir:
         _fail("--log-timers-to-tensorboard needs --tensorboard-dir DIR: say where events go")
+    if tr.tensorboard_log_interval < 1:
+        _fail(f"--tensorboard-log-interval must be >= 1, got {tr.tensorboard_log_interval}")
     if tr.tensorboard_queue_size < 1:
         _fail(f"--tensorboard-queue-size must be >= 1, got {tr.tensorboard_queue_size}")
     if tr.profile:

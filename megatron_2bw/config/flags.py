@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from dataclasses import replace
 
@@ -11,22 +10,23 @@ from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK
                                  ConfigError, ModelConfig, OptimizerConfig, ParallelConfig,
                                  PrecisionConfig, TrainConfig)
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
+from megatron_2bw.config.compat import refusals
+from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with one-line errors that suggest the closest valid flag."""
+    """argparse whose errors are one message: every refused flag of the command line on a line of
+    its own, each with its reason (unknown flags with the closest valid one; features the engine
+    does not have: config/compat.py), then exit 2."""
 
     def parse_args(self, args=None, namespace=None):
         args, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            flag = unknown[0].split("=")[0]
-            valid = [o for a in self._actions for o in a.option_strings]
-            close = difflib.get_close_matches(flag, valid, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            self.error(f"unknown flag {flag}{hint}")
+        problems = refusals(self, args, unknown) + batch_ramp_problems(args)
+        if problems:
+            self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in problems))
         return args
 
     def error(self, message):
@@ -77,7 +77,8 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "position_embedding_type",
                       "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
                       "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
                       "swiglu": "swiglu", "group_query_attention": "group_query_attention",
-                      "num_query_groups": "num_query_groups", "openai_gelu": "openai_gelu"}
+                      "num_query_groups": "num_query_groups", "openai_gelu": "openai_gelu",
+                      "kv_channels": "num_kv_channels", "apply_layernorm_1p": "apply_layernorm_1p"}
 
 
 def add_architecture_args(p: argparse.ArgumentParser) -> None:
@@ -98,6 +99,11 @@ def add_architecture_args(p: argparse.ArgumentParser) -> None:
                    help="no biases in the linear layers (norms keep theirs)")
     g.add_argument("--openai-gelu", action="store_true", default=None,
                    help="tanh-approximated GeLU (GPT-2's gelu_new)")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="channels per attention head (default: hidden size / heads)")
+    g.add_argument("--apply-layernorm-1p", action="store_true", default=None,
+                   help="norm weights stored as gamma - 1 (zero at init, weight decay pulls "
+                        "gamma to 1): Megatron's zero-centred gamma, LayerNorm and RMSNorm")
 
 
 def apply_architecture_args(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
@@ -167,6 +173,13 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay span (Megatron's; excludes "
+                        "--lr-warmup-iters/--lr-warmup-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="warmup in samples (with --train-samples)")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="decay span in samples (with --train-samples; default: --train-samples)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -189,6 +202,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "needs to fall from --initial-loss-scale to --min-loss-scale, plus 10)")
     g.add_argument("--train-samples", type=int, default=None,
                    help="alternative to --train-iters: samples / global batch size iterations")
+    add_ramp_args(g)
     g.add_argument("--eval-interval", type=int, default=0)
     g.add_argument("--eval-iters", type=int, default=1)
     g.add_argument("--save", default=None)
@@ -223,6 +237,9 @@ def add_observability_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", default=None,
                    help="write the logged scalars as TensorBoard events here (last stage)")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write the per-iteration scalars (lm loss, learning-rate, batch-size) "
+                        "every N iterations (Megatron's)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="add the per-action wall-clock breakdown to TensorBoard")
     g.add_argument("--profile", action="store_true",
@@ -278,14 +295,18 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
         distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
         sequence_parallel=getattr(args, "sequence_parallel", False))
+    ramp_batch, _ = resolve_ramp(args, shape["seq_length"])
     batch = BatchConfig(micro_batch_size=args.micro_batch_size,
-                        global_batch_size=args.global_batch_size)
+                        global_batch_size=ramp_batch or args.global_batch_size)
     optimizer = OptimizerConfig(
         name=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
         lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style, impl=getattr(args, "optimizer_impl", "auto"))
+        lr_decay_style=args.lr_decay_style, impl=getattr(args, "optimizer_impl", "auto"),
+        lr_warmup_fraction=getattr(args, "lr_warmup_fraction", None),
+        lr_warmup_samples=getattr(args, "lr_warmup_samples", 0),
+        lr_decay_samples=getattr(args, "lr_decay_samples", None))
     precision = PrecisionConfig(
         dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
@@ -303,6 +324,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown,
         trace=args.trace, tensorboard_dir=args.tensorboard_dir,
         tensorboard_queue_size=args.tensorboard_queue_size,
+        tensorboard_log_interval=getattr(args, "tensorboard_log_interval", 1),
         log_timers_to_tensorboard=args.log_timers_to_tensorboard, profile=args.profile,
         profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
         profile_ranks=tuple(args.profile_ranks), log_straggler=args.log_straggler,

@@ -74,6 +74,8 @@ class ModelConfig:
     num_query_groups: int = 1                   # key/value heads; read with group_query_attention
     add_bias_linear: bool = True                # --disable-bias-linear: no bias in any linear
     openai_gelu: bool = False                   # tanh-approximated GeLU (GPT-2's "gelu_new")
+    num_kv_channels: int | None = None          # --kv-channels; None: hidden_size / heads
+    apply_layernorm_1p: bool = False            # norm weights hold gamma - 1 (zero-centred)
 
     def __post_init__(self):
         if self.recompute_method is not None and self.recompute_granularity is None:
@@ -103,7 +105,7 @@ class ModelConfig:
 
     @property
     def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.num_kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -155,6 +157,11 @@ class OptimizerConfig:
     # --optimizer-impl: the kernel that steps it (optim/kernels.py); "auto": torch's fused kernel
     # where it runs, else apex (CUDA) or the unfused ops; "native" (Adam, CPU) only when asked
     impl: str = "auto"
+    # Megatron's sample-based schedule: warmup as a fraction of the decay span, or warmup and
+    # decay in samples (converted with the global batch: optim/lr.py)
+    lr_warmup_fraction: float | None = None
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,7 @@ class TrainConfig:
     # training/observe/straggler.py; Megatron's flag names)
     tensorboard_dir: str | None = None
     tensorboard_queue_size: int = 1000
+    tensorboard_log_interval: int = 1  # per-iteration scalars every N iterations
     log_timers_to_tensorboard: bool = False
     profile: bool = False             # torch.profiler over iterations (start, end] of these ranks
     profile_step_start: int = 10

@@ -72,7 +72,8 @@ class BatchStepper:
         self.sequence_parallel = (cfg.parallel.sequence_parallel and grid.group("tp") is not None
                                   and sp_hi > sp_lo)
         self.scaler = make_loss_scaler(cfg.precision)
-        self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters)
+        self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters,
+                                            cfg.global_batch_size)
         self.compensation = Compensator(cfg.compensation, self.optimizer, weights, self.lr,
                                         self._gather, self.wait_weights,
                                         defer=torch.device(device).type == "cpu")

@@ -53,6 +53,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune,
                             log=log if reporter else None) if t.load else 0
     check_iterations(t.train_iters, start, t.load)
+    if start and reporter:
+        log(f"loading checkpoint from {t.load} at iteration {start}")
     if start == t.train_iters and reporter:
         log(f"the checkpoint in {t.load} is at iteration {start} = --train-iters: nothing to "
             "train (raise --train-iters to continue)")
@@ -60,7 +62,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     eval_data = input_pipeline(make_eval_data(), "validation data", grid, device) \
         if (make_eval_data and t.eval_interval) else None
     logger = TrainLogger(cfg, grid, reporter, log, progress, start)
-    report = IntervalLog(cfg, grid, device, engine, logger)
+    report = IntervalLog(cfg, grid, device, engine, logger, start)
     profiler = StepProfiler(t, grid, engine, start)
     if start < t.train_iters:
         engine.start(t.train_iters - start)
@@ -71,7 +73,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if t.save:
         from megatron_2bw.checkpoint.saver import Checkpointer
         saver = Checkpointer(cfg, grid, engine, hooks, log if reporter else None)
-    pending, losses, saved_at = [], [], None
+    pending, skips, losses, saved_at = [], [], [], None
     last_good = f"iteration {start} in {t.load}" if start else None
 
     def check_nan(newest: bool = False) -> None:
@@ -91,6 +93,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     profiler.step(start)
     for it in range(start + 1, t.train_iters + 1):
         pending.append(engine.train_batch(data).detach().clone())
+        skips.append(engine.skipped_iterations)  # a host count: the interval mean leaves them out
         hooks.after_iteration(grid, it)
         if saver is not None:
             saver.poll()  # publishes an --async-save once every rank has written it
@@ -101,7 +104,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
             values = torch.stack(pending).tolist()  # the only loss read: once per log interval
             losses += values
             pending.clear()
-            report.interval(it, values)
+            report.interval(it, values, skips)
+            skips = []
         if eval_data is not None and it % t.eval_interval == 0:
             total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
             report.validation(it, total / t.eval_iters)
@@ -134,5 +138,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         saver.save()
     if saver is not None:
         saver.wait()
+    report.summary(engine.iteration, f"iteration {saved_at or engine.iteration} in {t.save}"
+                   if t.save and engine.iteration > start else None)
     logger.finish()
     return losses

@@ -75,23 +75,38 @@ def test_tensorboard_events_hold_the_scalars_of_the_wandb_history(tmp_path, monk
         for key, value in row.items():
             if not key.startswith("_"):
                 history[key].append((row["_step"], value))
-    for key in ("loss", "lr", "grad_norm", "loss_scale", "skipped", "samples/s", "tokens/s",
+    for key in ("skipped", "samples/s", "tokens/s",
                 "TFLOP/s/device", "ms/iteration", "memory_GB_per_stage/stage0",
-                "memory_GB_per_stage/stage1", "ms_forward", "ms_p2p"):
+                "memory_GB_per_stage/stage1", "ms_forward", "ms_p2p", "grad-norm", "loss-scale",
+                "iteration-time", "throughput"):
         assert [s for s, _ in board[key]] == [2, 4, 6], key
-    assert [s for s, _ in board["validation_loss"]] == [s for s, _ in board["validation_ppl"]] \
-        == [3, 6]
-    assert sorted(board) == sorted(history), "the same scalars in both"
+    # Megatron's tags: per iteration, per evaluation, and each again against the samples
+    B = cfg.batch.global_batch_size
+    for key in ("lm loss", "learning-rate", "batch-size"):
+        assert [s for s, _ in board[key]] == [1, 2, 3, 4, 5, 6], key
+        assert [s for s, _ in board[f"{key} vs samples"]] == [B * i for i in range(1, 7)], key
+    assert [s for s, _ in board["lm loss validation"]] == \
+        [s for s, _ in board["lm loss validation ppl"]] == [3, 6]
+    assert [s for s, _ in board["lm loss validation vs samples"]] == [3 * B, 6 * B]
+    assert not {"loss", "lr", "grad_norm", "validation_loss"} & set(board), "old names gone"
+    # wandb: the same tags at the same iterations (no "vs samples" copies: consumed-samples)
+    assert sorted(history) == sorted([k for k in board if not k.endswith(" vs samples")]
+                                     + ["consumed-samples"])
     for key, rows in history.items():
+        if key == "consumed-samples":
+            continue
         assert [s for s, _ in board[key]] == [s for s, _ in rows], key
         assert [v for _, v in board[key]] == pytest.approx([v for _, v in rows], rel=1e-6), key
 
     logged = [parse_line(x) for x in _lines(f"{d}/log")]
-    train = [(it, f) for it, f in filter(None, logged) if "loss" in f]
+    train = [(it, f) for it, f in filter(None, logged) if "lm loss" in f]
     assert [it for it, _ in train] == [2, 4, 6]
-    for (it, fields), (step, value) in zip(train, board["loss"]):
-        assert fields["loss"] == pytest.approx(value, rel=1e-3)
+    per_iteration = dict(board["lm loss"])
+    for it, fields in train:  # the line's lm loss: the mean over the interval's iterations
+        assert fields["lm loss"] == pytest.approx(
+            (per_iteration[it - 1] + per_iteration[it]) / 2, rel=1e-3)
         assert re.fullmatch(r"\d+[smhd]\d*[smh]?", fields["ETA"]) and fields["ms/iteration"] > 0
+    assert per_iteration[1] != pytest.approx(per_iteration[2], rel=1e-3), "a mean, not the last"
     assert train[-1][1]["ETA"] == "0s"
     valid = [(it, f) for it, f in filter(None, logged) if "validation loss" in f]
     assert [it for it, _ in valid] == [3, 6]

@@ -2,13 +2,21 @@
 
     consumed samples, ms/iteration, ETA            training/observe/progress.py (host wall clock,
                                                    no sync)
-    lr, loss, grad norm, loss scale, skipped       the engine (read once per interval)
+    lr, lm loss, grad norm, loss scale, skipped    the engine (read once per interval); lm loss
+                                                   is the mean over the interval's iterations,
+                                                   skipped fp16 steps left out (Megatron's)
     samples/s, tokens/s, TFLOP/s/device            Megatron's model FLOPs (models/flops.py)
     memory GB per stage [, reserved GB per stage]  training/observe/memory.py (peaks of the
                                                    interval)
     ms <action> ...                                --wall-clock-breakdown (pipeline/timers.py)
     compute/wait ms per stage, slowest rank ...    --log-straggler (training/observe/straggler.py)
     validation loss, validation ppl                each --eval-interval (ppl = exp(min(loss, 20)))
+
+TensorBoard and wandb get Megatron's tags besides (`megatron_rows`): per iteration (every
+--tensorboard-log-interval) `lm loss`, `learning-rate`, `batch-size`; per interval `grad-norm`,
+`loss-scale`, `iteration-time` (seconds), `throughput` (TFLOP/s/device, always); per
+evaluation `lm loss validation` and `lm loss validation ppl`; TensorBoard also each as
+`<tag> vs samples` (training/observe/writers.py). `summary` is the run's last line.
 
 `interval` is collective (memory and straggler tables are gathered from every rank) and is
 called on every rank; only the reporting rank prints and writes (training/observe/logger.py). The
@@ -18,6 +26,7 @@ engine's timers are read and cleared here, once per interval, whenever the engin
 from __future__ import annotations
 
 import math
+import time
 
 from megatron_2bw.training.observe.logger import TrainLogger
 from megatron_2bw.training.observe.memory import memory_per_stage
@@ -37,22 +46,35 @@ def flops_per_sample(cfg) -> float:
 
 
 class IntervalLog:
-    def __init__(self, cfg, grid, device, engine, logger: TrainLogger):
+    def __init__(self, cfg, grid, device, engine, logger: TrainLogger, start: int = 0):
         self.cfg, self.grid, self.device, self.engine, self.logger = \
             cfg, grid, device, engine, logger
         self.pace = Pace(cfg.train.train_iters)
         self.flops = flops_per_sample(cfg)
         self.first = True   # the run's first interval holds the warm-up
+        self.started, self.start = time.time(), start
+        self.skipped_before = engine.skipped_iterations
+        self.last_train = self.last_valid = self.best_valid = None
 
-    def interval(self, iteration: int, losses: list[float]) -> None:
-        """Log the interval that ends after `iteration` (`losses`: one per iteration of it)."""
+    def interval(self, iteration: int, losses: list[float],
+                 skipped_after: list[int] | None = None) -> None:
+        """Log the interval that ends after `iteration` (`losses`: one per iteration of it;
+        `skipped_after`: the engine's skipped-step count after each, to leave skipped fp16
+        steps out of the mean)."""
         cfg, t, engine, grid = self.cfg, self.cfg.train, self.engine, self.grid
         n = len(losses)
+        skipped_after = skipped_after or [engine.skipped_iterations] * n
+        counts = [self.skipped_before] + list(skipped_after)
+        kept = [x for x, a, b in zip(losses, counts, counts[1:]) if b == a]
+        self.skipped_before = counts[-1]
+        mean = sum(kept) / len(kept) if kept else float("nan")
+        self.last_train = mean if kept else self.last_train
         seconds, eta = self.pace.interval(iteration, n)
-        rate = cfg.batch.global_batch_size * n / max(seconds, 1e-9)
-        metrics = {"consumed samples": cfg.batch.global_batch_size * iteration,
+        B = cfg.batch.global_batch_size
+        rate = B * n / max(seconds, 1e-9)
+        metrics = {"consumed samples": B * iteration,
                    "ms/iteration": 1e3 * seconds / max(n, 1), "ETA": format_duration(eta),
-                   "lr": engine.stepper.last_lr, "loss": losses[-1],
+                   "lr": engine.stepper.last_lr, "lm loss": mean,
                    "grad norm": float(engine.last_grad_norm),
                    "loss scale": engine.stepper.scaler.scale,
                    "skipped": engine.skipped_iterations, "samples/s": rate,
@@ -71,13 +93,53 @@ class IntervalLog:
                 metrics.update(fields)
         if t.wall_clock_breakdown:
             metrics.update(timers)
+        rows = self.megatron_rows(iteration, losses, counts, metrics, seconds / max(n, 1))
         self.logger.log(iteration, metrics,
                         timers if t.log_timers_to_tensorboard and not t.wall_clock_breakdown
-                        else None)
+                        else None, rows=rows)
         if straggler is not None:
             self.logger.note(straggler)
         self.first = False
 
+    def megatron_rows(self, iteration: int, losses: list[float], counts: list[int],
+                      metrics: dict, seconds_per_iteration: float) -> list:
+        """[(iteration, samples, {Megatron tag: value})] of this interval for the writers."""
+        t, B = self.cfg.train, self.cfg.batch.global_batch_size
+        lr_at = self.engine.lr_schedule
+        rows = []
+        first = iteration - len(losses) + 1
+        for i, (loss, a, b) in enumerate(zip(losses, counts, counts[1:])):
+            it = first + i
+            if it % t.tensorboard_log_interval == 0 or it == iteration:
+                tags = {"learning-rate": float(lr_at(it - 1)), "batch-size": float(B)}
+                if a == b:  # a skipped fp16 step's loss is not reported
+                    tags["lm loss"] = float(loss)
+                rows.append((it, B * it, tags))
+        end = {"grad-norm": metrics["grad norm"], "loss-scale": metrics["loss scale"],
+               "iteration-time": seconds_per_iteration, "throughput": metrics["TFLOP/s/device"]}
+        rows.append((iteration, B * iteration, end))
+        return rows
+
     def validation(self, iteration: int, loss: float) -> None:
-        self.logger.log(iteration, {"validation loss": loss,
-                                    "validation ppl": math.exp(min(loss, PPL_CAP))})
+        ppl = math.exp(min(loss, PPL_CAP))
+        self.last_valid = loss
+        self.best_valid = loss if self.best_valid is None else min(self.best_valid, loss)
+        B = self.cfg.batch.global_batch_size
+        self.logger.log(iteration, {"validation loss": loss, "validation ppl": ppl},
+                        rows=[(iteration, B * iteration, {"lm loss validation": loss,
+                                                          "lm loss validation ppl": ppl})])
+
+    def summary(self, iteration: int, checkpoint: str | None) -> None:
+        """The run's last line: iterations, samples, tokens, wall time, mean throughput, final
+        train and validation loss, best validation loss, last checkpoint."""
+        iters = iteration - self.start
+        samples = iters * self.cfg.batch.global_batch_size
+        seconds = time.time() - self.started
+        show = (lambda x: "n/a" if x is None else f"{x:.4g}")  # noqa: E731
+        self.logger.note(
+            f"run summary | iterations {iters} ({self.start}->{iteration}) | samples {samples} | "
+            f"tokens {samples * self.cfg.model.seq_length} | wall time "
+            f"{format_duration(seconds)} | samples/s {samples / max(seconds, 1e-9):.4g} | "
+            f"final lm loss {show(self.last_train)} | final validation loss "
+            f"{show(self.last_valid)} | best validation loss {show(self.best_valid)} | "
+            f"last checkpoint {checkpoint or 'none'}")

@@ -13,6 +13,10 @@ import re
 
 from megatron_2bw.training.observe.writers import TensorBoardWriter, WandbWriter, scalars
 
+# line fields the writers get under Megatron's tags instead (interval_log.megatron_rows)
+MEGATRON_TAGGED = ("lm loss", "lr", "grad norm", "loss scale", "validation loss",
+                   "validation ppl")
+
 
 class TrainLogger:
     """Prints and writes on the reporting rank (`reporter`); every other rank's calls return at
@@ -38,18 +42,21 @@ class TrainLogger:
         if self.bar is not None:
             self.bar.step(iteration)
 
-    def log(self, iteration: int, metrics: dict, tensorboard_only: dict | None = None) -> None:
-        """One line of `metrics`, and their scalars to the writers; TensorBoard also gets
+    def log(self, iteration: int, metrics: dict, tensorboard_only: dict | None = None,
+            rows: list | None = None) -> None:
+        """One line of `metrics`; to the writers Megatron's tags (`rows`: [(iteration, samples,
+        {tag: value})], interval_log.py) and the line's other scalars; TensorBoard also gets
         `tensorboard_only`'s (--log-timers-to-tensorboard without --wall-clock-breakdown)."""
         if not self.reporter:
             return
         if self.bar is not None:
             self.bar.show(metrics)
         self._emit(format_line(iteration, self.cfg.train.train_iters, metrics))
-        values = scalars(metrics)
+        values = scalars({k: v for k, v in metrics.items() if k not in MEGATRON_TAGGED})
         for writer in self.writers:
             extra = scalars(tensorboard_only or {}) if isinstance(writer, TensorBoardWriter) \
                 else {}
+            writer.write_rows(rows or [])
             writer.write(iteration, {**values, **extra})
 
     def note(self, line: str) -> None:

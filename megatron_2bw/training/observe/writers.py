@@ -7,7 +7,14 @@ The step is the iteration. Both writers run on the reporting rank (last stage, f
 tensor rank), need no network (wandb is offline unless WANDB_MODE says otherwise) and can be on
 together.
 
-- wandb (`--wandb-project`): an offline run under `--wandb-save-dir` (default {save}/wandb).
+Megatron's tags (`lm loss`, `learning-rate`, `grad-norm`, `loss-scale`, `batch-size`,
+`iteration-time`, `lm loss validation`, `lm loss validation ppl`, ...) come as rows (iteration,
+samples, {tag: value}) through `write_rows`: TensorBoard writes each at the iteration and again as
+`<tag> vs samples` at the consumed samples (Megatron's two series); wandb logs them at the
+iteration with `consumed-samples` beside them.
+
+- wandb (`--wandb-project`): a run under `--wandb-save-dir` (default {save}/wandb), in the mode
+  WANDB_MODE says (offline when it is unset).
 - TensorBoard (`--tensorboard-dir DIR`): event files written by
   `torch.utils.tensorboard.SummaryWriter` (the tensorboard package, imported only when asked for;
   `check_tensorboard` says so in one line before any process group, and again if a caller of
@@ -45,18 +52,27 @@ def check_tensorboard(train) -> None:
                           "tensorboard (or megatron_2bw[tensorboard])")
 
 
+def wandb_mode(environ=os.environ) -> str:
+    """WANDB_MODE as the user set it (online, offline, disabled, ...); offline when unset."""
+    return environ.get("WANDB_MODE") or "offline"
+
+
 class WandbWriter:
     def __init__(self, cfg):
         t = cfg.train
-        os.environ.setdefault("WANDB_MODE", "offline")
         import wandb
         save_dir = t.wandb_save_dir or os.path.join(t.save or ".", "wandb")
         os.makedirs(save_dir, exist_ok=True)
+        self.mode = wandb_mode()
         self.run = wandb.init(project=t.wandb_project, name=t.wandb_exp_name, dir=save_dir,
-                              config=cfg.to_dict())
+                              config=cfg.to_dict(), mode=self.mode)
 
     def write(self, iteration: int, values: dict[str, float]) -> None:
         self.run.log(values, step=iteration)
+
+    def write_rows(self, rows: list) -> None:
+        for iteration, samples, tags in rows:
+            self.run.log({**tags, "consumed-samples": float(samples)}, step=iteration)
 
     def close(self) -> None:
         self.run.finish()
@@ -73,6 +89,12 @@ class TensorBoardWriter:
         for name, value in values.items():
             self.writer.add_scalar(name, value, iteration)
         self.writer.flush()
+
+    def write_rows(self, rows: list) -> None:
+        for iteration, samples, tags in rows:
+            for tag, value in tags.items():
+                self.writer.add_scalar(tag, value, iteration)
+                self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
     def close(self) -> None:
         self.writer.close()

@@ -1,0 +1,206 @@
+"""Megatron-LM flags this engine takes for compatibility: what each does here (DESIGN.md section 5).
+
+Every flag of Megatron-LM's GPT, Llama and BERT example scripts parses. Three kinds live here
+(the flags with a meaning of their own are registered by flags.py, data/flags.py and pretrain.py;
+a name registered there is never registered here):
+
+- NOTED: implementation selectors and performance switches that do not change the arithmetic.
+  They are accepted and stated in one log line each (`notes`): what the engine does instead.
+- NEUTRAL: a feature the engine does not have, accepted at its neutral value (Megatron's default:
+  --context-parallel-size 1, --num-experts unset, ...) and refused at any other value.
+- REFUSED: features whose flags have no neutral value to give (fp8, MoE settings, ...): given at
+  all, they are refused.
+
+`refusals(args, unknown)` lists every refusal of one command, each with its reason: unknown flags
+(with the closest valid name), the features above, and the flags whose Megatron meaning the engine
+does not implement (`UNIMPLEMENTED`); the parser prints them in one message and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+
+# flag -> (argparse keywords, the line logged when it is given)
+NOTED = {
+    "--attention-backend": (
+        dict(choices=("auto", "flash", "fused", "unfused", "local"), default=None),
+        "attention runs torch's scaled_dot_product_attention, which picks the flash, "
+        "memory-efficient or math kernel for the device (the same softmax(QK^T/sqrt(d))V)"),
+    "--use-flash-attn": (dict(action="store_true", default=None),
+                         "attention runs torch's scaled_dot_product_attention (flash on CUDA "
+                         "where it applies)"),
+    "--transformer-impl": (dict(choices=("local", "transformer_engine", "inference_optimized"),
+                                default=None),
+                           "one transformer implementation (torch modules, models/); "
+                           "Transformer Engine is not used"),
+    "--use-mcore-models": (dict(action="store_true", default=None),
+                           "one model implementation (models/): Megatron-core's layout and names"),
+    "--use-legacy-models": (dict(action="store_true", default=None),
+                            "one model implementation (models/): Megatron-core's layout and names"),
+    "--cross-entropy-loss-fusion": (dict(action="store_true", default=None),
+                                    "the vocab-parallel cross entropy is one implementation "
+                                    "(tensor_parallel/cross_entropy.py), the same arithmetic"),
+    "--no-create-attention-mask-in-dataloader": (
+        dict(action="store_true", default=None),
+        "the loader never builds attention masks: causal attention masks inside the kernel"),
+    "--no-mmap-bin-files": (dict(action="store_true", default=None),
+                            "the .bin files are memory-mapped; the tokens read are the same"),
+    "--manual-gc": (dict(action="store_true", default=None),
+                    "Python's garbage collector runs as usual (no effect on the arithmetic)"),
+    "--manual-gc-interval": (dict(type=int, default=None),
+                             "Python's garbage collector runs as usual"),
+    "--empty-unused-memory-level": (dict(type=int, default=None),
+                                    "the allocator's cache is not emptied between iterations"),
+    "--grad-reduce-in-bf16": (dict(action="store_true", default=None),
+                              "gradients are reduced in fp32 (the master gradients' type): "
+                              "more exact than bf16, twice the bytes"),
+    "--overlap-grad-reduce": (dict(action="store_true", default=None),
+                              "the engine reduces gradients once per batch, bucketed; under 2bw "
+                              "the reduction overlaps the next batch's forwards (always on)"),
+    "--overlap-param-gather": (dict(action="store_true", default=None),
+                               "with --use-distributed-optimizer the engine all-gathers the new "
+                               "weights asynchronously and waits only where the next forward "
+                               "reads them (always on)"),
+    "--tp-comm-overlap": (dict(action="store_true", default=None),
+                          "tensor-parallel all-gathers and reduce-scatters are not overlapped "
+                          "with the GEMMs (no userbuffers); the results are the same"),
+    "--calculate-per-token-loss": (
+        dict(action="store_true", default=None),
+        "every microbatch has the same number of loss tokens here (no loss mask), so the mean "
+        "over the batch's tokens equals the mean of the microbatch means the engine takes"),
+    "--exit-signal-handler": (
+        dict(action="store_true", default=None),
+        "SIGTERM, SIGUSR1 and SIGINT always save a checkpoint (with --save) and exit at the "
+        "next iteration boundary (training/reliability.py)"),
+    "--log-throughput": (dict(action="store_true", default=None),
+                         "samples/s, tokens/s and TFLOP/s/device are in every log line; "
+                         "TensorBoard gets `throughput`"),
+    "--timing-log-level": (dict(type=int, choices=(0, 1, 2), default=None),
+                           "per-action timers are --wall-clock-breakdown (log line) and "
+                           "--log-timers-to-tensorboard"),
+    "--num-workers": (dict(type=int, default=None),
+                      "batches are built by one background thread ahead of the step "
+                      "(data/prefetch.py), not by loader worker processes"),
+    "--use-checkpoint-opt_param-scheduler": (
+        dict(action="store_true", default=None),
+        "the lr schedule is a function of the iteration: a resumed run continues it"),
+}
+
+# flag -> (argparse keywords, neutral value, the feature it selects)
+NEUTRAL = {
+    "--context-parallel-size": (dict(type=int, default=1), 1, "context parallelism"),
+    "--expert-model-parallel-size": (dict(type=int, default=1), 1, "expert parallelism (MoE)"),
+    "--expert-tensor-parallel-size": (dict(type=int, default=None), (None, 1),
+                                      "expert tensor parallelism (MoE)"),
+    "--num-experts": (dict(type=int, default=None), None, "mixture of experts"),
+    "--num-layers-per-virtual-pipeline-stage": (dict(type=int, default=None), None,
+                                                "the interleaved (virtual pipeline) schedule"),
+    "--virtual-pipeline-model-parallel-size": (dict(type=int, default=None), None,
+                                               "the interleaved (virtual pipeline) schedule"),
+    "--decoupled-lr": (dict(type=float, default=None), None,
+                       "a separate learning rate for the embedding and output layer"),
+    "--decoupled-min-lr": (dict(type=float, default=None), None,
+                           "a separate learning rate for the embedding and output layer"),
+    "--fp8-format": (dict(choices=("e4m3", "hybrid"), default=None), None, "fp8 training"),
+    "--fp8-recipe": (dict(default=None), None, "fp8 training"),
+    "--fp8-margin": (dict(type=int, default=0), 0, "fp8 training"),
+    "--fp8-interval": (dict(type=int, default=1), 1, "fp8 training"),
+    "--fp8-amax-history-len": (dict(type=int, default=1), 1, "fp8 training"),
+    "--fp8-amax-compute-algo": (dict(choices=("most_recent", "max"), default="most_recent"),
+                                "most_recent", "fp8 training"),
+    "--fp8-param-gather": (dict(action="store_true", default=False), False, "fp8 training"),
+    "--moe-router-topk": (dict(type=int, default=2), 2, "mixture of experts"),
+    "--moe-grouped-gemm": (dict(action="store_true", default=False), False, "mixture of experts"),
+    "--qk-layernorm": (dict(action="store_true", default=False), False,
+                       "layer norms over each query and key head"),
+    "--eod-mask-loss": (dict(action="store_true", default=False), False,
+                        "masking the loss at end-of-document tokens"),
+    "--reset-position-ids": (dict(action="store_true", default=False), False,
+                             "position ids restarting after each end-of-document token"),
+    "--reset-attention-mask": (dict(action="store_true", default=False), False,
+                               "attention masks that stop at end-of-document tokens"),
+    "--no-load-rng": (dict(action="store_true", default=False), False,
+                      "a resume that keeps this run's random state (the checkpoint's is always "
+                      "restored)"),
+    "--use-checkpoint-args": (dict(action="store_true", default=False), False,
+                              "reading the model's flags from the checkpoint"),
+    "--log-params-norm": (dict(action="store_true", default=False), False,
+                          "logging the parameters' norm"),
+}
+# what to do instead, by feature (the refusal's second half)
+INSTEAD = {
+    "fp8 training": "train in --bf16 (drop the fp8 flags)",
+    "mixture of experts": "train a dense model (drop the MoE flags)",
+    "expert parallelism (MoE)": "drop it (no experts to place)",
+    "expert tensor parallelism (MoE)": "drop it (no experts to place)",
+    "context parallelism": "use --context-parallel-size 1 (shorter sequences per rank need "
+                           "tensor or pipeline parallelism here)",
+    "the interleaved (virtual pipeline) schedule": "use --pipeline-schedule 2bw, flush or gpipe",
+    "a separate learning rate for the embedding and output layer":
+        "drop --decoupled-lr/--decoupled-min-lr (every parameter steps at --lr)",
+}
+
+
+def _flag_dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_compat_args(p: argparse.ArgumentParser) -> None:
+    """Register the flags above that no other group of the parser registered."""
+    taken = set(p._option_string_actions)
+    g = p.add_argument_group("Megatron compatibility (see config/compat.py; what each does here)")
+    for flag, (kw, line) in NOTED.items():
+        if flag not in taken:
+            g.add_argument(flag, help=f"accepted: {line}", **kw)
+    for flag, (kw, neutral, feature) in NEUTRAL.items():
+        if flag not in taken:
+            shown = neutral if not isinstance(neutral, tuple) else neutral[-1]
+            g.add_argument(flag, help=f"{feature} is not in this engine: only the neutral value "
+                                      f"({shown}) is accepted", **kw)
+
+
+def notes(args: argparse.Namespace) -> list[str]:
+    """One line per NOTED flag given (what the engine does instead)."""
+    out = []
+    for flag, (_kw, line) in NOTED.items():
+        value = getattr(args, _flag_dest(flag), None)
+        if value is not None and value is not False:
+            shown = flag if value is True else f"{flag} {value}"
+            out.append(f"megatron-2bw: {shown}: {line}")
+    return out
+
+
+def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
+             unknown: list[str]) -> list[str]:
+    """Every refusal of one command line, one line each: unknown flags (with a did-you-mean),
+    then each feature whose flags were given off their neutral value (its flags on one line)."""
+    valid = [o for a in parser._actions for o in a.option_strings]
+    out = []
+    for token in unknown:
+        if not token.startswith("-") or token.lstrip("-") == "" or _is_number(token):
+            continue  # a value of an unknown flag
+        flag = token.split("=")[0]
+        close = difflib.get_close_matches(flag, valid, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        out.append(f"unknown flag {flag}{hint}")
+    by_feature: dict[str, list[str]] = {}
+    for flag, (_kw, neutral, feature) in NEUTRAL.items():
+        if parser._option_string_actions.get(flag) is None:
+            continue
+        dest = parser._option_string_actions[flag].dest
+        value = getattr(args, dest, None)
+        allowed = neutral if isinstance(neutral, tuple) else (neutral,)
+        if value not in allowed:
+            by_feature.setdefault(feature, []).append(flag if value is True else f"{flag} {value}")
+    for feature, flags in by_feature.items():
+        instead = INSTEAD.get(feature, f"drop {'them' if len(flags) > 1 else 'it'}")
+        out.append(f"{', '.join(flags)}: {feature} is not in this engine; {instead}")
+    return out
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,185 @@
+"""Megatron-LM's flags (issue 34, points 1 and 6): every refusal of a command in one message, the
+features the engine lacks refused in one line and accepted at their neutral value, selectors
+stated as no-ops, --sequence-parallel at t=1 turned off, the sample-based lr flags against
+Megatron's arithmetic, --kv-channels, --apply-layernorm-1p, the batch-size ramps and the output
+paths checked before anything runs."""
+import math
+
+import pytest
+import torch
+
+from megatron_2bw.config import ConfigError
+from megatron_2bw.config.build import build_config
+from megatron_2bw.config.paths import check_output_paths
+from megatron_2bw.optim.lr import LRSchedule
+from megatron_2bw.pretrain import build_parser
+
+FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+       "max", "--fp8-param-gather"]
+
+
+def refused(argv, capsys) -> list[str]:
+    with pytest.raises(SystemExit) as e:
+        build_parser("gpt").parse_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.splitlines()
+
+
+def built(argv, world=1):
+    args = build_parser("gpt").parse_args(["--mock-data"] + argv)
+    return build_config(args, "gpt", world)
+
+
+def test_every_refusal_of_a_command_comes_in_one_message(capsys):
+    lines = refused(["--num-layerz", "2", "--context-parallel-size", "2"] + FP8
+                    + ["--bogus", "--decoupled-lr", "5e-4"], capsys)
+    assert len(lines) == 5, lines
+    assert lines[0].endswith("unknown flag --num-layerz (did you mean --num-layers?)")
+    assert lines[1].endswith("unknown flag --bogus")
+    assert "--context-parallel-size 2: context parallelism is not in this engine" in lines[2]
+    assert "--decoupled-lr 0.0005" in lines[3]
+    assert all(flag in lines[4] for flag in FP8 if flag.startswith("--")) and "fp8" in lines[4]
+
+
+def test_fp8_flags_are_refused_in_one_line(capsys):
+    (line,) = refused(FP8, capsys)
+    assert line == ("pretrain_gpt.py: error: --fp8-format hybrid, --fp8-amax-history-len 1024, "
+                    "--fp8-amax-compute-algo max, --fp8-param-gather: fp8 training is not in "
+                    "this engine; train in --bf16 (drop the fp8 flags)")
+
+
+def test_neutral_values_are_accepted_and_selectors_are_stated():
+    b = built(["--context-parallel-size", "1", "--expert-model-parallel-size", "1",
+               "--fp8-amax-compute-algo", "most_recent", "--attention-backend", "fused",
+               "--use-mcore-models", "--transformer-impl", "local", "--overlap-grad-reduce"])
+    notes = "\n".join(b.notes)
+    for flag in ("--attention-backend fused", "--use-mcore-models", "--transformer-impl local",
+                 "--overlap-grad-reduce"):
+        assert f"megatron-2bw: {flag}: " in notes, flag
+    assert len(b.notes) == 4
+    help_text = build_parser("gpt").format_help()
+    assert "--overlap-param-gather" in help_text and "all-gathers the new" in help_text
+
+
+def test_sequence_parallel_at_t1_warns_and_turns_off():
+    b = built(["--sequence-parallel"])
+    assert b.config.parallel.sequence_parallel is False
+    assert any("warning: --sequence-parallel" in n and "turned off" in n for n in b.notes)
+    b = built(["--sequence-parallel", "--tensor-model-parallel-size", "2",
+               "--hidden-size", "64", "--num-attention-heads", "4"], world=2)
+    assert b.config.parallel.sequence_parallel is True and not b.notes
+
+
+def megatron_lr(num_steps, max_lr, min_lr, warmup_steps, decay_steps, style):
+    """Megatron's OptimizerParamScheduler.get_lr, in samples, written out from its docs."""
+    if warmup_steps > 0 and num_steps <= warmup_steps:
+        return max_lr * num_steps / warmup_steps
+    if num_steps > decay_steps:
+        return min_lr
+    ratio = (num_steps - warmup_steps) / (decay_steps - warmup_steps)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+@pytest.mark.parametrize("flags,warmup,decay", [
+    (["--train-iters", "40", "--lr-decay-iters", "30", "--lr-warmup-fraction", "0.1"],
+     lambda B: 0.1 * 30 * B, lambda B: 30 * B),
+    (["--train-samples", "160", "--lr-decay-samples", "130", "--lr-warmup-samples", "10"],
+     lambda B: 10, lambda B: 130),
+    (["--train-samples", "160", "--lr-warmup-fraction", "0.05"],
+     lambda B: 0.05 * 160, lambda B: 160),
+])
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_sample_based_lr_flags_follow_megatron(flags, warmup, decay, style):
+    cfg = built(flags + ["--global-batch-size", "4", "--lr", "0.1", "--min-lr", "0.01",
+                         "--lr-decay-style", style]).config
+    B = cfg.global_batch_size
+    lr = LRSchedule(cfg.optimizer, cfg.train.train_iters, B)
+    for it in range(cfg.train.train_iters):
+        want = megatron_lr((it + 1) * B, 0.1, 0.01, warmup(B), decay(B), style)
+        assert lr(it) == pytest.approx(want, rel=1e-12, abs=1e-15), it
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train-iters", "4", "--lr-decay-samples", "10"], "--lr-decay-samples count samples"),
+    (["--train-samples", "16", "--lr-decay-iters", "10"], "instead of --lr-decay-iters"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "excludes --lr-warmup-iters"),
+    (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1]"),
+])
+def test_lr_flag_mixtures_are_one_line_errors(argv, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        built(argv)
+
+
+def test_kv_channels_sets_the_head_width():
+    from megatron_2bw.models.attention import SelfAttention
+    cfg = built(["--hidden-size", "32", "--num-attention-heads", "4", "--kv-channels", "16",
+                 "--group-query-attention", "--num-query-groups", "2"]).config
+    assert cfg.model.kv_channels == 16
+    attn = SelfAttention(cfg.model, *_tp(), tracker=None, causal=True, init_std=0.02,
+                         out_std=0.02)
+    assert attn.qkv.weight.shape == ((4 + 2 * 2) * 16, 32)
+    assert attn.proj.weight.shape == (32, 4 * 16)
+    x = torch.randn(2, 5, 32)
+    q, k, v = attn._qkv(x)
+    ref = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4.0
+                        + torch.full((5, 5), float("-inf")).triu(1), -1) \
+        @ v.repeat_interleave(2, 1)  # softmax(QK^T / sqrt(16)) V per head, causal
+    want = attn.proj(ref.transpose(1, 2).reshape(2, 5, 64))
+    assert torch.allclose(attn(x), want, atol=1e-6)
+
+
+def _tp():
+    from megatron_2bw.tensor_parallel import TPGroup
+    return (TPGroup(),)
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_layernorm_1p_is_the_plain_norm_with_gamma_plus_one(norm):
+    from megatron_2bw.models.norms import build_norm
+    plain = build_norm(built(["--normalization", norm]).config.model)
+    one_p = build_norm(built(["--normalization", norm, "--apply-layernorm-1p"]).config.model)
+    assert torch.count_nonzero(one_p.weight) == 0, "zero-centred gamma starts at 0"
+    with torch.no_grad():
+        one_p.weight.copy_(torch.randn(64) * 0.1)
+        plain.weight.copy_(one_p.weight + 1)
+        if norm == "LayerNorm":
+            one_p.bias.copy_(torch.randn(64))
+            plain.bias.copy_(one_p.bias)
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    y1, y2 = one_p(x), plain(x)
+    assert torch.allclose(y1, y2, atol=1e-6)
+    g = torch.randn_like(y1)
+    (gw1,) = torch.autograd.grad(y1, one_p.weight, g)
+    (gw2,) = torch.autograd.grad(y2, plain.weight, g)
+    assert torch.allclose(gw1, gw2, atol=1e-5)
+
+
+def test_a_batch_ramp_is_taken_while_the_run_stays_on_its_first_step():
+    b = built(["--rampup-batch-size", "16", "16", "5859375", "--global-batch-size", "1536",
+               "--train-iters", "3"])
+    assert b.config.global_batch_size == 16
+    assert any("all 3 iterations stay on the first step, global batch 16" in n for n in b.notes)
+    b = built(["--step-batch-size-schedule", "0:8 1M:16", "--train-iters", "2"])
+    assert b.config.global_batch_size == 8
+    with pytest.raises(ConfigError, match=r"would change at iteration 3 \(sample 8\) .* one global batch"):
+        built(["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16",
+               "--train-iters", "5"])
+
+
+def test_every_output_path_is_checked_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for flags, name in ((["--trace", str(blocker / "t")], "--trace"),
+                        (["--tensorboard-dir", str(blocker / "tb")], "--tensorboard-dir"),
+                        (["--wandb-project", "p", "--wandb-save-dir", str(blocker)],
+                         "--wandb-save-dir"),
+                        (["--profile", "--tensorboard-dir", str(blocker)], "--tensorboard-dir"),
+                        (["--save", str(blocker / "ckpt")], "--save")):
+        train = built(flags).config.train
+        with pytest.raises(ConfigError) as e:
+            check_output_paths(train)
+        assert str(e.value).startswith(name) and "\n" not in str(e.value), (flags, e.value)
+    ok = built(["--trace", str(tmp_path / "new" / "t")]).config.train
+    check_output_paths(ok)
+    assert (tmp_path / "new").is_dir()
