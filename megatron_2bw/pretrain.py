@@ -31,6 +31,7 @@ from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_
 from megatron_2bw.config.paths import check_output_paths
 from megatron_2bw.data.build import build_pretrain_data, pretrain_tokenizer
 from megatron_2bw.data.flags import add_data_args
+from megatron_2bw.parallel.comm import PeerError
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
 from megatron_2bw.parallel.launcher import env_rank_world, launched
@@ -169,7 +170,9 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
     except BaseException as e:  # noqa: BLE001 - name the failed rank, let the launcher stop the rest
         if isinstance(e, SystemExit) and not e.code:
             raise
-        if not isinstance(e, (ConfigError, NumericsError)):  # expected errors say it in one line
+        # expected errors say it in one line; a peer's timeout or death (PeerError) is that
+        # peer's story, not this rank's: no traceback of the wait it interrupted
+        if not isinstance(e, (ConfigError, NumericsError, PeerError)):
             import traceback
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else type(e).__name__

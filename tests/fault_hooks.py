@@ -3,8 +3,9 @@ iteration. Production code never builds one; tests pass it to training.train(hoo
 launcher tests, through tests/fault_entry.py (--inject KIND:RANK:ITERATION).
 
 Kinds: kill (SIGKILL itself after that iteration), sigterm / sigint (signal itself there),
-raise (a RuntimeError there), kill-in-save (die halfway through writing that iteration's
-checkpoint, leaving a temporary file), nan (poison the loss from that iteration on the last stage).
+raise (a RuntimeError there), freeze (SIGSTOP itself there: a frozen rank whose sockets stay
+open, so its peers see no death, only silence), kill-in-save (die halfway through writing that
+iteration's checkpoint, leaving a temporary file), nan (poison the loss from that iteration on the last stage).
 SlowStage and PoisonGradient (below) make a straggler and a non-finite gradient on one stage."""
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from megatron_2bw.checkpoint.files import TMP_PREFIX
 from megatron_2bw.training.reliability import FaultHooks
 
-KINDS = ("kill", "sigterm", "sigint", "raise", "kill-in-save", "nan")
+KINDS = ("kill", "sigterm", "sigint", "raise", "freeze", "kill-in-save", "nan")
 
 
 class InjectedFault(FaultHooks):
@@ -38,6 +39,8 @@ class InjectedFault(FaultHooks):
             os.kill(os.getpid(), signal.SIGTERM)
         if self._here("sigint", grid, iteration):
             os.kill(os.getpid(), signal.SIGINT)
+        if self._here("freeze", grid, iteration):
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self._here("raise", grid, iteration):
             raise RuntimeError(f"injected failure at iteration {iteration}")
 

@@ -2,7 +2,13 @@
 
 Set-up order (`start_process_group`): device from the local rank (LOCAL_RANK, SLURM_LOCALID, ...)
 made current -> `init_process_group(..., device_id=device)` -> a `Comm` on that device -> the
-grid's groups (`ProcessGrid.init_groups`). Nothing touches a GPU before the first step."""
+grid's groups (`ProcessGrid.init_groups`). Nothing touches a GPU before the first step.
+
+Timeouts: the world group and every group the Comm creates get --distributed-timeout-minutes.
+On NCCL a timed-out or failed collective is caught by torch's watchdog thread, not by the wait:
+`NCCL_ERROR_HANDLING` is what this module sets (unless the user set it) so that the watchdog
+tears the process down with torch's report instead of letting it hang (README, "When things go
+wrong")."""
 from __future__ import annotations
 
 import datetime
@@ -12,11 +18,28 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.parallel.comm import WORLD_TIMEOUT, Comm
 from megatron_2bw.parallel.devices import default_backend, default_device, is_initialized
 from megatron_2bw.parallel.launcher import env_rank_world, slurm_rendezvous
 
 _HAS_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters  # torch>=2.3
+
+
+# NCCL's asynchronous error handling, unless the user chose otherwise: 3 = the watchdog takes the
+# process down on a timeout or an NCCL error (torch's default since 2.2, stated here so that an
+# older default or a stray cluster profile cannot turn it off silently), and the watchdog's
+# report names the collective, its group and its sequence number
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+
+
+def nccl_error_handling(environ=os.environ) -> dict[str, str]:
+    """Set NCCL_ERROR_HANDLING's variables in `environ` where unset (the user's value wins, as
+    does the deprecated NCCL_ASYNC_ERROR_HANDLING spelling); returns those set."""
+    added = {}
+    for name, value in NCCL_ERROR_HANDLING.items():
+        if name not in environ and name.removeprefix("TORCH_") not in environ:
+            environ[name] = added[name] = value
+    return added
 
 
 def init_process_group(rank: int, world_size: int, backend: str | None = None,
@@ -35,11 +58,14 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None,
         os.environ.setdefault("MASTER_PORT", "29500")
         init_method = "env://"
     extra = {}
+    if backend == "nccl":
+        nccl_error_handling()
     if backend == "nccl" and device is not None and device.type == "cuda" and _HAS_DEVICE_ID:
         extra["device_id"] = device
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             init_method=init_method,
                             timeout=datetime.timedelta(minutes=timeout_minutes), **extra)
+    WORLD_TIMEOUT["minutes"] = timeout_minutes
     return backend
 
 
@@ -47,12 +73,12 @@ def start_process_group(rank: int, world_size: int, local_rank: int = 0,
                         backend: str | None = None, timeout_minutes: float = 10.0,
                         init_method: str | None = None):
     """The set-up order clusters need, in one place: the rank's device from its local rank (made
-    current), then the default group bound to it, then a `Comm` on that device (the grid creates
-    its groups through it afterwards). Returns the Comm."""
+    current), then the default group bound to it, then a `Comm` on that device carrying the
+    timeout (the grid creates its groups through it afterwards). Returns the Comm."""
     backend = backend or default_backend()
     device = default_device(local_rank, backend)
     backend = init_process_group(rank, world_size, backend, timeout_minutes, init_method, device)
-    return Comm(device, backend)
+    return Comm(device, backend, timeout_minutes)
 
 
 def current_rank_world() -> tuple[int, int]:
@@ -67,3 +93,4 @@ def current_rank_world() -> tuple[int, int]:
 def destroy_process_group() -> None:
     if is_initialized():
         dist.destroy_process_group()
+    WORLD_TIMEOUT["minutes"] = None

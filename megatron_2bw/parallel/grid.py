@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_2bw.config import RANK_ORDERS
-from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.parallel.comm import Comm, PeerError, peer_error
 
 
 @dataclass
@@ -123,29 +123,68 @@ class ProcessGrid:
                 return ranks
         return []
 
+    def group_splits(self) -> list[tuple[str, list[list[int]]]]:
+        """The groups to create, as (kind, disjoint groups) splits in a fixed order all ranks
+        agree on: one split per kind; the stage pairs in two (pairs starting at an even stage,
+        then at an odd one: a rank is in the pair before and the pair after its stage), and
+        under NCCL the gradients' pair groups in two more. Groups of one are left out (they
+        need no communication) and so is a kind with no group left."""
+        splits = []
+        for kind, all_ranks in self.all_group_ranks().items():
+            groups = [ranks for ranks in all_ranks if len(ranks) > 1]
+            if kind != "pair":
+                splits += [(kind, groups)] if groups else []
+                continue
+            by_parity = [[g for g in groups if self.coords(g[0])[1] % 2 == parity]
+                         for parity in (0, 1)]
+            splits += [("pair", g) for g in by_parity if g]
+            if self.split_pairs:
+                splits += [("pair_grads", g) for g in by_parity if g]
+        return splits
+
     def init_groups(self, comm: Comm | None = None) -> "ProcessGrid":
         """Create the torch.distributed groups through `comm` (default: the grid's, which takes
-        its device from the process group). Collective: every rank must call it, after the
-        process group started on the rank's device (distributed.start_process_group)."""
+        its device from the process group): one `Comm.split` per entry of `group_splits`, each
+        group with the Comm's timeout. Collective: every rank must call it, after the process
+        group started on the rank's device (distributed.start_process_group)."""
         if comm is not None:
             self.comm = comm
-        for kind, all_ranks in self.all_group_ranks().items():
-            for ranks in all_ranks:
-                if len(ranks) == 1:
-                    continue  # a group of one needs no communication
-                group = self.comm.new_group(ranks)
-                grads = self.comm.new_group(ranks) if kind == "pair" and self.split_pairs \
-                    else None
-                if self.rank not in ranks:
-                    continue
-                if kind == "pair":
-                    peer = ranks[1] if ranks[0] == self.rank else ranks[0]
-                    self.pairs[peer] = group
-                    if grads is not None:
-                        self.pair_grads[peer] = grads
-                else:
-                    self.groups[kind] = group
+        self.comm.name_ranks = self.name_ranks  # its error lines name stages and replicas too
+        for kind, groups in self.group_splits():
+            mine = next((i for i, g in enumerate(groups) if self.rank in g), None)
+            group = self.comm.split(groups, kind, mine)
+            if mine is None:
+                continue
+            ranks = groups[mine]
+            if kind in ("pair", "pair_grads"):
+                peer = ranks[1] if ranks[0] == self.rank else ranks[0]
+                (self.pairs if kind == "pair" else self.pair_grads)[peer] = group
+            else:
+                self.groups[kind] = group
         return self
+
+    def name_ranks(self, ranks: list[int]) -> str:
+        """"rank 1 (stage 1/2, data-parallel replica 0, tensor rank 0)" for one rank, "one of
+        ranks 1 (stage 1/2, ...), 3 (...)" for a few, a count for many: the ranks an error line
+        says this rank waited for."""
+        def one(r: int) -> str:
+            tp, stage, dp = self.coords(r)
+            return (f"{r} (stage {stage}/{self.pipeline}, data-parallel replica {dp}, tensor rank "
+                    f"{tp})")
+        others = [r for r in ranks if r != self.rank]
+        if len(others) == 1:
+            return f"rank {one(others[0])}"
+        if len(others) <= 4:
+            return "one of ranks " + ", ".join(map(one, others))
+        return f"one of the {len(others)} other ranks ({others[0]}, {others[1]}, ... {others[-1]})"
+
+    def peer_error(self, e: BaseException, what: str, kind: str | None = None,
+                   ranks: list[int] | None = None) -> PeerError:
+        """The one-line PeerError of a wait on `what` that failed with `e`, naming the peer(s):
+        `ranks`, else this rank's group of `kind` (None: the world)."""
+        if ranks is None:
+            ranks = self.group_ranks(kind) if kind else list(range(self.world_size))
+        return peer_error(e, self.name_ranks(ranks), what, self.comm.timeout_s)
 
     @property
     def split_pairs(self) -> bool:

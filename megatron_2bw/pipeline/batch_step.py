@@ -116,9 +116,11 @@ class BatchStepper:
     # -- N --------------------------------------------------------------------------------------
     def norm(self, batch: int, slot: int) -> None:
         works = self.pending[batch]
-        _wait(works.pop("dp"), "data-parallel gradient all-reduce (same stage, other replicas)")
+        _wait(works.pop("dp"), "data-parallel gradient all-reduce (same stage, other replicas)",
+              grid=self.grid, kind="dp")
         if self.grid.is_first_stage:
-            _wait(works.pop("tied"), "tied-embedding all-reduce (first and last stage)")
+            _wait(works.pop("tied"), "tied-embedding all-reduce (first and last stage)",
+                  grid=self.grid, kind="tied")
         buf, n = self.w.grads[slot], self.w.numel
         norm_sq = self._norm_sq(buf)
         nonfinite = self._stage_slot * torch.isfinite(norm_sq).logical_not()  # no host sync
@@ -166,8 +168,10 @@ class BatchStepper:
     def step(self, batch: int, grad_slot: int, src_slot: int, dst_slot: int) -> None:
         works = self.pending.pop(batch)
         idle = self.compensation.work if self.compensation.defer else None
-        _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)", idle)
-        _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)", idle)
+        _wait(works.pop("tied", []), "tied-embedding all-reduce (first and last stage)", idle,
+              self.grid, "tied")
+        _wait(works.pop("norm"), "grad-norm/loss all-reduce (all stages of the replica)", idle,
+              self.grid, None if self.sharded else "mp")
         self.compensation.finish()  # S(batch - 1)'s prediction reads what this step changes
         stats = works["stats"]
         self.flags.carried(batch, stats[1:])
@@ -238,7 +242,8 @@ class BatchStepper:
         if not self.gathers:
             return
         for k in ([slot] if slot is not None else list(self.gathers)):
-            _wait(self.gathers.pop(k, ()), "all-gather of the new weights (data-parallel ranks)")
+            _wait(self.gathers.pop(k, ()), "all-gather of the new weights (data-parallel ranks)",
+                  grid=self.grid, kind="dp")
 
     def _check_skips(self, batch: int, scale: float) -> None:
         if self.skip_limit and self.skipped_in_a_row > self.skip_limit:
@@ -255,9 +260,10 @@ def squared_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x).square()
 
 
-def _wait(works, what: str = "collective", idle=None) -> None:
+def _wait(works, what: str, idle=None, grid=None, kind: str | None = None) -> None:
     """Wait for `works`; `idle` (a callable doing one piece of pending work, False when none is
-    left) runs while they are in flight."""
+    left) runs while they are in flight. A failure is one line (a PeerError) naming the other
+    ranks of `grid`'s group of `kind` (None: the world)."""
     try:
         if idle is not None:
             while not all(work.is_completed() for work in works) and idle():
@@ -265,6 +271,4 @@ def _wait(works, what: str = "collective", idle=None) -> None:
         for work in works:
             work.wait()
     except RuntimeError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RuntimeError(f"{what} failed: a rank of that group died or timed out ({first})"
-                           ) from e
+        raise grid.peer_error(e, what, kind) from e

@@ -97,7 +97,7 @@ class _FakeComm(Comm):
         super().__init__("cpu", backend)
         self.log, self.created = [], []
 
-    def new_group(self, ranks):
+    def new_group(self, ranks, desc=None):
         self.created.append(list(ranks))
         return f"group{len(self.created) - 1}"
 

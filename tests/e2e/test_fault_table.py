@@ -3,7 +3,7 @@ must end: exit code, the one line it prints, and the checkpoint directory it lea
 
 | fault                                   | ends with                       | checkpoints          |
 |-----------------------------------------|---------------------------------|----------------------|
-| kill -9 / SIGUSR1 of torchrun           | every worker gone within 10 s   | none written after   |
+| kill -9 / SIGUSR1 of torchrun           | workers gone in 10 s, one line  | none written after   |
 | --load typo (missing directory)         | exit 2, one line                | byte-identical       |
 | fresh run into a newer --save           | exit 2, one line                | byte-identical       |
 | --train-iters below the checkpoint      | exit 2, one line                | byte-identical       |
@@ -116,7 +116,7 @@ def test_workers_exit_within_seconds_when_torchrun_dies(tmp_path, sig):
     launcher = subprocess.Popen(TORCHRUN + TINY + ["--train-iters", "100000", "--save", ck,
                                                    "--save-interval", "1"],
                                 cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+                                stderr=subprocess.PIPE, text=True)
     try:
         for line in launcher.stdout:
             if line.startswith("iteration"):
@@ -131,6 +131,9 @@ def test_workers_exit_within_seconds_when_torchrun_dies(tmp_path, sig):
         before = digest(ck)
         time.sleep(1.5)
         assert digest(ck) == before, "nothing is written after the workers are gone"
+        err = launcher.stderr.read()  # the workers' (torchrun died without a word)
+        assert "Traceback" not in err, err[-3000:]  # the survivor of the first exit: one line
+        assert len([x for x in err.splitlines() if x.startswith("error: ")]) >= 2, err[-3000:]
     finally:
         for pid in [launcher.pid] + _children(launcher.pid):
             if _alive(pid):

@@ -84,9 +84,12 @@ def test_surviving_rank_exits_within_the_timeout_naming_itself_and_the_peer(tmp_
     assert procs[1].returncode == -signal.SIGKILL, errs[1].read_text()[-2000:]
     assert procs[0].returncode == 1, errs[0].read_text()[-2000:]
     assert survived < 2 * 60 * timeout_min + 45
-    last = errs[0].read_text().strip().splitlines()[-1]
-    assert last.startswith("error: rank 0 (stage 0/2") and "failed" in last, \
-        errs[0].read_text()[-2000:]
+    survivor = errs[0].read_text()
+    assert "Traceback" not in survivor, survivor[-3000:]  # a peer's death: one line, no chain
+    lines = [x for x in survivor.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and survivor.strip().splitlines()[-1] == lines[0], survivor[-2000:]
+    assert lines[0].startswith("error: rank 0 (stage 0/2") and "failed" in lines[0] and \
+        "rank 1 (stage 1/2" in lines[0], lines[0]
 
 
 def test_raising_rank_is_named(tmp_path):
