@@ -98,3 +98,38 @@ class PoisonGradient(FaultHooks):
                 engine.weights.grads[slot][engine.weights.numel - 1] = self.value
             reduce(batch, slot)
         stepper.reduce = poisoned
+
+
+class SlowIterations(FaultHooks):
+    """Every iteration takes about `seconds` longer: rank 0 sleeps that long inside the first
+    forward of each iteration (the other ranks wait on it in their receives and reductions), and
+    says so on stderr first ("slow iteration N: ..."), so a test can send a signal mid-iteration.
+    For the preemption tests (tests/e2e/test_slurm_preemption.py)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_engine(self, engine):
+        if engine.grid.rank != 0:
+            return
+        slept = set()
+
+        def sleep(module, args):  # engine.iteration: optimizer steps done so far
+            if engine.iteration not in slept:
+                slept.add(engine.iteration)
+                os.write(2, f"slow iteration {engine.iteration + 1}: sleeping {self.seconds} s "
+                            "in its first forward\n".encode())
+                time.sleep(self.seconds)
+        for module in engine.weights.modules:
+            module.register_forward_pre_hook(sleep)
+
+
+class SlowStart(FaultHooks):
+    """Start-up takes `seconds` longer: every rank sleeps once the engine is built, before the
+    checkpoint is loaded and the training loop starts (like a long index build or load)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_engine(self, engine):
+        time.sleep(self.seconds)

@@ -1,10 +1,12 @@
 """What the launcher (torchrun, srun, mpirun, torch multiprocessing) told this process: its rank,
 the world size and its local rank (`LAUNCHER_VARS`, the one list of the variables every launcher
-sets), SLURM's host list, and the rendezvous address when no torchrun set one. Pure environment
-reading: no torch, no process group."""
+sets), SLURM's host list, and the rendezvous address when no torchrun set one. Environment
+reading (and `scontrol show hostnames` where SLURM is installed): no torch, no process group."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 from megatron_2bw.config import ConfigError
 
@@ -33,36 +35,78 @@ def launched() -> bool:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """SLURM's compressed host list ("gpu[01-03,07],login1") as host names, like
-    `scontrol show hostnames`."""
-    hosts, i, n = [], 0, len(nodelist)
-    while i < n:
-        j = i
-        while j < n and nodelist[j] not in ",[":
-            j += 1
-        prefix = nodelist[i:j]
-        if j < n and nodelist[j] == "[":
-            k = nodelist.index("]", j)
-            for part in nodelist[j + 1:k].split(","):
-                lo, _, hi = part.partition("-")
-                if hi:
-                    hosts += [f"{prefix}{x:0{len(lo)}d}" for x in range(int(lo), int(hi) + 1)]
-                else:
-                    hosts.append(prefix + lo)
-            j = k + 1
-        elif prefix:
-            hosts.append(prefix)
-        i = j + 1 if j < n and nodelist[j] == "," else j
+    """SLURM's compressed host list as host names, in `scontrol show hostnames` order: a comma
+    list of names, each literal text and bracket groups of numbers and ranges, zero padding
+    kept (`gpu[01-03,07],login1`, `a[1-2]-ib`, `rack[1-2]-n[01-02]`: rack1-n01, rack1-n02,
+    rack2-n01, rack2-n02, the first group varying slowest). The parser behind `slurm_hosts`."""
+    hosts, depth, item = [], 0, ""
+    for ch in nodelist.strip() + ",":
+        if ch == "," and depth == 0:
+            if item:
+                hosts += _expand_host(item, nodelist)
+            item = ""
+            continue
+        depth += (ch == "[") - (ch == "]")
+        if depth not in (0, 1):
+            raise ConfigError(f"SLURM host list {nodelist!r}: unbalanced brackets; expected "
+                              "names like gpu[01-04,07],login1")
+        item += ch
+    if depth:
+        raise ConfigError(f"SLURM host list {nodelist!r}: unbalanced brackets; expected "
+                          "names like gpu[01-04,07],login1")
     return hosts
 
 
+def _expand_host(item: str, nodelist: str) -> list[str]:
+    """One name of a host list, its bracket groups expanded (first group slowest)."""
+    names = [""]
+    while item:
+        cut = item.find("[")
+        if cut != 0:  # literal text up to the next group (or the end)
+            cut = len(item) if cut < 0 else cut
+            names, item = [n + item[:cut] for n in names], item[cut:]
+            continue
+        group, _, item = item[1:].partition("]")
+        values = []
+        for part in group.split(","):
+            lo, dash, hi = part.partition("-")
+            if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+                raise ConfigError(f"SLURM host list {nodelist!r}: [{group}] is not a list of "
+                                  "numbers and ranges lo-hi (e.g. [01-04,07])")
+            values += [f"{x:0{len(lo)}d}" for x in range(int(lo), int(hi or lo) + 1)]
+        names = [n + v for n in names for v in values]
+    return names
+
+
+def slurm_hosts(nodelist: str) -> list[str]:
+    """The host names of a SLURM host list: `scontrol show hostnames` where SLURM is installed
+    (it knows every form the cluster uses), else (or when it fails) `expand_nodelist`."""
+    scontrol = shutil.which("scontrol")
+    if scontrol:
+        try:
+            out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, timeout=30)
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return expand_nodelist(nodelist)
+
+
+def slurm_port(job_id: str | int) -> int:
+    """The rendezvous port of SLURM job `job_id`: 20000 + job_id % 20000 (20000-39999), so two
+    jobs that share a node do not collide; the batch scripts use the same formula."""
+    return 20000 + int(job_id) % 20000
+
+
 def slurm_rendezvous() -> None:
-    """Under plain `srun python ...` (no torchrun): MASTER_ADDR = first host of the job,
-    MASTER_PORT derived from the job id, unless already set."""
-    if "SLURM_JOB_NODELIST" in os.environ and "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])[0]
+    """Under plain `srun python ...` (no torchrun): MASTER_ADDR = the first host of the job by
+    name, MASTER_PORT = slurm_port(SLURM_JOB_ID), each unless already set."""
+    nodes = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if nodes and "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = slurm_hosts(nodes)[0]
     if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000)
+        os.environ["MASTER_PORT"] = str(slurm_port(os.environ["SLURM_JOB_ID"]))
 
 
 def discover_env(port: int) -> None:
@@ -75,10 +119,6 @@ def discover_env(port: int) -> None:
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
         slurm_rendezvous()  # first host of the job, port from the job id
-        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        if "MASTER_ADDR" not in env and nodes:
-            hosts = expand_nodelist(nodes.strip())
-            env["MASTER_ADDR"] = hosts[0] if hosts else nodes
     else:
         for r, w, lr, ls in MPI_VARS:
             if r in env and w in env:

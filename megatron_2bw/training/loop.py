@@ -17,13 +17,14 @@ from megatron_2bw.training.observe.interval_log import IntervalLog
 from megatron_2bw.training.observe.logger import TrainLogger
 from megatron_2bw.training.observe.profiling import StepProfiler
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError, Preemption,
-                                               check_numerics)
+                                               check_numerics, process_start_time)
 
 
 def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool:
-    """--exit-interval (the same iteration everywhere) / --exit-duration-in-mins: each rank
-    raises its own clock's verdict into the next batch's reductions and every rank reads the
-    same agreed one (pipeline/flags.py), so all stop at the same boundary with no collective."""
+    """--exit-interval (the same iteration everywhere) / --exit-duration-in-mins (counted from
+    `started`: the process start, as Megatron counts): each rank raises its own clock's verdict
+    into the next batch's reductions and every rank reads the same agreed one
+    (pipeline/flags.py), so all stop at the same boundary with no collective."""
     if cfg.train.exit_interval and iteration % cfg.train.exit_interval == 0:
         return True
     if cfg.train.exit_duration_in_mins:
@@ -36,14 +37,19 @@ def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool
 
 def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
           make_eval_data: Callable[[], Iterator] | None = None, log=print,
-          hooks: FaultHooks = NO_FAULTS, lr_schedule=None, progress=None) -> list[float]:
+          hooks: FaultHooks = NO_FAULTS, lr_schedule=None, progress=None,
+          started: float | None = None) -> list[float]:
     """Train to cfg.train.train_iters (resuming from --load), evaluating, saving and logging as
     configured. make_data(start_batch) gives this replica's training microbatches; lr_schedule
     (iteration -> lr, e.g. a DeepSpeed JSON's) replaces the Config's. Returns the losses of the
     iterations run (read on the host only at log intervals). `progress`: a terminal stream for
     the progress bar (None: plain lines). `hooks` injects faults (tests only:
-    reliability.FaultHooks)."""
+    reliability.FaultHooks). `started`: when --exit-duration-in-mins starts counting (time.time();
+    None: when this process started, so start-up and checkpoint loading count)."""
     t = cfg.train
+    started = process_start_time() if started is None else started
+    # SIGTERM/SIGUSR1/SIGINT from here on end in a checkpoint, also while loading
+    preemption = Preemption() if t.save else None
     reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
     engine = build_engine(cfg, grid, device, lr_schedule=lr_schedule)
     engine.loss_fn = hooks.wrap_loss(engine.loss_fn, engine)
@@ -55,6 +61,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     check_iterations(t.train_iters, start, t.load)
     if start and reporter:
         log(f"loading checkpoint from {t.load} at iteration {start}")
+    if start and reporter and not t.finetune:
+        log(f"resuming from iteration {start}: the latest checkpoint in --load {t.load}")
     if start == t.train_iters and reporter:
         log(f"the checkpoint in {t.load} is at iteration {start} = --train-iters: nothing to "
             "train (raise --train-iters to continue)")
@@ -68,7 +76,6 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         engine.start(t.train_iters - start)
     if t.trace:
         engine.enable_trace()
-    preemption = Preemption() if t.save else None
     saver = None
     if t.save:
         from megatron_2bw.checkpoint.saver import Checkpointer
@@ -89,7 +96,6 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
                     saver.wait()
                 raise
 
-    started = time.time()
     profiler.step(start)
     for it in range(start + 1, t.train_iters + 1):
         pending.append(engine.train_batch(data).detach().clone())

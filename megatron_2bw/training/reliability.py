@@ -4,11 +4,13 @@ rank and stage, non-finite losses and gradients, and the fault-injection hooks t
 - Launcher watch: a worker that a launcher started (torchrun, srun, mpirun, torch
   multiprocessing) exits within about a second of that launcher's death (`kill -9` of torchrun,
   an unhandled SIGUSR1, a dead slurmstepd): no orphan keeps training or writing checkpoints.
-- Preemption: SIGTERM, SIGUSR1 (SLURM's pre-timeout signal, `#SBATCH --signal=USR1@300`) and
-  SIGINT (Ctrl-C) set a flag; the flag rides in the next batch's gradient reductions
-  (pipeline/flags.py), so two iterations later every rank agrees on the same boundary, where the
-  run saves a checkpoint and exits 0. The next job resumes from it. A second Ctrl-C, a second or
-  more after the first, aborts at once.
+- Preemption: SIGTERM, SIGUSR1 (SLURM's pre-timeout signal: the batch scripts take it as
+  `#SBATCH --signal=B:USR1@300` and forward it to every worker, with torchrun ignoring it, then
+  requeue: examples/slurm/preemption.sh) and SIGINT (Ctrl-C) set a flag (from the start of
+  `training.train`, before the checkpoint is loaded); the flag rides in the next batch's
+  gradient reductions (pipeline/flags.py), so two iterations later every rank agrees on the
+  same boundary, where the run saves a checkpoint and exits 0. The next job resumes from it. A
+  second Ctrl-C, a second or more after the first, aborts at once.
 - Abort on Ctrl-C: training ranks handle SIGINT with `abort_on_sigint` (print one line, exit 130
   at once), not with KeyboardInterrupt: Python drops an exception that a signal raises inside a
   finalizer (a `__del__`, a weakref callback, a generator's close) after printing it, and the run
@@ -102,6 +104,25 @@ def watch_launcher(poll_seconds: float = 1.0) -> None:
             os._exit(1)
 
     threading.Thread(target=watch, name=WATCHER, daemon=True).start()
+
+
+_IMPORTED_AT = time.time()  # the fallback of process_start_time: imported at start-up
+
+
+def process_start_time() -> float:
+    """When this process started, in time.time() seconds (what --exit-duration-in-mins counts
+    from, as Megatron's does: start-up, index building and checkpoint loading included). Linux:
+    /proc/self/stat's start time after boot plus /proc/stat's boot time (10 ms ticks); elsewhere
+    when this module was first imported (pretrain imports it before parsing any flag)."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return min(boot + ticks / os.sysconf("SC_CLK_TCK"), _IMPORTED_AT)
+    except (OSError, ValueError, StopIteration):
+        return _IMPORTED_AT
 
 
 def abort_on_sigint(line: str, code: int = 130):

@@ -1,4 +1,6 @@
 """Rank/world detection from launcher environments (torchrun, SLURM srun, MPI)."""
+import re
+
 import pytest
 
 from megatron_2bw.parallel import launcher as D
@@ -66,37 +68,136 @@ def test_mpich_pmi_is_read_by_the_one_list_both_front_doors_ask(clean_env):
     ("node[1-3]", ["node1", "node2", "node3"]),
     ("gpu[01-02,10],login", ["gpu01", "gpu02", "gpu10", "login"]),
     ("a[9-11],b", ["a9", "a10", "a11", "b"]),
+    # prefix[ranges]suffix
+    ("a[1-2]-ib", ["a1-ib", "a2-ib"]),
+    ("gpu[7]", ["gpu7"]),
+    # several bracket groups: the first varies slowest, as scontrol show hostnames lists them
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("x[8-9]y[1,3]z", ["x8y1z", "x8y3z", "x9y1z", "x9y3z"]),
+    # zero padding: the width of the range's first number
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("n[8-10]", ["n8", "n9", "n10"]),
+    # comma lists inside and outside brackets
+    ("a[1,3-4],b7,c[01-02]x", ["a1", "a3", "a4", "b7", "c01x", "c02x"]),
+    (" login1,login2 ", ["login1", "login2"]),
 ])
 def test_expand_nodelist_like_scontrol(nodelist, hosts):
     assert D.expand_nodelist(nodelist) == hosts
 
 
+@pytest.mark.parametrize("nodelist,problem", [
+    ("a[1-2", "unbalanced brackets"), ("a1-2]", "unbalanced brackets"),
+    ("a[[1]]", "unbalanced brackets"), ("a[x]", "[x] is not a list of numbers"),
+    ("a[3-1]", "[3-1] is not a list of numbers"), ("a[1-]", "[1-] is not a list of numbers"),
+])
+def test_a_bad_host_list_is_one_line_naming_it(nodelist, problem):
+    from megatron_2bw.config import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(f"SLURM host list {nodelist!r}: {problem}")):
+        D.expand_nodelist(nodelist)
+
+
+def test_slurm_hosts_asks_scontrol_where_it_exists_else_parses(monkeypatch):
+    import subprocess
+    calls = []
+
+    def fake_run(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="h-a\nh-b\n", stderr="")
+    monkeypatch.setattr(D.shutil, "which", lambda name: "/usr/bin/scontrol")
+    monkeypatch.setattr(D.subprocess, "run", fake_run)
+    assert D.slurm_hosts("h-[a,b]") == ["h-a", "h-b"]  # a form only scontrol knows
+    assert calls == [["/usr/bin/scontrol", "show", "hostnames", "h-[a,b]"]]
+
+    def failing(argv, **kw):
+        return subprocess.CompletedProcess(argv, 1, stdout="", stderr="no controller")
+    monkeypatch.setattr(D.subprocess, "run", failing)
+    assert D.slurm_hosts("a[1-2]-ib") == ["a1-ib", "a2-ib"]
+    monkeypatch.setattr(D.shutil, "which", lambda name: None)
+    assert D.slurm_hosts("rack[1-2]-n[01-02]")[1] == "rack1-n02"
+
+
+def test_srun_rendezvous_is_the_first_host_by_name_and_a_port_from_the_job_id(clean_env,
+                                                                             monkeypatch):
+    monkeypatch.setattr(D.shutil, "which", lambda name: None)  # the parser
+    clean_env.setenv("SLURM_JOB_NODELIST", "a[1-2]-ib")
+    clean_env.setenv("SLURM_JOB_ID", "20077")
+    D.slurm_rendezvous()
+    import os
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("a1-ib", "20077")
+    assert D.slurm_port(20077) != D.slurm_port(20078)  # two jobs on one node
+    assert {D.slurm_port(j) for j in (1, 19999, 20000, 987654321)} <= set(range(20000, 40000))
+    clean_env.setenv("MASTER_PORT", "31337")  # set by the user: kept
+    clean_env.setenv("MASTER_ADDR", "10.0.0.1")
+    D.slurm_rendezvous()
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.0.0.1", "31337")
+
+
+SLURM_DIR = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples" / "slurm"
+SCRIPTS = ["pretrain_gpt_2bw.sbatch", "pretrain_gpt_gpipe.sbatch", "pretrain_gpt_srun.sbatch"]
+
+
 def test_sbatch_examples_use_rendezvous_from_scontrol():
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2] / "examples" / "slurm"
     for name in ("pretrain_gpt_2bw.sbatch", "pretrain_gpt_gpipe.sbatch"):
-        text = (root / name).read_text()
+        text = (SLURM_DIR / name).read_text()
         assert "scontrol show hostnames" in text and "--rdzv_endpoint" in text
         assert "--pipeline-schedule" in text
+        # the first host by name (hostname --ip-address can be 127.0.1.1), the port from the
+        # job id (the launcher's formula) unless MASTER_PORT is set
+        assert "--ip-address" not in text and '--rdzv_endpoint "$head_node:$port"' in text
+        assert "port=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}" in text
+        assert D.slurm_port(123) == 20000 + 123 % 20000
 
 
-@pytest.mark.parametrize("name", ["pretrain_gpt_2bw.sbatch", "pretrain_gpt_gpipe.sbatch",
-                                  "pretrain_gpt_srun.sbatch"])
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_sbatch_examples_preempt_through_the_batch_shell_and_requeue(name):
+    """USR1 to the batch shell (B:), requeue allowed, the step run by preemption.sh with USR1
+    ignored by whatever srun starts (torchrun or python): tests/e2e/test_slurm_preemption.py
+    runs them."""
+    text = (SLURM_DIR / name).read_text()
+    assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
+    assert "source examples/slurm/preemption.sh" in text
+    assert 'run_preemptible "$CKPT"' in text
+    assert 'srun --kill-on-bad-exit=1 "${IGNORE_USR1[@]}" ' in text
+
+
+def _script_args(text: str) -> list[str]:
+    """The pretrain flags of a batch script's ARGS=(...), its VAR=${VAR:-default} variables at
+    their defaults (SCHEDULE too), other shell words as `x`, "$@" empty."""
+    import shlex
+    defaults = dict(re.findall(r'^(\w+)=\$\{\1:-"?(.*?)"?\}$', text, re.M))
+    block = re.search(r"^ARGS=\((.*?)\)$", text, re.S | re.M).group(1).replace("\\\n", " ")
+    block = block.replace('"$@"', "")
+    for _ in range(2):  # CKPT's default names SCHEDULE
+        block = re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m.group(1), "x"), block)
+    return shlex.split(block)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_sbatch_examples_flags_parse_and_validate(name):
     """The pretrain flags of each SLURM example are real flags and a valid config for the
     allocation the script asks for (nodes x GPUs per node)."""
-    import re
-    import shlex
-    from pathlib import Path
-
     from megatron_2bw.config.build import build_config
     from megatron_2bw.pretrain import build_parser
-    text = (Path(__file__).resolve().parents[2] / "examples" / "slurm" / name).read_text()
+    text = (SLURM_DIR / name).read_text()
     nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text).group(1))
     gpus = int(re.search(r"#SBATCH --gpus-per-node=(\d+)", text).group(1))
-    command = text[text.index("pretrain_gpt.py") + len("pretrain_gpt.py"):].replace("\\\n", " ")
-    command = command.splitlines()[0].replace("$SCHEDULE", "2bw")
-    command = re.sub(r"\$\{?\w+\}?", "x", command)  # other shell variables: any word
-    args = build_parser("gpt").parse_args(shlex.split(command))
+    argv = _script_args(text)
+    assert "pretrain_gpt.py \"${ARGS[@]}\"" in text and "--bf16" in argv
+    args = build_parser("gpt").parse_args(argv)
     cfg = build_config(args, "gpt", nodes * gpus).config
     assert cfg.optimizer.adam_beta2 == 0.95 or "srun" in name
+    assert cfg.train.save == cfg.train.load and cfg.train.train_iters in (100000, 20000)
+
+
+def test_exit_duration_clock_is_the_process_start():
+    """--exit-duration-in-mins counts from here (training/loop.py): when the OS says this
+    process started, not when the training loop or this module began (the end-to-end check:
+    tests/e2e/test_slurm_preemption.py::test_exit_duration_counts_from_process_start)."""
+    import time
+
+    import psutil
+
+    from megatron_2bw.training import reliability
+    started = reliability.process_start_time()
+    assert abs(started - psutil.Process().create_time()) < 0.05
+    assert started <= reliability._IMPORTED_AT <= time.time()
