@@ -14,10 +14,13 @@ setup(
     # tqdm: the progress bar on a terminal (training/observe/logger.py)
     install_requires=["torch>=2.3", "numpy", "sentencepiece>=0.2,<0.3", "tqdm>=4.60"],
     # matplotlib: tools/compare_convergence.py and tools/plot_schedule.py draw PNGs (Agg)
-    # hf: tools/checkpoint_convert.py (HuggingFace export/import), generate.py on HF directories
+    # hf: tools/checkpoint_convert.py (HuggingFace export/import), generate.py on HF directories,
+    # --tokenizer-type HuggingFaceTokenizer; tokenizers: Megatron's tokenizer types beyond
+    # sentencepiece (regex: GPT2BPETokenizer; tiktoken: TikTokenizer; transformers: HF)
     # tensorboard: --tensorboard-dir (torch.utils.tensorboard writes, tests read events back)
     extras_require={"test": ["pytest>=7", "wandb>=0.17", "matplotlib>=3.7", "tensorboard>=2.14"],
                     "wandb": ["wandb>=0.17"], "plots": ["matplotlib>=3.7"],
                     "tensorboard": ["tensorboard>=2.14"],
-                    "hf": ["transformers>=4.40", "safetensors>=0.4"]},
+                    "hf": ["transformers>=4.40", "safetensors>=0.4"],
+                    "tokenizers": ["regex>=2021.8", "tiktoken>=0.6", "transformers>=4.40"]},
 )

@@ -5,6 +5,12 @@
       --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model \
       --append-eod --workers 4
 
+Megatron-LM's tokenizer flags: --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json
+--merge-file merges.txt; BertWordPieceLowerCase/Case --vocab-file vocab.txt; Llama2Tokenizer
+--tokenizer-model tok.model; HuggingFaceTokenizer --tokenizer-model DIR; TikTokenizer
+--tokenizer-model vocab.json --tiktoken-pattern v2 [--vocab-size N
+--tiktoken-num-special-tokens K]; NullTokenizer --vocab-size N.
+
 writes data/corpus_text_document.bin/.idx (one per --json-keys key; `_sentence` with
 --split-sentences, for BERT). Train on it with `--data-path data/corpus_text_document`.
 """
@@ -16,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.data.errors import DataError  # noqa: E402
 from megatron_2bw.data.preprocess import preprocess_jsonl  # noqa: E402
-from megatron_2bw.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from megatron_2bw.data.flags import add_tokenizer_args  # noqa: E402
+from megatron_2bw.data.tokenizer import tokenizer_options  # noqa: E402
 
 
 def parse(argv=None):
@@ -29,10 +36,10 @@ def parse(argv=None):
     g.add_argument("--split-sentences", action="store_true",
                    help="one sequence per sentence (BERT); otherwise one per document")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
-                   default="GPTSentencePieceTokenizer")
-    g.add_argument("--tokenizer-model", default=None, help="sentencepiece FILE.model")
-    g.add_argument("--vocab-size", type=int, default=None, help="for the NullTokenizer")
+    add_tokenizer_args(g, "GPTSentencePieceTokenizer", "Megatron-LM's tokenizer types "
+                       "(default GPTSentencePieceTokenizer)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: the ids; TikTokenizer: the vocabulary (default 2^17)")
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")
     g = p.add_argument_group("output")
@@ -59,7 +66,7 @@ def main(argv=None) -> int:
         outs = preprocess_jsonl(args.input, args.output_prefix, args.json_keys,
                                 args.tokenizer_type, args.tokenizer_model, args.vocab_size,
                                 args.split_sentences, args.append_eod, args.workers,
-                                args.log_interval)
+                                args.log_interval, tokenizer_options=tokenizer_options(args))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -33,7 +33,9 @@ from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_indices
 from megatron_2bw.data.indexed_dataset import MMapIndexedDataset
 from megatron_2bw.data.mock import MockGPTDataset
-from megatron_2bw.data.tokenizer import Tokenizer, build_tokenizer, vocab_size_with_padding
+from megatron_2bw.data.tokenizer import (SENTENCEPIECE_TYPES, Tokenizer, build_tokenizer,
+                                         tokenizer_from_args, tokenizer_type_of,
+                                         vocab_size_with_padding)
 from megatron_2bw.fs import user_cache_dir
 
 
@@ -148,21 +150,22 @@ def _tokenizer_and_data(args, family: str, tokenizer: Tokenizer | None = None):
     """(tokenizer, --data-path items) from the flags, or the default corpus's when no
     --data-path is given. `tokenizer`: the one `pretrain_tokenizer` already built."""
     default_type, default_prefix_attr = _DEFAULTS[family]
-    data_path, ttype = _get(args, "data_path"), _get(args, "tokenizer_type")
+    data_path, ttype = _get(args, "data_path"), tokenizer_type_of(args)
     model = _get(args, "tokenizer_model")
     if not data_path:
-        if model or ttype not in (None, default_type):
-            raise DataError("--tokenizer-type/--tokenizer-model need --data-path: without it the "
-                            "embedded default corpus is used with its own tokenizer")
+        if model or _get(args, "vocab_file") or ttype not in (None, default_type):
+            raise DataError("--tokenizer-type/--tokenizer-model/--vocab-file need --data-path: "
+                            "without it the embedded default corpus is used with its own "
+                            "tokenizer")
         corpus = default_corpus()
         return (tokenizer or build_tokenizer(default_type, corpus.tokenizer_model),
                 [getattr(corpus, default_prefix_attr)])
     ttype = ttype or default_type
-    if ttype != "NullTokenizer" and not model:
+    if ttype in SENTENCEPIECE_TYPES and not model:
         raise DataError("--data-path needs --tokenizer-model FILE.model (the sentencepiece "
-                        "model the data was preprocessed with) or --tokenizer-type "
-                        "NullTokenizer --vocab-size N")
-    return tokenizer or build_tokenizer(ttype, model, _get(args, "vocab_size")), list(data_path)
+                        "model the data was preprocessed with), another --tokenizer-type with "
+                        "its files, or --tokenizer-type NullTokenizer --vocab-size N")
+    return tokenizer or tokenizer_from_args(args, ttype), list(data_path)
 
 
 def pretrain_tokenizer(args, family: str = "gpt") -> tuple[Tokenizer | None, int]:
@@ -171,8 +174,11 @@ def pretrain_tokenizer(args, family: str = "gpt") -> tuple[Tokenizer | None, int
     --vocab-size). Pass the tokenizer on to `build_pretrain_data`."""
     if family not in _DEFAULTS:
         raise DataError(f"unknown model family {family!r}: gpt or bert")
-    if _get(args, "mock_data", False):
-        return None, _get(args, "vocab_size", 512)
+    if _get(args, "mock_data", False):  # a named tokenizer sizes the vocabulary, as Megatron's
+        if tokenizer_type_of(args) in (None, "NullTokenizer"):
+            return None, _get(args, "vocab_size", 512)
+        tokenizer = tokenizer_from_args(args)
+        return tokenizer, _padded_vocab(args, tokenizer)
     tokenizer, _ = _tokenizer_and_data(args, family)
     return tokenizer, _padded_vocab(args, tokenizer)
 
@@ -229,10 +235,11 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
     if _get(args, "mock_data", False):
         if _get(args, "data_path"):
             raise DataError("--mock-data and --data-path are exclusive: pass one of them")
-        vocab = _get(args, "vocab_size", 512)
+        vocab = tokenizer.vocab_size if tokenizer else _get(args, "vocab_size", 512)
         return PretrainData(_mock(args, family, vocab, seq_length, seed),
                             _mock(args, family, vocab, seq_length, seed + 1)
-                            if valid_samples else None, vocab, None)
+                            if valid_samples else None,
+                            _padded_vocab(args, tokenizer) if tokenizer else vocab, tokenizer)
     tokenizer, data_path = _tokenizer_and_data(args, family, tokenizer)
     if family == "bert" and len(parse_data_path(data_path)[0]) != 1:
         raise DataError("--data-path: BERT takes one prefix (blending is GPT-only for now)")

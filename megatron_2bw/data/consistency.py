@@ -100,13 +100,13 @@ def split_counts(prefix: str) -> tuple[int, int]:
 
 def _tokenizer_words(tokenizer, largest: int) -> tuple[str, str]:
     """(how to name the tokenizer, how to fix a mismatch) for the error line."""
-    model = getattr(tokenizer, "model_file", None)
+    model = getattr(tokenizer, "model_file", None) or getattr(tokenizer, "source", None)
     if model is None:  # the NullTokenizer: ids 0 .. --vocab-size, eod is the last
         return (f"NullTokenizer (--vocab-size {tokenizer.vocab_size - 1})",
                 f"pass --vocab-size {max(largest, 1)} or more (the size it was preprocessed "
                 "with)")
     return (f"{tokenizer.name} {model}",
-            "pass the --tokenizer-model the data was preprocessed with (or re-run "
+            "pass the tokenizer files the data was preprocessed with (or re-run "
             "tools/preprocess_data.py with this one)")
 
 

@@ -8,6 +8,30 @@ from megatron_2bw.data.bert_dataset import PAIR_TASKS
 from megatron_2bw.data.tokenizer import TOKENIZER_TYPES
 
 
+def add_tokenizer_args(g, default_type: str | None, type_help: str) -> None:
+    """Megatron's tokenizer flags (same names, defaults and meaning); pretrain_*.py and
+    tools/preprocess_data.py share them. `--vocab-size` is the caller's."""
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default_type,
+                   help=type_help)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="sentencepiece FILE.model (SentencePieceTokenizer, "
+                        "GPTSentencePieceTokenizer, Llama2Tokenizer), a local directory "
+                        "(HuggingFaceTokenizer) or a tiktoken vocabulary .json (TikTokenizer)")
+    g.add_argument("--vocab-file", default=None,
+                   help="GPT2BPETokenizer: vocab.json; BertWordPiece*: vocab.txt")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--vocab-extra-ids", type=int, default=0,
+                   help="add <extra_id_0..N-1> (BertWordPiece*, SentencePieceTokenizer)")
+    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
+                   help="TikTokenizer: the pre-tokenization pattern (required)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids 0..N-1 are special tokens, the vocabulary's from N")
+    g.add_argument("--tokenizer-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer: the first special tokens (default <unk> <s> </s>)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="HuggingFaceTokenizer: let transformers run the directory's code")
+
+
 def add_data_args(p: argparse.ArgumentParser, family: str = "gpt") -> None:
     """The data flags; BERT's masking / pair flags only when family == "bert"."""
     g = p.add_argument_group("data")
@@ -20,10 +44,11 @@ def add_data_args(p: argparse.ArgumentParser, family: str = "gpt") -> None:
                    help="train on deterministic synthetic sequences")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices are cached (default: beside the data)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
-                   help="default: GPTSentencePieceTokenizer for GPT, SentencePieceTokenizer "
-                        "for BERT")
-    g.add_argument("--tokenizer-model", default=None, help="a sentencepiece FILE.model")
+    add_tokenizer_args(g, default_type=None,
+                       type_help="default: GPT2BPETokenizer with --vocab-file and --merge-file, "
+                                 "BertWordPieceLowerCase with --vocab-file alone, else "
+                                 "GPTSentencePieceTokenizer for GPT, SentencePieceTokenizer "
+                                 "for BERT")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x tensor-parallel size")
     if family != "bert":

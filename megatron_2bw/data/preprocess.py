@@ -42,13 +42,15 @@ def output_prefix(prefix: str, key: str, split: bool) -> str:
 class Encoder:
     """Tokenizes one JSON line; built once per worker process."""
 
-    def __init__(self, tokenizer_type, tokenizer_model, vocab_size, json_keys, split, eod):
+    def __init__(self, tokenizer_type, tokenizer_model, vocab_size, json_keys, split, eod,
+                 tokenizer_options: dict | None = None):
         self.args = (tokenizer_type, tokenizer_model, vocab_size)
+        self.options = dict(tokenizer_options or {})
         self.json_keys, self.split, self.append_eod = json_keys, split, eod
         self.tokenizer = None
 
     def initializer(self):
-        self.tokenizer = build_tokenizer(*self.args)
+        self.tokenizer = build_tokenizer(*self.args, **self.options)
 
     def encode_text(self, text: str) -> tuple[list[int], list[int]]:
         """(token ids, sequence lengths) of one document."""
@@ -166,12 +168,15 @@ def preprocess_jsonl(input_path: str, prefix: str, json_keys: Iterable[str] = ("
                      tokenizer_type: str = "GPTSentencePieceTokenizer",
                      tokenizer_model: str | None = None, vocab_size: int | None = None,
                      split_sentences: bool = False, append_eod: bool = False, workers: int = 1,
-                     log_interval: int = 1000, progress_stream=None) -> dict[str, str]:
-    """Tokenize a JSONL file into indexed datasets. Returns {json key: output prefix}."""
+                     log_interval: int = 1000, progress_stream=None,
+                     tokenizer_options: dict | None = None) -> dict[str, str]:
+    """Tokenize a JSONL file into indexed datasets. Returns {json key: output prefix}.
+    tokenizer_options: build_tokenizer's keyword options (--vocab-file, --merge-file, ...)."""
     json_keys = list(json_keys)
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)  # fail fast here
+    options = dict(tokenizer_options or {})
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size, **options)  # fail fast
     encoder = Encoder(tokenizer_type, tokenizer_model, vocab_size, json_keys, split_sentences,
-                      append_eod)
+                      append_eod, options)
     outs = {k: output_prefix(prefix, k, split_sentences) for k in json_keys}
     lines = numbered_lines(input_path)
     first = next(lines, None)  # an unreadable or empty input fails before anything is written

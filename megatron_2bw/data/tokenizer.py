@@ -1,10 +1,15 @@
-"""Tokenizers with Megatron's names and special-token conventions, and sentencepiece training.
+"""Megatron-LM's tokenizers by their `--tokenizer-type` names (ids equal to Megatron's for the
+same files), `build_tokenizer`, vocabulary padding and sentencepiece training.
 
 - `SentencePieceTokenizer`: a sentencepiece model plus the special tokens BERT needs (<CLS>,
   <SEP>, <EOD>, <MASK>, and pad/bos/eos), appended after the model's pieces when the model lacks
   them, exactly as Megatron-LM does; text containing a special token's string maps to its id.
 - `GPTSentencePieceTokenizer`: the bare model; eod is the model's eos.
+- `Llama2Tokenizer`: the bare model with bos prepended to every text; eod = eos.
 - `NullTokenizer(vocab_size)`: text is space-separated ids; eod = vocab_size (one extra id).
+- GPT2BPETokenizer (tokenizer_gpt2.py), BertWordPieceLowerCase / BertWordPieceCase
+  (tokenizer_wordpiece.py), HuggingFaceTokenizer (tokenizer_hf.py), TikTokenizer
+  (tokenizer_tiktoken.py).
 """
 from __future__ import annotations
 
@@ -13,9 +18,13 @@ import os
 from typing import Iterable
 
 from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.tokenizer_base import Tokenizer
 from megatron_2bw.fs import atomic_write_bytes
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                   "Llama2Tokenizer", "TikTokenizer", "NullTokenizer")
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
 
 def _load_sentencepiece(model_file: str):
@@ -34,37 +43,6 @@ def _load_sentencepiece(model_file: str):
         raise DataError(f"{model_file}: not a sentencepiece model ({first}): pass a .model "
                         "file written by sentencepiece / tools/train_tokenizer.py") from None
     return sp
-
-
-class Tokenizer:
-    """Common interface: vocab_size, tokenize(text) -> ids, detokenize(ids) -> text, eod, ..."""
-    name = "Tokenizer"
-    _eod_id = _pad_id = _bos_id = _eos_id = _cls_id = _sep_id = _mask_id = None
-    special_ids: tuple = ()
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    def tokenize(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def detokenize(self, ids) -> str:
-        raise NotImplementedError
-
-    def _need(self, value, what):
-        if value is None or value < 0:
-            raise DataError(f"the {self.name} has no {what} token: use --tokenizer-type "
-                            "SentencePieceTokenizer (it adds the BERT special tokens)")
-        return value
-
-    eod = property(lambda self: self._need(self._eod_id, "eod"))
-    pad = property(lambda self: self._need(self._pad_id, "pad"))
-    bos = property(lambda self: self._need(self._bos_id, "bos"))
-    eos = property(lambda self: self._need(self._eos_id, "eos"))
-    cls = property(lambda self: self._need(self._cls_id, "cls"))
-    sep = property(lambda self: self._need(self._sep_id, "sep"))
-    mask = property(lambda self: self._need(self._mask_id, "mask"))
 
 
 class GPTSentencePieceTokenizer(Tokenizer):
@@ -142,6 +120,14 @@ class SentencePieceTokenizer(GPTSentencePieceTokenizer):
         return text + self.sp.DecodeIds(ids[last:])
 
 
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron's _Llama2Tokenizer: the sentencepiece model's ids with bos first (no eos)."""
+    name = "Llama2Tokenizer"
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.sp.bos_id(), *self.sp.EncodeAsIds(text)]
+
+
 class NullTokenizer(Tokenizer):
     """Text is space-separated token ids; eod is one id past them (Megatron's _NullTokenizer)."""
     name = "NullTokenizer"
@@ -174,12 +160,76 @@ class NullTokenizer(Tokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
+# build_tokenizer's keyword options and the argparse attributes (data/flags.py) they come from
+OPTION_DEFAULTS = {"vocab_file": None, "merge_file": None, "vocab_extra_ids": 0,
+                   "tiktoken_pattern": None, "tiktoken_num_special_tokens": 1000,
+                   "tokenizer_special_tokens": None, "trust_remote_code": False}
+
+
+def tokenizer_options(args) -> dict:
+    """build_tokenizer's keyword options from parsed flags (absent or None: the default)."""
+    out = {}
+    for key, default in OPTION_DEFAULTS.items():
+        value = getattr(args, key, None)
+        out[key] = default if value is None else value
+    return out
+
+
+def tokenizer_type_of(args) -> str | None:
+    """--tokenizer-type, or the one Megatron-LM's example scripts imply without it:
+    --vocab-file + --merge-file: GPT2BPETokenizer; --vocab-file alone: BertWordPieceLowerCase;
+    None otherwise (the caller's default)."""
+    ttype = getattr(args, "tokenizer_type", None)
+    if ttype or not getattr(args, "vocab_file", None):
+        return ttype
+    return "GPT2BPETokenizer" if getattr(args, "merge_file", None) else "BertWordPieceLowerCase"
+
+
+def tokenizer_from_args(args, tokenizer_type: str | None = None) -> Tokenizer:
+    """The tokenizer of parsed flags (--tokenizer-type unless `tokenizer_type` is given)."""
+    return build_tokenizer(tokenizer_type or tokenizer_type_of(args),
+                           getattr(args, "tokenizer_model", None),
+                           getattr(args, "vocab_size", None), **tokenizer_options(args))
+
+
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
+                    vocab_size: int | None = None, **options) -> Tokenizer:
+    """The `--tokenizer-type` tokenizer. tokenizer_model: `--tokenizer-model` (a sentencepiece
+    file, a HuggingFace directory or a tiktoken vocabulary); vocab_size: `--vocab-size` (the
+    NullTokenizer's and the TikTokenizer's); options: OPTION_DEFAULTS' keys. The result's
+    `build_args` rebuild it: build_tokenizer(type, **build_args) (file paths made absolute)."""
+    unknown = set(options) - set(OPTION_DEFAULTS)
+    if unknown:
+        raise TypeError(f"build_tokenizer: unknown options {sorted(unknown)}")
+    tok = _build(tokenizer_type, tokenizer_model, vocab_size, {**OPTION_DEFAULTS, **options})
+    absolute = lambda p: os.path.abspath(p) if p else p  # noqa: E731
+    tok.build_args = {"tokenizer_model": absolute(tokenizer_model), "vocab_size": vocab_size,
+                      **{k: absolute(v) if k in ("vocab_file", "merge_file") else v
+                         for k, v in options.items() if v != OPTION_DEFAULTS[k]}}
+    return tok
+
+
+def _build(tokenizer_type: str, tokenizer_model, vocab_size, o: dict) -> Tokenizer:
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        from megatron_2bw.data.tokenizer_wordpiece import BertWordPieceTokenizer
+        return BertWordPieceTokenizer(o["vocab_file"], tokenizer_type == "BertWordPieceLowerCase",
+                                      o["vocab_extra_ids"])
+    if tokenizer_type == "GPT2BPETokenizer":
+        from megatron_2bw.data.tokenizer_gpt2 import GPT2BPETokenizer
+        return GPT2BPETokenizer(o["vocab_file"], o["merge_file"])
     if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(tokenizer_model)
+        return SentencePieceTokenizer(tokenizer_model, o["vocab_extra_ids"])
     if tokenizer_type == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        from megatron_2bw.data.tokenizer_hf import HuggingFaceTokenizer
+        return HuggingFaceTokenizer(tokenizer_model, o["trust_remote_code"])
+    if tokenizer_type == "TikTokenizer":
+        from megatron_2bw.data.tokenizer_tiktoken import TikTokenizer
+        return TikTokenizer(tokenizer_model, o["tiktoken_pattern"], vocab_size,
+                            o["tiktoken_num_special_tokens"], o["tokenizer_special_tokens"])
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise DataError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of "

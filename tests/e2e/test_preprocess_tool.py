@@ -32,3 +32,31 @@ def test_jsonl_preprocess_round_trip(tmp_path, sp_model, capsys):
     assert tokens == [t for e in expected for t in e]
     ds = MMapIndexedDataset(prefix)
     assert [ds[i].tolist() for i in range(len(ds))] == [e for e in expected if e]
+
+
+def test_megatron_tokenizer_flags(tmp_path, capsys):
+    """Megatron's tokenizer flags reach every worker: GPT2BPETokenizer (--vocab-file vocab.json
+    --merge-file merges.txt, eod <|endoftext|>) and BertWordPieceLowerCase (--vocab-file)."""
+    from test_data_tokenizer_megatron import BERT_VOCAB, GPT2_MERGES, GPT2_VOCAB
+    vocab, merges, bert = tmp_path / "vocab.json", tmp_path / "merges.txt", tmp_path / "b.txt"
+    vocab.write_text(json.dumps({t: i for i, t in enumerate(GPT2_VOCAB)}), encoding="utf-8")
+    merges.write_text("#version: 0.2\n" + "\n".join(GPT2_MERGES) + "\n", encoding="utf-8")
+    bert.write_text("".join(t + "\n" for t in BERT_VOCAB), encoding="utf-8")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n"
+                           for t in ["hello world", "he's é", "The fox. Brown fox jumps."]))
+    assert preprocess_data.main(["--input", str(src), "--output-prefix", str(tmp_path / "g"),
+                                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                 str(vocab), "--merge-file", str(merges), "--append-eod",
+                                 "--workers", "2"]) == 0
+    ds = MMapIndexedDataset(str(tmp_path / "g_text_document"))
+    assert ds[0].tolist() == [11, 14, 2, 7, 18] and ds[1].tolist() == [8, 15, 16, 4, 17, 18]
+    assert preprocess_data.main(["--input", str(src), "--output-prefix", str(tmp_path / "b"),
+                                 "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
+                                 str(bert), "--split-sentences", "--workers", "1"]) == 0
+    ds = MMapIndexedDataset(str(tmp_path / "b_text_sentence"))
+    assert [ds[i].tolist() for i in range(len(ds))][-2:] == [[5, 8, 16], [7, 8, 9, 10, 16]]
+    assert preprocess_data.main(["--input", str(src), "--output-prefix", str(tmp_path / "x"),
+                                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                 str(vocab)]) == 2
+    assert "GPT2BPETokenizer needs --merge-file" in capsys.readouterr().err

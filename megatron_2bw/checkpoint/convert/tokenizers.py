@@ -4,6 +4,8 @@ A training run with --save records the tokenizer it trained with beside its chec
 (pretrain.py calls `record_tokenizer` once, on rank 0, before training):
 
     {save}/tokenizer_args.json   {"tokenizer_type": ..., ["vocab_size": N for the NullTokenizer]}
+                                 (+ build_tokenizer's options: --vocab-file/--merge-file and
+                                 the other tokenizer files as absolute paths, not copied)
     {save}/tokenizer.model       a copy of the sentencepiece model (sentencepiece types only)
 
 so that `tools/generate.py` and the exporter find it even after the data's cache is gone.
@@ -36,8 +38,13 @@ def record_tokenizer(directory: str, tokenizer: Tokenizer | None) -> None:
         return
     args = {"tokenizer_type": tokenizer.name}
     model_file = getattr(tokenizer, "model_file", None)
+    built = dict(getattr(tokenizer, "build_args", {}))  # data/tokenizer.build_tokenizer's
     if model_file:
         _copy(model_file, os.path.join(directory, TOKENIZER_MODEL))
+        built.pop("tokenizer_model", None)
+        args.update(built)  # e.g. --vocab-extra-ids
+    elif getattr(tokenizer, "source", None):  # vocab/merges files, an HF directory, tiktoken:
+        args.update(built)                    # their absolute paths
     else:
         args["vocab_size"] = tokenizer.vocab_size - 1  # the NullTokenizer's --vocab-size
     write_checkpoint_file(os.path.join(directory, TOKENIZER_ARGS),
@@ -50,8 +57,10 @@ def recorded_tokenizer(directory: str) -> Tokenizer | None:
     model = os.path.join(directory, TOKENIZER_MODEL)
     if os.path.exists(args_path):
         args = json.load(open(args_path))
-        return build_tokenizer(args["tokenizer_type"], model if os.path.exists(model) else None,
-                               args.get("vocab_size"))
+        ttype = args.pop("tokenizer_type")
+        if os.path.exists(model):
+            args["tokenizer_model"] = model
+        return build_tokenizer(ttype, **args)
     if os.path.exists(model):
         return build_tokenizer(SENTENCEPIECE, model)
     return None

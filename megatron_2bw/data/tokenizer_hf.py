@@ -1,0 +1,52 @@
+"""Megatron's HuggingFaceTokenizer: transformers' AutoTokenizer on a LOCAL directory
+(`--tokenizer-model DIR` with tokenizer.json / tokenizer_config.json / vocab files; nothing is
+downloaded), with the ids Megatron-LM gives: tokenize(text) = tokenizer(text).input_ids (the
+special tokens the tokenizer adds by itself included), vocab_size = len(tokenizer) (added
+tokens included), eod = the eos token, bos and pad the tokenizer's.
+Needs the transformers package (the `hf` extra; a one-line error names it when absent).
+"""
+from __future__ import annotations
+
+import os
+
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.tokenizer_base import Tokenizer, need_package
+
+NAME = "HuggingFaceTokenizer"
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    name = NAME
+
+    def __init__(self, directory: str | None, trust_remote_code: bool = False):
+        if not directory:
+            raise DataError(f"--tokenizer-type {NAME} needs --tokenizer-model DIR (a local "
+                            "directory with the tokenizer's files)")
+        if not os.path.isdir(directory):
+            raise DataError(f"{directory}: not a directory (--tokenizer-model of {NAME}): pass "
+                            "a local directory with tokenizer.json or tokenizer_config.json; "
+                            "hub names are not downloaded")
+        transformers = need_package("transformers", NAME)
+        try:
+            self.hf = transformers.AutoTokenizer.from_pretrained(
+                directory, local_files_only=True, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise DataError(f"{directory}: transformers cannot load a tokenizer from it "
+                            f"({first}): pass a directory saved by save_pretrained") from None
+        self._eod_id = self._eos_id = self.hf.eos_token_id
+        self._bos_id, self._pad_id = self.hf.bos_token_id, self.hf.pad_token_id
+        self._cls_id, self._sep_id = self.hf.cls_token_id, self.hf.sep_token_id
+        self._mask_id = self.hf.mask_token_id
+        self.special_ids = tuple(sorted(set(self.hf.all_special_ids)))
+        self.source = f"--tokenizer-model {directory}"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.hf(text).input_ids)
+
+    def detokenize(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids])
