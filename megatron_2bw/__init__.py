@@ -2,8 +2,12 @@
 
 Also a DeepSpeed drop-in for pipeline models (`import megatron_2bw as deepspeed`):
 `deepspeed.initialize`, `deepspeed.init_distributed`, `deepspeed.add_config_arguments`,
-`deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec`, `deepspeed.utils.RepeatingLoader`.
-Everything is imported lazily, on first use, so `import megatron_2bw` stays light.
+`deepspeed.pipe.PipelineModule / LayerSpec / TiedLayerSpec`, `deepspeed.utils.RepeatingLoader`,
+`deepspeed.runtime`, `deepspeed.accelerator`, `deepspeed.checkpointing`, `deepspeed.comm` and
+`deepspeed.__version__` (the DeepSpeed version whose API the drop-in follows). A script with
+`from deepspeed.x import y` lines imports `megatron_2bw.deepspeed.alias as deepspeed` instead
+(deepspeed/alias.py). Everything is imported lazily, on first use, so `import megatron_2bw`
+stays light.
 
 The package root holds only entry points (pretrain.py, generate.py), fs.py (every write of the
 product) and pipe.py (DeepSpeed's `deepspeed.pipe` name); each concern is a package below it.
@@ -16,7 +20,9 @@ _LAZY = {"initialize": "deepspeed", "init_distributed": "deepspeed",
          "add_config_arguments": "deepspeed", "DeepSpeedPipelineEngine": "deepspeed",
          "PipelineModule": "pipe", "LayerSpec": "pipe", "TiedLayerSpec": "pipe"}
 # DeepSpeed's module names (deepspeed.pipe, deepspeed.utils) -> where they live here
-_SUBMODULES = {"pipe": "pipe", "utils": "deepspeed.utils", "deepspeed": "deepspeed"}
+_SUBMODULES = {"pipe": "pipe", "utils": "deepspeed.utils", "deepspeed": "deepspeed",
+               "runtime": "deepspeed.runtime", "accelerator": "deepspeed.accelerator",
+               "checkpointing": "deepspeed.checkpointing", "comm": "deepspeed.comm"}
 
 
 def __getattr__(name):
@@ -24,7 +30,6 @@ def __getattr__(name):
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     if name in _SUBMODULES:
         return importlib.import_module(f".{_SUBMODULES[name]}", __name__)
-    if name == "comm":  # deepspeed.comm.get_rank() and friends
-        import torch.distributed
-        return torch.distributed
+    if name == "__version__":
+        return importlib.import_module(f"{__name__}.deepspeed.names").DEEPSPEED_API_VERSION
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

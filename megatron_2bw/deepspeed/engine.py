@@ -24,6 +24,7 @@ import torch
 from megatron_2bw.deepspeed.checkpoint import CheckpointMixin
 from megatron_2bw.deepspeed.pipe.module import PipelineError, PipelineModule
 from megatron_2bw.deepspeed.utils import RepeatingLoader
+from megatron_2bw.deepspeed.monitor import Monitor
 from megatron_2bw.deepspeed.views import MPU, LRSchedulerView, OptimizerView
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import default_device
@@ -110,7 +111,7 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
         self.lr_scheduler = LRSchedulerView(self) if settings.lr_schedule is not None else None
         self._feed = _Feed(lambda: self.data_iterator, self, "train_batch", self._engine.kind)
         self._timer = time.perf_counter()
-        self._wandb = None
+        self.monitor = Monitor(ds_json, cfg, self.global_rank)
         if training_data is not None:
             self._build_data_iter(training_data, collate_fn)
 
@@ -177,6 +178,10 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
         self.agg_train_loss = loss
         if self.global_steps % self.steps_per_print() == 0:
             self._report(loss)
+        if self.global_rank == 0 and self.monitor.enabled:   # DeepSpeed's events, every batch
+            events = [("Train/Samples/train_loss", float(loss), self.global_samples),
+                      ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            self.monitor.write_events(events)
         return loss
 
     def _report(self, loss) -> None:
@@ -191,19 +196,7 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
                 timers = self._engine.timers
                 print("time (ms) | " + " | ".join(f"{k}: {1000 * v:.2f}"
                                                  for k, v in sorted(timers.items())), flush=True)
-            if self._cfg.train.wandb_project:
-                self._log_wandb({"Train/Samples/train_loss": value,
-                                 "Train/Samples/lr": self.get_lr()[0]})
         self._engine.timers.clear()
-
-    def _log_wandb(self, values: dict) -> None:
-        if self._wandb is None:
-            os.environ.setdefault("WANDB_MODE", "offline")
-            import wandb
-            self._wandb = wandb.init(project=self._cfg.train.wandb_project,
-                                     group=self._cfg.train.wandb_exp_name,
-                                     config=self._config)
-        self._wandb.log(values, step=self.global_samples)
 
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
                    bcast_loss=True, num_micro_batches=None):
@@ -299,6 +292,25 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
 
     def get_global_grad_norm(self):
         return float(self._engine.last_grad_norm)
+
+    def parameters(self, recurse=True):
+        """This stage's parameters (the module's view of the newest weights)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *a, **k):
+        return self.module.named_parameters(*a, **k)
+
+    def loss_scale(self):
+        """DeepSpeed's meaning: the fp16 section's static loss_scale (0: dynamic)."""
+        return (self._config.get("fp16") or {}).get("loss_scale", 0)
+
+    def zero_optimization_stage(self):
+        return int((self._config.get("zero_optimization") or {}).get("stage", 0))
+
+    @property
+    def config(self) -> dict:
+        """The DeepSpeed config as a dict (DeepSpeed: the config argument of initialize)."""
+        return self._config
 
     def get_pipeline_parallel_rank(self):
         return self.stage_id

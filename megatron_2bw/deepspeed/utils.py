@@ -1,4 +1,5 @@
-"""Small helpers DeepSpeed scripts import from `deepspeed.utils`."""
+"""Small helpers DeepSpeed scripts import from `deepspeed.utils`: RepeatingLoader, the
+"DeepSpeed" logger and log_dist."""
 from __future__ import annotations
 
 
@@ -22,3 +23,35 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
+
+
+def _make_logger():
+    import logging
+    import sys
+    log = logging.getLogger("DeepSpeed")
+    if not log.handlers:
+        handler = logging.StreamHandler(stream=sys.stdout)
+        handler.setFormatter(logging.Formatter(
+            "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+logger = _make_logger()
+
+
+def log_dist(message, ranks=None, level=20):
+    """Log `message` on the given ranks (`[-1]`: every rank; before the process group starts
+    every process logs), prefixed '[Rank R]' as DeepSpeed's log_dist does; level 20 = INFO."""
+    from megatron_2bw.parallel.devices import is_initialized
+    from megatron_2bw.parallel.distributed import current_rank_world
+    started = is_initialized()
+    me = current_rank_world()[0] if started else -1
+    ranks = list(ranks or [])
+    if not started or (ranks and ranks[0] == -1) or me in ranks:
+        logger.log(level, f"[Rank {me}] {message}")
+
+
+__all__ = ["RepeatingLoader", "log_dist", "logger"]

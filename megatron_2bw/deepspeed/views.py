@@ -9,13 +9,27 @@ from megatron_2bw.parallel.grid import ProcessGrid
 
 
 class MPU:
-    """DeepSpeed's PipelineParallelGrid queries over our ProcessGrid."""
+    """DeepSpeed's PipelineParallelGrid queries (the `mpu` Megatron-DeepSpeed code asks) over our
+    ProcessGrid, with DeepSpeed's meanings: the "model parallel" group is one whole replica
+    (every stage and tensor rank of a data-parallel index: DeepSpeed checks overflow over it),
+    the "slice" / tensor-model-parallel group the tensor ranks of a stage."""
 
-    def __init__(self, grid: ProcessGrid):
+    def __init__(self, grid: ProcessGrid, topology=None):
         self.grid = grid
+        self._topo = topology
+        self.global_rank, self.world_size = grid.rank, grid.world_size
         self.pipe_parallel_size, self.data_parallel_size = grid.pipeline, grid.data
-        self.model_parallel_size = grid.tensor
+        self.model_parallel_size = self.slice_parallel_size = grid.tensor
         self.stage_id, self.data_parallel_id = grid.stage, grid.dp_rank
+        self.is_first_stage, self.is_last_stage = grid.is_first_stage, grid.is_last_stage
+        replica = sorted(grid.group_ranks("mp")) or [grid.rank]
+        self.ds_model_rank, self.ds_model_world_size = replica.index(grid.rank), len(replica)
+        self.dp_group = grid.group_ranks("dp") or [grid.rank]
+        self.pp_group = grid.group_ranks("pp") or [grid.rank]
+        self.slice_group = grid.group_ranks("tp") or [grid.rank]
+
+    def topology(self):
+        return self._topo
 
     def get_global_rank(self):
         return self.grid.rank
@@ -23,10 +37,15 @@ class MPU:
     def get_stage_id(self):
         return self.grid.stage
 
-    get_pipe_parallel_rank = get_stage_id
+    def get_data_parallel_id(self):
+        return self.grid.dp_rank
+
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank = get_stage_id
 
     def get_pipe_parallel_world_size(self):
         return self.grid.pipeline
+
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
 
     def get_pipe_parallel_group(self):
         return self.grid.group("pp")
@@ -40,21 +59,38 @@ class MPU:
     def get_data_parallel_group(self):
         return self.grid.group("dp")
 
+    def get_data_parallel_group_ranks(self):
+        return list(self.dp_group)
+
     def get_model_parallel_rank(self):
-        return self.grid.tp_rank
+        return self.ds_model_rank
 
     def get_model_parallel_world_size(self):
-        return self.grid.tensor
+        return self.ds_model_world_size
 
     def get_model_parallel_group(self):
+        return self.grid.group("mp")
+
+    def get_slice_parallel_rank(self):
+        return self.grid.tp_rank
+
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+
+    def get_slice_parallel_world_size(self):
+        return self.grid.tensor
+
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
+
+    def get_slice_parallel_group(self):
         return self.grid.group("tp")
 
-    get_slice_parallel_rank = get_model_parallel_rank
-    get_slice_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_slice_parallel_group
 
-    def stage_to_global(self, stage_id, data=None, model=0):
+    def stage_to_global(self, stage_id, data=None, model=None):
+        """The global rank of `stage_id` in this rank's replica (or `data`'s), this tensor rank
+        (or `model`'s)."""
         tp, _, dp = self.grid.coords()
-        return self.grid.rank_of(model if model is not None else tp, stage_id,
+        return self.grid.rank_of(tp if model is None else model, stage_id,
                                  dp if data is None else data)
 
 

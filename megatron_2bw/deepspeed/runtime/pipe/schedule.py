@@ -46,8 +46,7 @@ class PipeInstruction:
     def __init__(self, **kwargs):
         self.name = self.__class__.__name__
         self.kwargs = kwargs
-        for key, val in kwargs.items():
-            setattr(self, key, val)
+        self.__dict__.update(kwargs)
 
     def __repr__(self):
         return call_to_str(self.name, **self.kwargs)
