@@ -61,8 +61,6 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     check_iterations(t.train_iters, start, t.load)
     if start and reporter:
         log(f"loading checkpoint from {t.load} at iteration {start}")
-    if start and reporter and not t.finetune:
-        log(f"resuming from iteration {start}: the latest checkpoint in --load {t.load}")
     if start == t.train_iters and reporter:
         log(f"the checkpoint in {t.load} is at iteration {start} = --train-iters: nothing to "
             "train (raise --train-iters to continue)")

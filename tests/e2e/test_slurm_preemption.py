@@ -95,8 +95,8 @@ def test_usr1_mid_iteration_saves_exits_0_requeues_and_the_rerun_resumes(tmp_pat
     t0 = time.monotonic()
     rc, out = _run_job(script, env, signal_mid_iteration=None)
     assert rc == 0, out[-3000:]
-    assert f"resuming from iteration {saved}: the latest checkpoint in --load " \
-           f"{tmp_path / 'ckpt'}" in out, out[-3000:]
+    assert f"loading checkpoint from {tmp_path / 'ckpt'} at iteration {saved}" in out, \
+        out[-3000:]
     assert int((tmp_path / "ckpt" / LATEST).read_text()) == TRAIN_ITERS
     log = (tmp_path / "slurm.log").read_text().splitlines()
     assert log.count(f"requeue {job_id}") == 1, log  # finished: no second requeue
