@@ -118,7 +118,7 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
                               count, seq_length, seed,
                               index_cache_dir(prefixes[i], data_cache_path, "GPTDataset"), name,
                               builder=builder)
-        if len(prefixes) == 1:
+        if len(prefixes) == 1 and weights is None:  # `--data-path 1 A` blends, as Megatron
             out.append(part(0, n))
             continue
         empty = [p for p, r in zip(prefixes, ranges) if len(r[s]) == 0]

@@ -126,3 +126,15 @@ def test_component_without_documents_in_a_split(tmp_path):
     b, _ = make_dataset(tmp_path / "b", 5, 2)
     with pytest.raises(DataError, match="has no documents in the test split"):
         build_gpt_datasets([a, b], "90,5,5", 4, 1, (50, 5, 5), str(tmp_path / "c"))
+
+
+def test_one_weighted_prefix_is_a_blend(tmp_path):
+    """`--data-path 1.0 A`: Megatron builds a BlendedDataset of one component asked for
+    ceil(ceil(n) * 1.005) samples (so its shuffle differs from plain `--data-path A`)."""
+    a, _ = make_dataset(tmp_path / "a", 40, 1)
+    weighted, _, _ = build_gpt_datasets(["1.0", a], "1", 4, 5, (1000, 0, 0), str(tmp_path / "c"))
+    plain, _, _ = build_gpt_datasets([a], "1", 4, 5, (1000, 0, 0), str(tmp_path / "c"))
+    assert isinstance(weighted, BlendedDataset) and len(weighted) == 1000
+    assert weighted.datasets[0].description["num_samples"] == math.ceil(1000 * 1.005) == 1005
+    assert weighted.dataset_sample_index.tolist() == list(range(1000))
+    assert plain.description["num_samples"] == 1000

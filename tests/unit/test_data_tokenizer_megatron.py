@@ -254,3 +254,21 @@ def test_checkpoint_records_the_tokenizer_files(gpt2_files, bert_vocab, tmp_path
         again = recorded_tokenizer(str(where))
         assert again.name == ttype and again.vocab_size == tok.vocab_size
         assert again.tokenize("hello world the fox") == tok.tokenize("hello world the fox")
+
+
+def test_bert_pretraining_data_with_wordpiece(bert_vocab, tmp_path):
+    """`--vocab-file` alone (Megatron's BERT example) means BertWordPieceLowerCase; its
+    [CLS]/[SEP]/[MASK] frame the BERT samples."""
+    from megatron_2bw.data.build import build_bert_train_data
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": "The quick fox jumps. The brown fox jumped. "
+                                               "Unaffable cafe fox."}) + "\n"
+                           for _ in range(30)))
+    out = preprocess_jsonl(str(src), str(tmp_path / "b"), tokenizer_type="BertWordPieceLowerCase",
+                           split_sentences=True, tokenizer_options={"vocab_file": bert_vocab})
+    args = argparse.Namespace(data_path=[out["text"]], split="1", vocab_file=bert_vocab,
+                              data_cache_path=str(tmp_path / "cache"))
+    data = build_bert_train_data(args, seq_length=16, seed=1, num_samples=8)
+    assert data.tokenizer.name == "BertWordPieceLowerCase" and data.vocab_size == 128
+    tokens = data.dataset[0]["tokens"].tolist()
+    assert tokens[0] == 2 and tokens.count(3) == 2  # [CLS] A [SEP] B [SEP]
