@@ -22,7 +22,11 @@ peer and direction (FIFO matching pairs the same messages), no later than the ta
 waited for no earlier than the table waits for it. Posting a receive early only lets its sender
 finish sooner (gloo: unordered across directions; NCCL: alone on its direction's stream), and
 waiting later only lets this stage move sooner, so every stage is at least as far along as in
-the validated execution. Tests: tests/unit/test_p2p_overlap.py (d = 4 and 8, every schedule).
+the validated execution. Under NCCL's stricter rules (one in-order stream per communicator, a
+waiting rank posting nothing more) `schedule/nccl_order.py` replays what every rank posts, these
+collectives included, and the engine posts receives early only where it proved that safe.
+Tests: tests/distributed/test_p2p_overlap.py (d = 4 and 8, every schedule),
+tests/unit/test_nccl_order.py.
 
 Buffers. Received tensors land in buffers from a pool keyed by (shapes, dtypes): after the first
 batches no receive allocates. The engine returns a buffer with `release` once its consumer is done
@@ -145,7 +149,7 @@ class P2P:
 
     def wait_recv(self, key) -> None:
         works, peer = self.pending.pop(key)
-        self._wait(works, [peer], receiving=True)
+        self._wait(works, [peer])
 
     def send(self, sends: list[tuple[torch.Tensor, int]]) -> None:
         """Post (tensor, peer) sends, one batch per peer; they complete in the background."""
@@ -159,7 +163,7 @@ class P2P:
         """Wait for the sends of all but the `keep` newest `send` calls."""
         while len(self._sends) > keep:
             works, _, peers = self._sends[0]
-            self._wait(works, peers, receiving=False)
+            self._wait(works, peers)
             self._sends.pop(0)
 
     def drain(self) -> None:
@@ -179,18 +183,18 @@ class P2P:
         try:
             return self.comm.batch_isend_irecv(sends, recvs, self._group(peer, gradients))
         except RuntimeError as e:
-            self._fail(e, [peer], receiving=bool(recvs))
+            self._fail(e, [peer])
 
-    def _wait(self, works: list, peers: list, receiving: bool) -> None:
+    def _wait(self, works: list, peers: list) -> None:
         try:
             for work in works:
                 work.wait()
         except RuntimeError as e:
-            self._fail(e, peers, receiving)
+            self._fail(e, peers)
 
-    def _fail(self, e: RuntimeError, peers: list, receiving: bool):
-        """One line naming the neighbour(s) and the exchange (a PeerError: no traceback)."""
-        gradients = (peers[0] == self.next) if receiving else (peers[0] == self.prev)
-        what = (f"{'gradient' if gradients else 'activation'} "
-                f"{'receive' if receiving else 'send'} (point-to-point on the stage pair)")
-        raise self.grid.peer_error(e, what, ranks=peers) from e
+    def _fail(self, e: RuntimeError, peers: list):
+        names = ", ".join(f"rank {r} ({'previous' if r == self.prev else 'next'} stage)"
+                          for r in peers)
+        raise RuntimeError(f"point-to-point exchange with {names} failed: that rank died or "
+                           f"timed out ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                           ) from e

@@ -38,6 +38,7 @@ from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.kinds import schedule_kind
+from megatron_2bw.schedule.nccl_posts import CommLayout
 from megatron_2bw.schedule.simulate import check_schedule
 from megatron_2bw.schedule.tables import forward_only, make_schedule
 
@@ -86,6 +87,7 @@ class PipelineEngine(Interpreter):
         self._clear_stash()
         self._clock = ActionClock(self.device)  # no host syncs: CUDA events on a GPU
         self._timed = cfg.train.times_actions
+        self._comm_layout = comm_layout(cfg, grid, specs)
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
@@ -93,6 +95,7 @@ class PipelineEngine(Interpreter):
         self.schedule = make_schedule(self.kind, self.num_stages, self.m,
                                       num_batches=num_batches or UNBOUNDED,
                                       first_batch=self.iteration)
+        self._plan_receives(self.schedule)
         self.p2p.reset()
         self._clear_stash()
 
@@ -119,7 +122,8 @@ class PipelineEngine(Interpreter):
         check_schedule(schedule)
         actions = schedule.window(self.stage, 0)
         saved = (self.inputs, self.outputs, self.act_out, self.grad_in, self.grad_out,
-                 self.p2p.meta_sent, self.p2p.recv_meta)
+                 self.p2p.meta_sent, self.p2p.recv_meta, self._early_receives)
+        self._plan_receives(schedule)
         self._clear_stash()
         self.p2p.reset()
         module = self.module
@@ -131,7 +135,7 @@ class PipelineEngine(Interpreter):
         finally:
             module.train()
             (self.inputs, self.outputs, self.act_out, self.grad_in, self.grad_out,
-             self.p2p.meta_sent, self.p2p.recv_meta) = saved
+             self.p2p.meta_sent, self.p2p.recv_meta, self._early_receives) = saved
             self._data = None
         return self.stepper.share_loss(self._eval[1])
 
@@ -369,6 +373,20 @@ class PipelineEngine(Interpreter):
         k, t = self.kind, a.batch
         self.stepper.step(t, k.slot_of_batch(t), k.newest_slot(t), k.step_writes_slot(t))
         self.iteration = t + 1
+
+
+def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec]) -> CommLayout:
+    """What the NCCL-order validator replays for this run, the same on every rank: one tensor
+    rank and at most 2 replicas (the tensor ranks of a stage, and its replicas, run the same
+    program, so their collectives complete together: more of them can neither make nor break a
+    cycle), NCCL's pair layout (one group per direction; gloo matches each direction apart,
+    which that covers), and a view between any two windows (evaluation, checkpoints)."""
+    return CommLayout(
+        tensor=1, data=min(grid.data, 2), rank_order=grid.rank_order,
+        tied=grid.pipeline > 1 and any(sp.tied_key is not None for sp in specs),
+        distributed_optimizer=cfg.parallel.distributed_optimizer,
+        sequence_parallel=cfg.parallel.sequence_parallel and grid.tensor > 1,
+        compensation=compensation_method(cfg.compensation).predicts, views=True)
 
 
 def _to(obj, device):

@@ -8,7 +8,10 @@ A communication group of the table (consecutive ra/sa/rg/sg) is run as:
     2. its receives not yet posted are posted, in table order, into pooled buffers;
     3. the receives of the NEXT group of the window are posted too (early), in table order, as
        far as their shapes are known (activations: after the handshake; gradients: after the
-       microbatch's forward): they arrive while this stage computes;
+       microbatch's forward): they arrive while this stage computes. Only where the NCCL-order
+       validator proved it safe for this schedule and layout (`schedule/nccl_order.py`,
+       `early_receives_safe`, asked once per schedule shape by `_plan_receives`); otherwise each
+       receive is posted at its own group;
     4. the sends of earlier groups are waited for (they are normally done by then).
 
 A receive is waited for right before the forward (ra) or backward (rg) that consumes it; the
@@ -22,24 +25,13 @@ order cannot deadlock a table the validator accepted.
 from __future__ import annotations
 
 from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule.nccl_order import early_receives_safe
+from megatron_2bw.schedule.nccl_posts import comm_groups  # noqa: F401  (the posting groups)
 
 _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
                 A.NORM: "all-reduce", A.STEP: "optimizer"}
 
 
-def comm_groups(actions: list) -> list[tuple[int, int]]:
-    """[(lo, hi)] of the maximal runs of communication actions, in order."""
-    groups, i, n = [], 0, len(actions)
-    while i < n:
-        if actions[i].is_comm:
-            j = i
-            while j < n and actions[j].is_comm:
-                j += 1
-            groups.append((i, j))
-            i = j
-        else:
-            i += 1
-    return groups
 
 
 class Interpreter:
@@ -47,6 +39,14 @@ class Interpreter:
     stash dicts are its own (`_clear_stash`)."""
 
     _idle_work = None  # a callable doing one piece of pending work; False when none is left
+    _early_receives = True  # post the next group's receives early (`_plan_receives`)
+    _comm_layout = None     # schedule.nccl_order.CommLayout of this run (the engine's)
+
+    def _plan_receives(self, schedule) -> None:
+        """Before running `schedule`: post receives early only if the NCCL-order validator
+        proved it safe on this layout (cached per schedule shape and layout: a dict lookup)."""
+        if self._comm_layout is not None:
+            self._early_receives = early_receives_safe(schedule, self._comm_layout)
 
     def _clear_stash(self) -> None:
         self.inputs: dict[int, tuple] = {}      # received activations (pooled buffers)
@@ -57,14 +57,14 @@ class Interpreter:
 
     def _run(self, actions: list, handlers: dict) -> None:
         clock = self._clock if self._timed or self._clock.tracing else None
-        groups = comm_groups(actions)
+        groups, early = comm_groups(actions), self._early_receives
         g, i, n = 0, 0, len(actions)
         while i < n:
             a = actions[i]
             if a.is_comm:
                 lo, hi = groups[g]
                 g += 1
-                ahead = actions[groups[g][0]:groups[g][1]] if g < len(groups) else ()
+                ahead = actions[groups[g][0]:groups[g][1]] if early and g < len(groups) else ()
                 token = clock.start() if clock is not None else None
                 self._communicate(actions[lo:hi], ahead)
                 if clock is not None:

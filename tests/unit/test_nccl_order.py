@@ -1,0 +1,337 @@
+"""The NCCL-order validator (schedule/nccl_posts.py, schedule/nccl_order.py; issue 29 point 6):
+every schedule kind of the registry on every layout with d <= 8, w <= 2, t <= 2 (tied
+embeddings, the distributed optimizer, compensation) replays without a wait cycle; broken orders
+are rejected with the cycle printed; the program it replays is what the real interpreter posts;
+the interpreter posts receives early only where the validator proved it safe."""
+import itertools
+
+import pytest
+import torch
+
+from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.parallel.p2p import P2P, encode_meta
+from megatron_2bw.pipeline.interpreter import Interpreter
+from megatron_2bw.schedule import (CommLayout, NcclOrderError, check_nccl_order,
+                                   early_receives_safe)
+from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule.kinds import FORWARD_ONLY, schedule_kind, schedule_names
+from megatron_2bw.schedule.nccl_posts import POST, WAIT, rank_of, stage_program
+from megatron_2bw.schedule.simulate import check_schedule
+from megatron_2bw.schedule.tables import Schedule, forward_only, make_schedule
+
+KINDS = [schedule_kind(n) for n in schedule_names()] + [schedule_kind(FORWARD_ONLY)]
+
+
+def _schedule(kind, d, m, t0=0):
+    if not kind.is_training:
+        return forward_only(d, m)
+    return make_schedule(kind, d, m, num_batches=10 ** 9, first_batch=t0)
+
+
+def _cases(stages):
+    """(kind, d, m, first batch, layout) for every kind, d in `stages`, t, w <= 2, the options."""
+    for kind, d, t, w in itertools.product(KINDS, stages, (1, 2), (1, 2)):
+        low = kind.min_microbatches(d)
+        for m in sorted({low, d, d + 1}):
+            if not kind.accepts(d, m):
+                continue
+            for t0 in (range(2 * kind.num_slots) if kind.is_training else (0,)):
+                for sharded, comp, views in itertools.product(
+                        (False, True) if w > 1 else (False,),
+                        (False, True) if kind.delay == 1 else (False,), (False, True)):
+                    if views and not (sharded or comp):
+                        continue  # (a view posts nothing then)
+                    yield kind, d, m, t0, CommLayout(
+                        tensor=t, data=w, distributed_optimizer=sharded, compensation=comp,
+                        views=views, sequence_parallel=t > 1, tied=True)
+
+
+def _ids(case):
+    kind, d, m, t0, L = case
+    return (f"{kind.name}-d{d}-m{m}-t0{t0}-t{L.tensor}w{L.data}"
+            f"{'-distopt' if L.distributed_optimizer else ''}{'-comp' if L.compensation else ''}"
+            f"{'-views' if L.views else ''}")
+
+
+ALL = list(_cases(range(1, 9)))
+# the default run: d <= 4 from batch 0 and resumed after the warm-up (t0 = slots), every m and
+# option; d = 8 at t = w = 2, m = 8 past the warm-up (2bw: every option; the others: all on).
+# The rest (other phases, d = 5..8) is marked slow.
+FAST = [c for c in ALL if (c[1] <= 4 and c[3] in (0, c[0].num_slots)) or
+        (c[1] == 8 and c[2] == 8 and c[3] == min(2, c[0].num_slots) * c[0].is_training and
+         c[4].tensor == c[4].data == 2 and (c[0].delay == 1 or c[4].views))]
+SLOW = [c for c in ALL if c not in FAST]
+
+
+def _check_all(cases):
+    for case in cases:
+        kind, d, m, t0, layout = case
+        try:  # the full replay with receives posted early, as the engine does
+            assert early_receives_safe(_schedule(kind, d, m, t0), layout), _ids(case)
+        except NcclOrderError as e:
+            raise AssertionError(f"{_ids(case)}: {e}") from None
+
+
+def test_every_registry_schedule_and_layout_is_nccl_safe():
+    """All kinds, d <= 4 (every m and option, two phases) and d = 8 at t = w = 2: ~5 s."""
+    assert {c[0].name for c in FAST} == {k.name for k in KINDS}
+    _check_all(FAST)
+
+
+@pytest.mark.slow
+def test_every_registry_schedule_and_layout_is_nccl_safe_up_to_8_stages():
+    _check_all(SLOW)
+
+
+# ---- broken orders are rejected, with the cycle printed -------------------------------------
+
+
+def test_an_early_receive_on_a_shared_pair_communicator_is_a_printed_cycle():
+    """One NCCL group per stage pair (gloo's layout) with 1F1B's early receives: stage 3 posts
+    ra1 early before its sg0, stage 2 posts rg0 before its sa1: each heads its queue on the one
+    communicator, waiting for what queues behind the other's."""
+    flush = make_schedule("flush", 4, 4)
+    with pytest.raises(NcclOrderError) as e:
+        check_nccl_order(flush, CommLayout(split_pairs=False))
+    text = str(e.value)
+    assert text.startswith("NCCL wait cycle over ranks [2, 3] on pair[2,3]:"), text
+    assert "rank 2 (stage 2, tp 0, dp 0)'s rg0 (posted early) [2sa0 2ra1] on pair[2,3] needs " \
+           "rank 3 (stage 3, tp 0, dp 0)'s sg0, queued behind ra1 (posted early)" in text
+    assert {c[0] for c in e.value.cycle} == {2, 3} and {c[1] for c in e.value.cycle} == \
+        {"pair[2,3]"}
+    # there even receives at their own groups deadlock: a send heads each queue (sa1 | sg0)
+    with pytest.raises(NcclOrderError, match=r"can deadlock under NCCL: NCCL wait cycle over "
+                                             r"ranks \[2, 3\] on pair\[2,3\]"):
+        early_receives_safe(flush, CommLayout(split_pairs=False))
+    assert early_receives_safe(flush, CommLayout()) is True  # NCCL's layout: a group each way
+
+
+# one microbatch at a time (a custom table the simulator accepts): safe with each receive at its
+# own group on a shared pair communicator, a cycle when stage 1 posts ra1 early before its sg0
+ONE_AT_A_TIME = [[A.parse(x) for x in "F0v0 sa0 rg0 B0v0 F1v0 sa1 rg1 B1v0 R0 N0 S0".split()],
+                 [A.parse(x) for x in "ra0 F0v0 B0v0 sg0 ra1 F1v0 B1v0 sg1 R0 N0 S0".split()]]
+
+
+def test_where_early_receives_deadlock_the_engine_posts_them_at_their_own_group():
+    sched = Schedule.from_table(ONE_AT_A_TIME)
+    check_schedule(sched)
+    shared = CommLayout(split_pairs=False)
+    with pytest.raises(NcclOrderError) as e:
+        check_nccl_order(sched, shared)
+    assert str(e.value).splitlines()[1:] == [
+        "  rank 0 (stage 0, tp 0, dp 0) blocks in 0B0v0 waiting for rg0 on pair[0,1]",
+        "  rank 0 (stage 0, tp 0, dp 0)'s rg0 [0sa0 0rg0] on pair[0,1] needs rank 1 (stage 1, "
+        "tp 0, dp 0)'s sg0, queued behind ra1 (posted early) [1ra0]",
+        "  rank 1 (stage 1, tp 0, dp 0)'s ra1 (posted early) [1ra0] on pair[0,1] needs rank 0 "
+        "(stage 0, tp 0, dp 0) to post sa1",
+        "  -> back to rank 0 (stage 0, tp 0, dp 0)"]
+    check_nccl_order(sched, CommLayout(split_pairs=False, early_receives=False))
+    assert early_receives_safe(sched, shared) is False
+    assert early_receives_safe(sched, CommLayout()) is True
+    for s in range(2):  # the real interpreter asks, and then posts nothing early
+        stage = _Stage(2, s, shared)
+        got = stage.run(sched, s)
+        assert stage._early_receives is False
+        assert got == _model_log(sched, CommLayout(early_receives=False), s)
+        assert _Stage(2, s, CommLayout()).run(sched, s) == _model_log(sched, CommLayout(), s)
+    assert _model_log(sched, CommLayout(), 1) != _model_log(sched, CommLayout(
+        early_receives=False), 1)
+
+
+def _move_tied_after_norm(ranks):
+    """The last stage starts batch 0's tied all-reduce only after it waited for the norm: the
+    two collectives in different orders on stage 0 (tied, then norm) and stage 1."""
+    prog = ranks[1].prog
+    tied = [x for x in prog if x[1].what == "tied-embedding all-reduce R0"]
+    for x in tied:
+        prog.remove(x)
+    j = next(j for j, (k, op, _) in enumerate(prog)
+             if k == WAIT and op.what == "grad-norm all-reduce N0")
+    prog[j + 1:j + 1] = tied
+
+
+def test_two_collectives_in_different_orders_on_two_ranks_are_a_printed_cycle():
+    sched = make_schedule("2bw", 2, 2)
+    check_nccl_order(sched, CommLayout())
+    with pytest.raises(NcclOrderError) as e:
+        check_nccl_order(sched, CommLayout(), edit=_move_tied_after_norm)
+    text = str(e.value)
+    assert text.startswith("NCCL wait cycle over ranks [0, 1] on mp[0,1], tied[0,1]:"), text
+    assert "rank 0 (stage 0, tp 0, dp 0) blocks in 0N0 waiting for tied-embedding all-reduce " \
+           "R0 on tied[0,1]" in text
+    assert "rank 1 (stage 1, tp 0, dp 0) blocks in 1S0 waiting for grad-norm all-reduce N0 " \
+           "on mp[0,1]" in text
+    assert {c[1] for c in e.value.cycle} == {"tied[0,1]", "mp[0,1]"}
+
+
+def test_collectives_of_one_communicator_in_different_orders_are_a_mismatch():
+    def swap_first_two_dp_posts(ranks):
+        """Replica 0 of stage 0 posts batch 0's gather where the others post its reduce-scatter
+        and the other way round: the first collective on the dp group differs."""
+        first, second = [x[1] for x in ranks[0].prog
+                         if x[0] == POST and x[1].comm.startswith("dp")][:2]
+        first._what, second._what = second._what, first._what
+    with pytest.raises(NcclOrderError, match=r"collective order differs on dp\[0,1\]: its "
+                                             r"collective #0 is (all-gather|reduce-scatter)"):
+        check_nccl_order(make_schedule("2bw", 2, 2), CommLayout(data=2, distributed_optimizer=True),
+                         edit=swap_first_two_dp_posts)
+
+
+def test_a_receive_nobody_sends_is_reported():
+    def drop_sends(ranks):
+        ranks[0].prog[:] = [x for x in ranks[0].prog if not (x[1].parts and
+                                                             x[1].parts[0][0] == "send")]
+    with pytest.raises(NcclOrderError, match=r"rank 1 \(stage 1, tp 0, dp 0\)'s shape handshake"
+                                             r" \(recv\) \[1ra0\] on pair-act\[0,1\] needs rank 0"):
+        check_nccl_order(forward_only(2, 2), CommLayout(), edit=drop_sends)
+
+
+def test_bad_layouts_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"CommLayout.tensor must be an integer >= 1, got 0"):
+        CommLayout(tensor=0)
+    with pytest.raises(ValueError, match=r"CommLayout.rank_order 'pp-dp'"):
+        CommLayout(rank_order="pp-dp")
+
+
+# ---- the replayed groups and posting order are the engine's ----------------------------------
+
+
+@pytest.mark.parametrize("t,d,w,order", [(2, 4, 2, "tp-dp-pp"), (2, 3, 2, "tp-pp-dp"),
+                                         (1, 2, 2, "tp-dp-pp")])
+def test_the_communicators_are_the_grids_groups(t, d, w, order):
+    grid = ProcessGrid(t, d, w, rank_order=order)
+    layout = CommLayout(tensor=t, data=w, rank_order=order)
+    groups = grid.all_group_ranks()
+    mine = {kind: set() for kind in groups}
+    for tp, s, dp in itertools.product(range(t), range(d), range(w)):
+        assert rank_of(layout, d, tp, s, dp) == grid.rank_of(tp, s, dp)
+        rank = stage_program(make_schedule("flush", d, d), layout, tp, s, dp)
+        for name, members in rank.members.items():
+            kind = name.split("[")[0]
+            if kind in mine:
+                mine[kind].add(tuple(members))
+        if rank.next is not None:
+            assert rank.comms["act-out"] == f"pair-act[{rank.rank},{rank.next}]"
+            assert rank.comms["grad-in"] == f"pair-grad[{rank.rank},{rank.next}]"
+            mine["pair"].add((rank.rank, rank.next))
+    for kind in ("tp", "dp", "mp", "tied", "pair"):
+        want = {tuple(sorted(g)) for g in groups.get(kind, []) if len(g) > 1}
+        assert {tuple(sorted(g)) for g in mine[kind]} == want, kind
+
+
+class _Work:
+    def __init__(self, log, entry):
+        self.log, self.entry = log, entry
+
+    def wait(self):
+        self.log.append(("wait", self.entry))
+
+
+class _RecordingComm(Comm):
+    """Records every p2p post as (comm name, [(direction, peer, tag)]) and every wait."""
+
+    def __init__(self):
+        super().__init__("cpu", "nccl")
+        self.log, self.names, self.recv_key = [], {}, None
+
+    def new_group(self, ranks, *args, **kwargs):
+        return object()
+
+    def batch_isend_irecv(self, sends, recvs, group=None):
+        parts = [("send", p, int(t[0])) for t, p in sends] + \
+            [("recv", p, self.recv_key) for _, p in recvs]
+        entry = (self.names[id(group)], tuple(parts))
+        self.log.append(("post", entry))
+        return [_Work(self.log, entry) for _ in parts[:1]]
+
+    def send(self, tensor, peer, group=None):
+        entry = (self.names[id(group)], (("send", peer, "meta"),))
+        self.log += [("post", entry), ("wait", entry)]
+
+    def recv(self, tensor, peer, group=None):
+        tensor.copy_(encode_meta((torch.zeros(2, requires_grad=True),), "cpu"))
+        entry = (self.names[id(group)], (("recv", peer, "meta"),))
+        self.log += [("post", entry), ("wait", entry)]
+
+
+class _RecordingP2P(P2P):
+    def post_recv(self, key, buffers, peer):
+        self.comm.recv_key = key[1]
+        super().post_recv(key, buffers, peer)
+
+
+class _Stage(Interpreter):
+    """The real interpreter with handlers that only make tensors (microbatch k's are k)."""
+
+    class _NoClock:
+        tracing = False
+
+    def __init__(self, d, s, layout=None):
+        comm = _RecordingComm()
+        self.grid = ProcessGrid(1, d, 1, rank=s).init_groups(comm)
+        for peer, gradients, key in ((self.grid.prev_rank, False, "act-in"),
+                                     (self.grid.prev_rank, True, "grad-out"),
+                                     (self.grid.next_rank, False, "act-out"),
+                                     (self.grid.next_rank, True, "grad-in")):
+            if peer is not None:
+                lo, hi = sorted((s, peer))
+                comm.names[id(self.grid.pair_group(peer, gradients))] = \
+                    f"pair-{'grad' if gradients else 'act'}[{lo},{hi}]"
+        self.p2p, self.comm = _RecordingP2P(self.grid, "cpu"), comm
+        self.first, self.last = s == 0, s == d - 1
+        self._clock, self._timed, self._comm_layout = self._NoClock(), False, layout
+        self._clear_stash()
+        self.handlers = {A.FORWARD: self._f, A.BACKWARD: self._b, A.REDUCE: lambda a: None,
+                         A.NORM: lambda a: None, A.STEP: lambda a: None}
+
+    def _f(self, a):
+        x = torch.full((2,), float(a.mb), requires_grad=True)
+        self.outputs[a.mb] = (x,)
+        self.act_out[a.mb] = (x.detach(),)
+        if not self.first and not self.training:  # eval frees its input at the forward
+            self.p2p.release(self.inputs.pop(a.mb))
+
+    def _b(self, a):
+        self.outputs.pop(a.mb)
+        if not self.last:
+            self.p2p.release(self.grad_in.pop(a.mb))
+        if not self.first:
+            self.p2p.release(self.inputs.pop(a.mb))
+            self.grad_out[a.mb] = (torch.full((2,), float(a.mb)),)
+
+    def run(self, sched, s):
+        self._plan_receives(sched)
+        self.training = sched.is_training
+        for t in range(sched.first_batch, sched.first_batch + sched.num_batches):
+            self._run(sched.window(s, t), self.handlers)
+        return self.comm.log
+
+
+def _model_log(sched, layout, s):
+    out, names = [], {}
+    for kind, op, _ in stage_program(sched, layout, 0, s, 0).prog:
+        if not op.comm.startswith("pair"):
+            continue
+        parts = tuple((dr, p, "meta" if tag[0] == "meta" else tag[1]) for dr, p, tag in op.parts)
+        names.setdefault(id(op), (op.comm, parts))
+        out.append((kind, names[id(op)]))
+    return out
+
+
+@pytest.mark.parametrize("kind,d,m,t0", [("2bw", 4, 4, 0), ("2bw", 3, 5, 1), ("2bw", 2, 2, 2),
+                                         ("flush", 4, 2, 0), ("flush", 4, 6, 1),
+                                         ("gpipe", 3, 3, 0), ("forward", 4, 3, 0)])
+@pytest.mark.parametrize("early", [True, False])
+def test_the_interpreter_posts_and_waits_as_the_validator_replays(kind, d, m, t0, early):
+    """The real Interpreter over a recording P2P: every p2p post (communicator, direction, peer,
+    microbatch) and every wait, in order, on every stage, is the validator's program, with
+    receives posted early and without."""
+    sched = _schedule(schedule_kind(kind), d, m, t0).materialized()
+    for s in range(d):
+        stage = _Stage(d, s)
+        stage._early_receives = early
+        got = stage.run(sched, s)
+        want = _model_log(sched, CommLayout(early_receives=early), s)
+        assert got == want, f"stage {s}: first difference at " \
+            f"{next(i for i, (x, y) in enumerate(zip(got + [None], want + [None])) if x != y)}"
