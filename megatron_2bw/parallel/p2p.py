@@ -149,7 +149,7 @@ class P2P:
 
     def wait_recv(self, key) -> None:
         works, peer = self.pending.pop(key)
-        self._wait(works, [peer])
+        self._wait(works, [peer], receiving=True)
 
     def send(self, sends: list[tuple[torch.Tensor, int]]) -> None:
         """Post (tensor, peer) sends, one batch per peer; they complete in the background."""
@@ -163,7 +163,7 @@ class P2P:
         """Wait for the sends of all but the `keep` newest `send` calls."""
         while len(self._sends) > keep:
             works, _, peers = self._sends[0]
-            self._wait(works, peers)
+            self._wait(works, peers, receiving=False)
             self._sends.pop(0)
 
     def drain(self) -> None:
@@ -183,18 +183,18 @@ class P2P:
         try:
             return self.comm.batch_isend_irecv(sends, recvs, self._group(peer, gradients))
         except RuntimeError as e:
-            self._fail(e, [peer])
+            self._fail(e, [peer], receiving=bool(recvs))
 
-    def _wait(self, works: list, peers: list) -> None:
+    def _wait(self, works: list, peers: list, receiving: bool) -> None:
         try:
             for work in works:
                 work.wait()
         except RuntimeError as e:
-            self._fail(e, peers)
+            self._fail(e, peers, receiving)
 
-    def _fail(self, e: RuntimeError, peers: list):
-        names = ", ".join(f"rank {r} ({'previous' if r == self.prev else 'next'} stage)"
-                          for r in peers)
-        raise RuntimeError(f"point-to-point exchange with {names} failed: that rank died or "
-                           f"timed out ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                           ) from e
+    def _fail(self, e: RuntimeError, peers: list, receiving: bool):
+        """One line naming the neighbour(s) and the exchange (a PeerError: no traceback)."""
+        gradients = (peers[0] == self.next) if receiving else (peers[0] == self.prev)
+        what = (f"{'gradient' if gradients else 'activation'} "
+                f"{'receive' if receiving else 'send'} (point-to-point on the stage pair)")
+        raise self.grid.peer_error(e, what, ranks=peers) from e
