@@ -11,6 +11,7 @@ shell only, mid-iteration, as `#SBATCH --signal=B:USR1@N` sends it. Then: a chec
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def _job_env(tmp_path: Path, script: str, job_id: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     tasks = "1" if "srun" not in script else "2"  # torchrun: one task per node, 2 workers
-    env.update(PATH=f"{FAKE_SLURM}{os.pathsep}{env['PATH']}", WANDB_MODE="offline",
+    path = os.pathsep.join([str(FAKE_SLURM), os.path.dirname(sys.executable), env["PATH"]])
+    env.update(PATH=path, WANDB_MODE="offline",  # python and torchrun: this interpreter's
                SLURM_JOB_ID=str(job_id), SLURM_JOB_NODELIST="localhost",
                SLURM_JOB_NUM_NODES="1", SLURM_GPUS_ON_NODE="2", SLURM_NTASKS=tasks,
                SLURM_NTASKS_PER_NODE=tasks, SLURM_SUBMIT_DIR=str(ROOT),
@@ -109,7 +111,6 @@ def test_exit_duration_counts_from_process_start(tmp_path):
     loop (SlowStart: after the engine is built, before loading) against a 3 s budget stop the
     run at the first boundary where the ranks can agree (iteration 3 at the latest), where a
     clock started at the loop would train 3 s worth of tiny iterations. Exit 0, a checkpoint."""
-    import sys
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")}
     env.update(WANDB_MODE="offline", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
