@@ -105,8 +105,9 @@ def _tokenizer_words(tokenizer, largest: int) -> tuple[str, str]:
         return (f"NullTokenizer (--vocab-size {tokenizer.vocab_size - 1})",
                 f"pass --vocab-size {max(largest, 1)} or more (the size it was preprocessed "
                 "with)")
+    files = "--tokenizer-model" if getattr(tokenizer, "model_file", None) else "tokenizer files"
     return (f"{tokenizer.name} {model}",
-            "pass the tokenizer files the data was preprocessed with (or re-run "
+            f"pass the {files} the data was preprocessed with (or re-run "
             "tools/preprocess_data.py with this one)")
 
 

@@ -1,5 +1,6 @@
 """Megatron's data and tokenizer flags. `--seq-length` and `--vocab-size` are model flags
-(megatron_2bw/config/flags.py); `--vocab-size` is read only by the NullTokenizer."""
+(megatron_2bw/config/flags.py); of the tokenizers, `--vocab-size` is read by the NullTokenizer
+and the TikTokenizer."""
 from __future__ import annotations
 
 import argparse

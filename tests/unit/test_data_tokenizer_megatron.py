@@ -272,3 +272,18 @@ def test_bert_pretraining_data_with_wordpiece(bert_vocab, tmp_path):
     assert data.tokenizer.name == "BertWordPieceLowerCase" and data.vocab_size == 128
     tokens = data.dataset[0]["tokens"].tolist()
     assert tokens[0] == 2 and tokens.count(3) == 2  # [CLS] A [SEP] B [SEP]
+
+
+def test_data_beyond_the_vocabulary_names_the_files(gpt2_files, tmp_path):
+    vocab, merges = gpt2_files
+    src = tmp_path / "n.jsonl"
+    src.write_text(json.dumps({"text": "1 2 300"}) + "\n")
+    out = preprocess_jsonl(str(src), str(tmp_path / "n"), tokenizer_type="NullTokenizer",
+                           vocab_size=1000)["text"]
+    args = argparse.Namespace(data_path=[out], split="1", vocab_file=vocab, merge_file=merges,
+                              data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(DataError) as e:
+        build_gpt_train_data(args, seq_length=2, seed=1, num_samples=1)
+    line = str(e.value)
+    assert f"GPT2BPETokenizer --vocab-file {vocab} --merge-file {merges} has 22 ids" in line
+    assert "token ids go up to 300" in line and "tokenizer files" in line and "\n" not in line
