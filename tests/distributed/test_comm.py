@@ -1,6 +1,7 @@
 """The communication layer (parallel/comm.py, devices.py, distributed.py): the backend's device, the
 one-line device error, the set-up order clusters need, and the groups it creates (issue 13)."""
 import json
+import os
 
 import pytest
 import torch
@@ -84,6 +85,8 @@ def test_comm_of_a_process_group_uses_the_launchers_local_rank(four_gpus, monkey
 
 
 def test_set_up_order_device_then_group_bound_to_it(four_gpus, monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)  # restored afterwards
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group",
                         lambda **kw: four_gpus.append(("init_process_group", kw)))
@@ -94,6 +97,8 @@ def test_set_up_order_device_then_group_bound_to_it(four_gpus, monkeypatch):
     assert init["device_id"] == torch.device("cuda", 1) and init["backend"] == "nccl"
     assert (init["rank"], init["world_size"]) == (5, 8)
     assert (comm.device, comm.backend) == (torch.device("cuda", 1), "nccl")
+    assert comm.timeout_minutes == 10.0 and init["timeout"].total_seconds() == 600
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3", "the watchdog tears down"
     four_gpus.clear()
     comm = D.start_process_group(0, 2, local_rank=1, backend="gloo", init_method="tcp://h:1")
     assert [c[0] for c in four_gpus] == ["init_process_group"]
@@ -108,6 +113,13 @@ class _RecordingComm(Comm):
     def new_group(self, ranks, desc=None):
         self.created.append(list(ranks))
         return f"group{len(self.created) - 1}"
+
+
+def test_nccl_error_handling_leaves_the_users_choice_alone():
+    assert D.nccl_error_handling({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    for theirs in ({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"NCCL_ASYNC_ERROR_HANDLING": "0"}):
+        env = dict(theirs)
+        assert D.nccl_error_handling(env) == {} and env == theirs
 
 
 @pytest.mark.parametrize("t,d,w,rank,prev,nxt", [(1, 2, 2, 1, None, 3), (2, 3, 1, 3, 1, 5),

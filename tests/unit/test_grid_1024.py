@@ -80,3 +80,28 @@ def test_under_nccl_the_gradient_pairs_add_two_splits_not_960_groups():
     assert Counter(kind for kind, _ in splits) == {"tp": 1, "dp": 1, "pp": 1, "mp": 1,
                                                    "tied": 1, "pair": 2, "pair_grads": 2}
     assert sum(len(groups) for _, groups in splits) == 2256
+
+
+def test_where_the_backend_splits_each_split_is_one_split_group_call(monkeypatch):
+    """NCCL's path without GPUs: `can_split` as a GPU node has it, `dist.split_group` recorded
+    (its signature checked); each call gets every group of the kind, the timeout and the kind."""
+    import inspect
+    assert {"split_ranks", "timeout", "group_desc"} <= set(
+        inspect.signature(dist.split_group).parameters)
+    calls = []
+
+    def split_group(**kw):
+        calls.append(kw)
+        mine = [g for g in kw["split_ranks"] if RANK in g]
+        return f"{kw['group_desc']}:{mine[0]}" if mine else None
+
+    monkeypatch.setattr(Comm, "can_split", property(lambda self: True))
+    monkeypatch.setattr(dist, "split_group", split_group)
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: pytest.fail("new_group on NCCL"))
+    grid = ProcessGrid(T, D, W, rank=RANK).init_groups(Comm("cuda:0", "nccl", 0.1))
+    assert len(calls) == 9 and {c["timeout"].total_seconds() for c in calls} == {6.0}
+    assert [c["group_desc"] for c in calls] == ["tp", "dp", "pp", "mp", "tied", "pair", "pair",
+                                                "pair_grads", "pair_grads"]
+    assert grid.group("dp") == f"dp:{grid.group_ranks('dp')}"
+    assert grid.pair_group(grid.next_rank) != grid.pair_group(grid.next_rank, gradients=True)
+    assert sorted(grid.pair_grads) == [grid.prev_rank, grid.next_rank]
