@@ -5,7 +5,6 @@ no data (a middle pipeline stage) opens no .bin, reads only the .idx header and 
 still sizes the splits as the data ranks do; the node's cache builder is its first data rank."""
 import argparse
 
-import numpy as np
 import pytest
 
 from megatron_2bw.config.build import build_config
