@@ -9,8 +9,8 @@ of all the parameters:
 Who builds: the process with local rank 0 (torchrun's LOCAL_RANK, SLURM_LOCALID, ...; a plain
 `python` run is local rank 0), or the one the caller names (`builder`: the pretrain script
 names the node's first rank that reads data, training/build.py `data_role`), builds the missing
-files; every other process waits for the
-description file (polling with backoff) and then memory-maps the arrays. A builder writes each
+files; every other process waits for the description file (polling with backoff) and then
+memory-maps the arrays. A builder writes each
 file under a name unique to it (host, pid, random suffix; fs.py), fsyncs it and publishes it
 create-if-absent (`fs.atomic_create`: a hard link to the final name, which fails when the name
 exists), so readers never see a half-written file and several builders (one per node on a
@@ -21,7 +21,7 @@ already have open (a rename over it would; on NFS that reader gets ESTALE). Noth
 
 A waiter gives up after `timeout_s` with a one-line error naming the file and the fix (a
 `--data-cache-path` every rank can see): that is what happens when the ranks do not share the
-directory, or when local rank 0 died before finishing.
+directory, or when the builder died before finishing.
 """
 from __future__ import annotations
 
