@@ -111,7 +111,7 @@ class _Replay:
                 src, dst = (op.rank, peer) if direction == "send" else (peer, op.rank)
                 sends, recvs = self.chans.setdefault((op.comm, src, dst), ([], []))
                 mine, other = (sends, recvs) if direction == "send" else (recvs, sends)
-                part = [op, tag, None]
+                part = [op, tag, None, False]  # the op, its tag, its partner part, met
                 mine.append(part)
                 k = len(mine) - 1
                 if k < len(other):
@@ -159,13 +159,12 @@ class _Replay:
     def _met(part, heads) -> bool:
         """A part met its partner: both posted, both posts at the head of their queues (once
         met, it stays met)."""
-        if len(part) > 3:
+        if part[3]:
             return True
         partner = part[2]
         if partner is not None and heads.get(partner[0].rank) is partner[0] \
                 and heads.get(part[0].rank) is part[0]:
-            part.append(True)
-            partner.append(True)
+            part[3] = partner[3] = True
             return True
         return False
 
@@ -241,7 +240,7 @@ class _Replay:
                     out.append((("rank", m), f"{me} needs {self.rank_name(m)} to post it"))
         else:
             for part in h.links:
-                if len(part) > 3:
+                if part[3]:
                     continue
                 partner, tag = part[2], part[1]
                 peer = [p for _, p, t_ in h.parts if t_ == tag][0]

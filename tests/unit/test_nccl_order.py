@@ -335,3 +335,35 @@ def test_the_interpreter_posts_and_waits_as_the_validator_replays(kind, d, m, t0
         want = _model_log(sched, CommLayout(early_receives=early), s)
         assert got == want, f"stage {s}: first difference at " \
             f"{next(i for i, (x, y) in enumerate(zip(got + [None], want + [None])) if x != y)}"
+
+
+def test_the_engine_asks_one_layout_on_every_rank():
+    """`engine.comm_layout`: the same CommLayout on every rank of a run (so every rank posts by
+    one verdict), one tensor rank and at most two replicas (their programs are the same), the
+    run's options."""
+    from megatron_2bw.models.stage import LayerSpec
+    from megatron_2bw.pipeline.engine import comm_layout
+    from megatron_2bw.testing.verify import parse
+    cfg, _ = parse(["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+                    "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
+                    "--use-distributed-optimizer"])
+    specs = [LayerSpec(build=None, tied_key="embed"), LayerSpec(build=None),
+             LayerSpec(build=None, tied_key="embed")]
+    layouts = {comm_layout(cfg, ProcessGrid(2, 2, 4, rank=r), specs) for r in range(16)}
+    assert layouts == {CommLayout(tensor=1, data=2, tied=True, distributed_optimizer=True,
+                                  views=True)}
+    assert not comm_layout(cfg, ProcessGrid(2, 2, 4), specs[1:2]).tied
+
+
+def test_sends_in_another_order_than_their_receives_are_a_mismatch():
+    def swap_first_two_sends(ranks):
+        prog = ranks[0].prog
+        i, j = [k for k, x in enumerate(prog) if x[0] == POST and x[1].parts
+                and x[1].parts[0][0] == "send" and x[1].parts[0][2][0] == "sa"][:2]
+        prog[i], prog[j] = prog[j], prog[i]
+    with pytest.raises(NcclOrderError, match=r"point-to-point order differs on pair-act\[0,1\]: "
+                                             r"rank 0 \(stage 0, tp 0, dp 0\) \[0sa1\] posts sa1 "
+                                             r"as message #1 from rank 0 to rank 1, which rank 1 "
+                                             r"\(stage 1, tp 0, dp 0\) posted as ra0 \[1ra0\]"):
+        check_nccl_order(forward_only(2, 3), CommLayout(), edit=swap_first_two_sends)
