@@ -261,6 +261,13 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
     if train is None:
         raise _empty_train_split(split, {p: len(ds.document_indices) - 1
                                          for p, ds in zip(prefixes, indexed)})
+    unweighted_blend = parse_data_path(data_path)[1] is None and len(prefixes) > 1
+    for ds, need, what in ((train, samples[0], "training"), (valid, samples[1], "evaluation")):
+        if unweighted_blend and ds is not None and need and len(ds) < need:  # one epoch
+            raise DataError(f"--data-path {' '.join(map(str, data_path))}: an unweighted blend "
+                            f"is one epoch of its prefixes, {len(ds)} samples, but {what} "
+                            f"needs {need}: give weights (e.g. --data-path 0.5 A 0.5 B) to "
+                            "repeat the data, or fewer iterations")
     return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
 
 

@@ -138,3 +138,20 @@ def test_one_weighted_prefix_is_a_blend(tmp_path):
     assert weighted.datasets[0].description["num_samples"] == math.ceil(1000 * 1.005) == 1005
     assert weighted.dataset_sample_index.tolist() == list(range(1000))
     assert plain.description["num_samples"] == 1000
+
+
+def test_unweighted_blend_shorter_than_training_is_one_line(tmp_path):
+    import argparse
+    from megatron_2bw.data.build import build_gpt_train_data
+    a, _ = make_dataset(tmp_path / "a", 10, 1)
+    b, _ = make_dataset(tmp_path / "b", 10, 2)
+    args = argparse.Namespace(data_path=[a, b], split="1", tokenizer_type="NullTokenizer",
+                              vocab_size=10 ** 5, data_cache_path=str(tmp_path / "c"))
+    assert len(build_gpt_train_data(args, seq_length=4, seed=1, num_samples=20).dataset) == 20
+    with pytest.raises(DataError, match="an unweighted blend is one epoch of its prefixes, "
+                                        r"\d+ samples, but training needs 5000: give weights"):
+        build_gpt_train_data(args, seq_length=4, seed=1, num_samples=5000)
+    from megatron_2bw.data.build import build_pretrain_data
+    args.split = "50,50,0"
+    with pytest.raises(DataError, match=r"but evaluation needs 900"):
+        build_pretrain_data(args, "gpt", 4, 1, train_samples=10, valid_samples=900)
