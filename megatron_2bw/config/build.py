@@ -95,6 +95,7 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
         from megatron_2bw.config.ds_json import merge_flags_and_ds_config
         cfg, deepspeed = merge_flags_and_ds_config(cfg, typed, args.deepspeed_config, world_size,
                                                    layout_free=planner is not None)
+        notes += deepspeed.notes   # unknown keys DeepSpeed ignores: one warning line each
     if vocab_size is not None:
         cfg = cfg.replace(model={"vocab_size": vocab_size})
     if planner is not None:

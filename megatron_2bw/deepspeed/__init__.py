@@ -14,7 +14,11 @@ init_distributed, add_config_arguments), engine.py (DeepSpeedPipelineEngine and 
 differences from DeepSpeed), views.py (the optimizer / lr scheduler / mpu objects it hands out),
 checkpoint.py (DeepSpeed's checkpoint layout, loadable under another stage count), pipe/
 (`deepspeed.pipe`: PipelineModule, LayerSpec, TiedLayerSpec, topologies, partitioning), utils.py
-(`deepspeed.utils`).
+(`deepspeed.utils`), runtime/ (`deepspeed.runtime`: utils, pipe.schedule as a view of the flush
+tables, pipe.topology's PipelineParallelGrid), accelerator.py, checkpointing.py, comm.py
+(`deepspeed.accelerator` / `.checkpointing` / `.comm`), monitor.py (`engine.monitor`: DeepSpeed's
+tensorboard / wandb / csv_monitor / comet), names.py (the API version, the module names) and
+alias.py (the opt-in `deepspeed` module name for `from deepspeed.x import y`).
 Must not import: data, planner, testing, pretrain, generate.
 DeepSpeed scripts bring their own data and fix their own layout (no planner); no other
 package imports this one, only the `megatron_2bw.pipe` name and the package root's lazy names.

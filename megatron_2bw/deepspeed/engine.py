@@ -201,30 +201,43 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
     def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg",
                    bcast_loss=True, num_micro_batches=None):
         """Forward-only over num_micro_batches (default: micro_batches) microbatches on the newest
-        weights; leaves the in-flight 2BW state untouched. Returns the mean loss on every rank
-        (with compute_loss=False: the outputs, averaged or as a list, on the last stage)."""
-        if reduce_output not in (None, "avg"):
+        weights; leaves the in-flight 2BW state untouched. DeepSpeed's results: with a loss_fn
+        and compute_loss, the mean loss (on every rank); without a loss_fn, or with
+        compute_loss=False, the last stage's outputs: reduce_output="avg" their mean over the
+        microbatches and data-parallel replicas, None the list of every microbatch's outputs.
+        With compute_loss and bcast_loss (DeepSpeed's defaults) the averaged outputs are
+        broadcast to every stage of the pipeline (as fp32, as DeepSpeed does); otherwise the
+        other stages get None. return_logits adds the last microbatch's outputs."""
+        reduce = reduce_output.lower() if isinstance(reduce_output, str) else reduce_output
+        if reduce not in (None, "avg"):
             raise NotImplementedError(f"reduction type {reduce_output} not supported.")
         n = num_micro_batches or self.micro_batches
         data_iter = _as_iterator(data_iter)
-        keep = return_logits or not compute_loss
-        self._capture = [] if keep and self.is_last_stage() else None
-        self._compute_loss = compute_loss
+        as_outputs = not compute_loss or self.module.loss_fn is None
+        self._capture = [] if (return_logits or as_outputs) and self.is_last_stage() else None
+        self._compute_loss = not as_outputs
         try:
             loss = self._engine.eval_batch(_Feed(lambda: data_iter, self, "eval_batch",
                                                  self._engine.kind), n)
         finally:
             outputs, self._capture, self._compute_loss = self._capture, None, True
         result = loss
-        if not compute_loss:
+        if as_outputs:
             result = None
             if self.is_last_stage():
-                result = outputs if reduce_output is None else self._average(outputs, n)
+                result = outputs if reduce is None else self._average(outputs, n)
+            if compute_loss and bcast_loss and reduce is not None:
+                result = self._from_last_stage(result)
+        if self.global_rank == 0 and self.monitor.enabled and torch.is_tensor(result):
+            self.monitor.write_events([("Train/Samples/eval_loss", float(result.float().mean()),
+                                        self.global_samples)])
         if return_logits:
             return result, (outputs[-1] if outputs else None)
         return result
 
     def _average(self, outputs, n):
+        """Mean over the n microbatches, then over the data-parallel replicas (DeepSpeed's
+        "avg"); a tuple of outputs element by element."""
         tensors = isinstance(outputs[0], torch.Tensor)
         parts = [outputs] if tensors else list(zip(*outputs))
         reduced = [sum(p) / n for p in parts]
@@ -234,6 +247,34 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
                 self.grid.grid.comm.all_reduce(t, group)
                 t.div_(self.dp_world_size)
         return reduced[0] if tensors else reduced
+
+    def _from_last_stage(self, value):
+        """The last stage's tensor (or tuple of tensors) as fp32 on every stage of this
+        pipeline: shapes first (a fixed-size header), then the values."""
+        group = self.grid.get_pipe_parallel_group()
+        if group is None:
+            return value.float() if torch.is_tensor(value) else [v.float() for v in value]
+        comm, src = self.grid.grid.comm, self.grid.stage_to_global(self.num_stages - 1)
+        parts = ([value] if torch.is_tensor(value) else list(value)) if value is not None else []
+        if len(parts) > 8 or any(p.dim() > 8 for p in parts):
+            raise PipelineError("eval_batch: at most 8 outputs of at most 8 dimensions can be "
+                                "broadcast to every stage: pass bcast_loss=False")
+        head = torch.zeros(1 + 8 * 9, dtype=torch.float64, device=self.device)
+        if self.is_last_stage():   # slot 0: -1 for one tensor, else the tuple's length
+            head[0] = -1 if torch.is_tensor(value) else len(parts)
+            for i, p in enumerate(parts):
+                head[1 + 9 * i] = p.dim()
+                head[2 + 9 * i:2 + 9 * i + p.dim()] = torch.tensor(p.shape, dtype=torch.float64)
+        comm.broadcast(head, src, group)
+        single, out = int(head[0]) == -1, []
+        for i in range(1 if single else int(head[0])):
+            dims = int(head[1 + 9 * i])
+            shape = [int(x) for x in head[2 + 9 * i:2 + 9 * i + dims]]
+            t = (parts[i].detach().float().clone() if self.is_last_stage()
+                 else torch.zeros(shape, dtype=torch.float32, device=self.device))
+            comm.broadcast(t, src, group)
+            out.append(t)
+        return out[0] if single else out
 
     def set_dataloader(self, loader):
         if self.is_first_stage() or self.is_last_stage():

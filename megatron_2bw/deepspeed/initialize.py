@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 
 import torch
 
@@ -49,10 +50,13 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
 
 
 def add_config_arguments(parser):
-    """deepspeed.add_config_arguments: --deepspeed and --deepspeed_config (and the old names)."""
+    """deepspeed.add_config_arguments: --deepspeed and --deepspeed_config (and the old names);
+    ours: --deepspeed_strict (an unknown config key is an error, not a warning)."""
     g = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
     g.add_argument("--deepspeed", default=False, action="store_true")
     g.add_argument("--deepspeed_config", default=None, type=str)
+    g.add_argument("--deepspeed_strict", default=False, action="store_true",
+                   help="refuse config keys DeepSpeed would ignore (default: one warning each)")
     g.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
@@ -83,11 +87,14 @@ def _optimizer_section(opt) -> dict:
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               config_params=None, **unused):
+               config_params=None, strict=False, **unused):
     """deepspeed.initialize for a PipelineModule: returns (engine, optimizer, training
     dataloader, lr scheduler). Every configuration error is a one-line ConfigError raised before
-    this function creates any process group."""
+    this function creates any process group. An unknown key DeepSpeed ignores is one warning
+    line (rank 0) unless `strict`, args.deepspeed_strict or the JSON's "strict" says refuse."""
     ds = load_ds_json(config, args, config_params)
+    if strict or getattr(args, "deepspeed_strict", False):
+        ds["strict"] = True
     if _is_ds_pipeline_module(model):
         model = PipelineModule.from_deepspeed(model)
     if not isinstance(model, PipelineModule):
@@ -116,6 +123,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         activation_checkpoint_interval=model.activation_checkpoint_interval)
     if settings.activation_checkpoint_interval:
         model.set_checkpoint_interval(settings.activation_checkpoint_interval)
+    if settings.notes and current_rank_world()[0] == 0:
+        print("\n".join(settings.notes), file=sys.stderr, flush=True)
     # -- configuration is valid: from here on, process groups ------------------------------------
     if not is_initialized():
         init_distributed(dist_init_required=dist_init_required)

@@ -148,7 +148,8 @@ def test_training_on_bad_input_stops_in_one_line(data, monkeypatch, capsys, scri
     of a two-process launch: exit 2 and one line, before any process group."""
     import torch.distributed as dist
     from megatron_2bw.pretrain import parse
-    (data / "typo.json").write_text('{"train_batch_size": 8, "gradient_cliping": 1.0}')
+    (data / "typo.json").write_text('{"train_batch_size": 8, "gradient_cliping": 1.0, '
+                                    '"strict": true}')
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("RANK", "0")

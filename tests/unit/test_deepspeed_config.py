@@ -83,14 +83,8 @@ def test_batch_triple_errors_are_one_line():
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "total_num_steps"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "warmup_num_steps"),
     ({"pipeline": {"schedule": "1f1b"}}, "pipeline.schedule '1f1b'"),
-    ({"train_micro_batch_size_per_gp": 2}, "did you mean 'train_micro_batch_size_per_gpu'"),
-    ({"gradient_cliping": 1.0}, "unknown DeepSpeed config key 'gradient_cliping' (did you mean "
-                                "'gradient_clipping'?)"),
-    ({"zero_optimisation": {"stage": 1}}, "did you mean 'zero_optimization'"),
-    ({"my_own_setting": 1}, "unknown DeepSpeed config key 'my_own_setting'"),
     ({"fp16": {"enabled": True, "loss_scale_windw": 100}},
      "'loss_scale_windw' in fp16 (did you mean 'loss_scale_window'?)"),
-    ({"pipeline": {"schedul": "flush"}}, "'schedul' in pipeline (did you mean 'schedule'?)"),
     ({"optimizer": {"type": "SGD", "params": {"lr": 1, "momentun": 0.9}}},
      "(did you mean 'momentum'?)"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
@@ -104,6 +98,53 @@ def test_batch_triple_errors_are_one_line():
 def test_deepspeed_config_errors_are_one_line(extra, match):
     one_line_error(config_from_deepspeed, {**BASE, **extra}, world_size=2, num_stages=2,
                    num_layers=4, match=match)
+
+
+IGNORED_BY_DEEPSPEED = [
+    ({"train_micro_batch_size_per_gp": 2}, "did you mean 'train_micro_batch_size_per_gpu'"),
+    ({"gradient_cliping": 1.0}, "unknown DeepSpeed config key 'gradient_cliping' (did you mean "
+                                "'gradient_clipping'?)"),
+    ({"zero_optimisation": {"stage": 1}}, "did you mean 'zero_optimization'"),
+    ({"my_own_setting": 1}, "unknown DeepSpeed config key 'my_own_setting'"),
+    ({"pipeline": {"schedul": "flush"}}, "'schedul' in pipeline (did you mean 'schedule'?)"),
+]
+
+
+@pytest.mark.parametrize("extra,match", IGNORED_BY_DEEPSPEED)
+def test_keys_deepspeed_ignores_warn_in_one_line_and_strict_refuses(extra, match):
+    cfg, settings = config_from_deepspeed({**BASE, **extra}, world_size=2, num_stages=2,
+                                          num_layers=4)
+    (line,) = settings.notes
+    assert "\n" not in line and match in line and line.startswith("megatron-2bw: warning:")
+    assert "DeepSpeed ignores it" in line and '"strict": true' in line
+    plain, _ = config_from_deepspeed(BASE, world_size=2, num_stages=2, num_layers=4)
+    assert cfg == plain   # ignored: the run is the one without the key
+    msg = one_line_error(config_from_deepspeed, {**BASE, **extra, "strict": True}, world_size=2,
+                         num_stages=2, num_layers=4, match=match)
+    assert "strict" in msg
+
+
+def test_strict_must_be_a_bool_and_sections_deepspeed_validates_stay_refusals():
+    one_line_error(config_from_deepspeed, {**BASE, "strict": "yes"}, world_size=2,
+                   num_stages=2, num_layers=4, match='"strict" must be true or false')
+    _, settings = config_from_deepspeed({**BASE, "strict": False}, world_size=2, num_stages=2,
+                                        num_layers=4)
+    assert settings.notes == ()
+    one_line_error(config_from_deepspeed, {**BASE, "bf16": {"enabled": False, "enabld": 1}},
+                   world_size=2, num_stages=2, num_layers=4, match="'enabld' in bf16")
+
+
+def test_pipeline_keys_deepspeed_knows_are_accepted_with_their_meaning():
+    pipe = {"use_reentrant": False, "partition": "parameters", "seed_layers": True,
+            "pipe_partitioned": False, "grad_partitioned": False, "stages": "auto"}
+    cfg, settings = config_from_deepspeed({**BASE, "pipeline": pipe}, world_size=2,
+                                          num_stages=2, num_layers=4)
+    assert settings.notes == () and settings.use_reentrant is False
+    _, default = config_from_deepspeed(BASE, world_size=2, num_stages=2, num_layers=4)
+    assert default.use_reentrant is True   # DeepSpeed's default
+    one_line_error(config_from_deepspeed, {**BASE, "pipeline": {"use_reentrant": "no"}},
+                   world_size=2, num_stages=2, num_layers=4,
+                   match="pipeline.use_reentrant must be true or false")
 
 
 @pytest.mark.parametrize("extra", [
@@ -121,8 +162,14 @@ def test_2bw_with_fewer_microbatches_than_stages_names_the_deepspeed_keys():
                                                  "gradient_accumulation_steps": 1},
                          world_size=2, num_stages=2, num_layers=4)
     assert msg == ("DeepSpeed config: 2bw needs at least as many microbatches per batch as "
-                   "pipeline stages (m=1 < d=2): raise gradient_accumulation_steps or set "
-                   '"pipeline": {"schedule": "flush"}')
+                   "pipeline stages (m=1 < d=2): raise gradient_accumulation_steps to at least 2 "
+                   "(DeepSpeed's default is 1), or set \"pipeline\": {\"schedule\": \"flush\"} "
+                   "(DeepSpeed's own schedule)")
+    # DeepSpeed's default (no gradient_accumulation_steps: 1) at 4 stages
+    msg = one_line_error(config_from_deepspeed, {"train_batch_size": 1,
+                                                 "train_micro_batch_size_per_gpu": 1},
+                         world_size=4, num_stages=4, num_layers=4)
+    assert "(m=1 < d=4)" in msg and "at least 4" in msg and '"schedule": "flush"' in msg
     cfg, _ = config_from_deepspeed({"train_micro_batch_size_per_gpu": 2,
                                     "gradient_accumulation_steps": 1,
                                     "pipeline": {"schedule": "flush"}},
@@ -355,4 +402,27 @@ def test_initialize_rejects_bad_input_before_any_process_group(monkeypatch):
         one_line_error(deepspeed.initialize, match=match, **kwargs)
     next(net.parameters()).requires_grad_(False)
     one_line_error(deepspeed.initialize, model=net, config=BASE, match="frozen parameter")
+    assert not dist.is_initialized()
+
+
+def test_pretrain_front_door_warns_too_and_strict_refuses():
+    _, settings = merge_flags_and_ds_config(flags_cfg(), [], {**BASE, "gradient_cliping": 1.0},
+                                            world_size=2)
+    assert len(settings.notes) == 1 and "did you mean 'gradient_clipping'" in settings.notes[0]
+    one_line_error(merge_flags_and_ds_config, flags_cfg(), [],
+                   {**BASE, "gradient_cliping": 1.0, "strict": True}, world_size=2,
+                   match="did you mean 'gradient_clipping'")
+
+
+def test_initialize_strict_argument_and_flag_refuse_before_any_process_group():
+    import argparse
+    import torch.distributed as dist
+    net = PipelineModule(layers=[torch.nn.Linear(4, 4)], num_stages=1)
+    config = {**BASE, "gradient_cliping": 1.0}
+    one_line_error(deepspeed.initialize, model=net, config=config, strict=True,
+                   match="did you mean 'gradient_clipping'")
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args(
+        ["--deepspeed_strict"])
+    one_line_error(deepspeed.initialize, args=args, model=net, config=config,
+                   match="strict: unknown keys are errors")
     assert not dist.is_initialized()

@@ -2,7 +2,8 @@
 
     cfg, ds = config_from_deepspeed(ds_json, ...)      # or merge_flags_and_ds_config(...)
     ds.lr_schedule            # DeepSpeedLR or None: the "scheduler" section, exactly
-    ds.activation_checkpoint_interval, ds.stages, ds.dataloader_drop_last
+    ds.activation_checkpoint_interval, ds.stages, ds.dataloader_drop_last, ds.use_reentrant
+    ds.notes                  # one warning line per unknown key DeepSpeed ignores
 
 The core engine knows none of these: the DeepSpeed adapter (megatron_2bw/deepspeed) reads the
 pipeline and data-loading ones, and whoever builds the engine passes `lr_schedule` to it
@@ -21,3 +22,5 @@ class DeepSpeedSettings:
     activation_checkpoint_interval: int = 0   # pipeline.activation_checkpoint_interval
     stages: int | None = None                 # pipeline.stages ("auto": None)
     dataloader_drop_last: bool = False        # dataloader_drop_last
+    use_reentrant: bool = True                # pipeline.use_reentrant (DeepSpeed's default)
+    notes: tuple = ()                         # warning lines: unknown keys DeepSpeed ignores

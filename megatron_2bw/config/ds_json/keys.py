@@ -10,9 +10,14 @@ without clipping. Here every key of the JSON (top level, and the sections below)
 - REFUSED_KEYS: DeepSpeed features that would change what is trained (data curricula, sparse or
   quantized models, autocast, elastic batches, AutoTP/MoE parallelism): a one-line error, unless
   the section is switched off (`{"enabled": false}`, false, null);
-- anything else: a one-line "unknown DeepSpeed config key 'x' (did you mean 'y'?)".
+- anything else: a key DeepSpeed ignores too (a top-level key, or one in "pipeline", which
+  DeepSpeed copies without looking): one warning line "unknown DeepSpeed config key 'x' (did you
+  mean 'y'?)", and the run goes on. `"strict": true` (or `--deepspeed_strict`, or
+  initialize(strict=True)) makes it a one-line refusal. In the sections DeepSpeed validates
+  itself (fp16, bf16, wandb: pydantic models that forbid extra keys) it is always a refusal.
 
-`SECTION_KEYS` is the same for the sections we read (fp16, bf16, pipeline, wandb).
+`SECTION_KEYS` holds the keys of the sections we read (fp16, bf16, pipeline, wandb); "pipeline"
+has every key DeepSpeed's pipeline engine reads, each accepted with DeepSpeed's meaning.
 """
 from __future__ import annotations
 
@@ -62,18 +67,41 @@ SECTION_KEYS = {
     "bf16": ("enabled", "immediate_grad_update", "check_overflow",
              "bf16_master_weights_and_grads", "bf16_optimizer_states"),
     "pipeline": ("schedule", "activation_checkpoint_interval", "stages", "partition",
-                 "seed_layers", "pipe_partitioned", "grad_partitioned"),
+                 "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"),
     "wandb": ("enabled", "project", "group", "team"),
 }
 SECTION_KEYS["bfloat16"] = SECTION_KEYS["bf16"]
 
 
-def unknown_key(key, known, where: str = "") -> None:
-    """Fail with "unknown DeepSpeed config key 'x' [in where] (did you mean 'y'?)"."""
+IGNORING_SECTIONS = ("pipeline",)   # sections DeepSpeed reads without validating their keys
+STRICT_KEY = "strict"                # ours: DeepSpeed ignores it as an unknown top-level key
+
+
+def _unknown(key, known, where: str = "") -> str:
     close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     place = f" in {where}" if where else ""
-    fail(f"unknown DeepSpeed config key {key!r}{place}{hint}: fix or remove it")
+    return f"unknown DeepSpeed config key {key!r}{place}{hint}"
+
+
+def unknown_key(key, known, where: str = "") -> None:
+    """Fail with "unknown DeepSpeed config key 'x' [in where] (did you mean 'y'?)"."""
+    fail(f"{_unknown(key, known, where)}: fix or remove it")
+
+
+def _ignored(key, known, where: str, strict: bool, notes: list) -> None:
+    """A key DeepSpeed ignores: one warning line, or with strict a refusal."""
+    if strict:
+        fail(f"{_unknown(key, known, where)}: fix or remove it (strict: unknown keys are errors)")
+    notes.append(f"megatron-2bw: warning: {_unknown(key, known, where)}: DeepSpeed ignores it "
+                 'and so does this run ("strict": true makes it an error)')
+
+
+def is_strict(ds: dict, strict: bool = False) -> bool:
+    value = ds.get(STRICT_KEY, False)
+    if not isinstance(value, bool):
+        fail(f'DeepSpeed config: "strict" must be true or false, got {value!r}')
+    return strict or value
 
 
 def _switched_off(key: str, value) -> bool:
@@ -84,18 +112,26 @@ def _switched_off(key: str, value) -> bool:
     return value is None or value is False
 
 
-def check_keys(ds: dict) -> None:
-    """Every top-level key and every key of the sections in SECTION_KEYS is known."""
-    known = SUPPORTED_KEYS + IGNORED_KEYS + tuple(REFUSED_KEYS)
+def check_keys(ds: dict, strict: bool = False) -> list[str]:
+    """Every top-level key and every key of the sections in SECTION_KEYS is known; returns the
+    warning lines of the unknown keys DeepSpeed ignores (none with strict: they fail)."""
+    strict = is_strict(ds, strict)
+    known = SUPPORTED_KEYS + IGNORED_KEYS + tuple(REFUSED_KEYS) + (STRICT_KEY,)
+    notes = []
     for key, value in ds.items():
         if key in REFUSED_KEYS and not _switched_off(key, value):
             fail(f"DeepSpeed config: {key!r} is not supported by this engine "
                  f"({REFUSED_KEYS[key]}): remove it")
         if key not in known:
-            unknown_key(key, known)
+            _ignored(key, known, "", strict, notes)
     for section, keys in SECTION_KEYS.items():
         value = ds.get(section)
         if isinstance(value, dict):
             for key in value:
-                if key not in keys:
+                if key in keys:
+                    continue
+                if section in IGNORING_SECTIONS:
+                    _ignored(key, keys, section, strict, notes)
+                else:
                     unknown_key(key, keys, section)
+    return notes

@@ -36,9 +36,11 @@ def _fixed_by_json(ds: dict, settings: list[Setting]) -> tuple[Fixed, ...]:
 
 def _check_microbatches(cfg: Config) -> None:
     """The schedule's minimum gradient_accumulation_steps, named in DeepSpeed's words."""
+    d = cfg.parallel.pipeline
     error = schedule_kind(cfg.schedule).microbatch_error(
-        cfg.parallel.pipeline, cfg.num_microbatches, "raise gradient_accumulation_steps or set "
-        "\"pipeline\": {\"schedule\": \"flush\"}")
+        d, cfg.num_microbatches, f"raise gradient_accumulation_steps to at least {d} (DeepSpeed's "
+        "default is 1), or set \"pipeline\": {\"schedule\": \"flush\"} (DeepSpeed's own "
+        "schedule)")
     if error:
         fail(f"DeepSpeed config: {error}")
 

@@ -3,6 +3,8 @@
 optimizer and scheduler come from optim.py and schedulers.py."""
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_2bw.config import SCHEDULES
 from megatron_2bw.config.ds_json.engine_settings import DeepSpeedSettings
 from megatron_2bw.config.ds_json.keys import check_keys
@@ -39,10 +41,10 @@ def _precision_settings(ds: dict) -> list[Setting]:
     return out
 
 
-def _check_keys_and_zero(ds: dict) -> None:
+def _check_keys_and_zero(ds: dict) -> list[str]:
     """Unknown and refused keys (keys.py), ZeRO stages and features the pipeline engine cannot
-    honour."""
-    check_keys(ds)
+    honour; returns the warning lines of ignored unknown keys."""
+    notes = check_keys(ds)
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     if stage >= 2:
@@ -53,6 +55,7 @@ def _check_keys_and_zero(ds: dict) -> None:
             fail(f"DeepSpeed config: zero_optimization.{off} is not supported")
     if ds.get("gradient_predivide_factor", 1.0) != 1.0:
         fail("DeepSpeed config: gradient_predivide_factor other than 1.0 is not supported")
+    return notes
 
 
 def _logging_settings(ds: dict) -> list[Setting]:
@@ -114,9 +117,15 @@ def _pipeline_settings(ds: dict) -> tuple[list[Setting], DeepSpeedSettings]:
                  f"{stages!r}")
         out.append(Setting("pipeline.stages", "--pipeline-model-parallel-size",
                            "parallel.pipeline", stages))
+    flags = {k: pipe.get(k, True) for k in ("use_reentrant", "pipe_partitioned",
+                                             "grad_partitioned")}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            fail(f"DeepSpeed config: pipeline.{key} must be true or false, got {value!r}")
     return out, DeepSpeedSettings(
         activation_checkpoint_interval=interval, stages=None if stages == "auto" else stages,
-        dataloader_drop_last=bool(ds.get("dataloader_drop_last", False)))
+        dataloader_drop_last=bool(ds.get("dataloader_drop_last", False)),
+        use_reentrant=flags["use_reentrant"])
 
 
 def ds_settings(ds: dict, lr_hint: float = 1e-3) -> tuple[list[Setting], DeepSpeedSettings]:
@@ -125,11 +134,11 @@ def ds_settings(ds: dict, lr_hint: float = 1e-3) -> tuple[list[Setting], DeepSpe
     optimizer's lr is known)."""
     if not isinstance(ds, dict):
         fail("DeepSpeed config must be a JSON object")
-    _check_keys_and_zero(ds)
+    notes = _check_keys_and_zero(ds)
     out = optimizer_settings(ds)
     lr = next((s.value for s in out if s.path == "optimizer.lr"), lr_hint)
     out += scheduler_settings(ds, lr)
     out += _precision_settings(ds)
     out += _logging_settings(ds)
     pipeline, settings = _pipeline_settings(ds)
-    return out + pipeline, settings
+    return out + pipeline, dataclasses.replace(settings, notes=tuple(notes))
