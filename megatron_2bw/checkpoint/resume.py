@@ -16,7 +16,7 @@ import torch
 
 from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common
 from megatron_2bw.checkpoint.files import CheckpointError, iteration_dir, latest_iteration
-from megatron_2bw.checkpoint.torch_format import file_problem, first_stage_file
+from megatron_2bw.checkpoint.torch_format import first_stage_file, record_problem
 from megatron_2bw.config import Config
 from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, Predict,
                                                 compensation_method, method_names)
@@ -31,7 +31,7 @@ def _saved(load: str, it: int) -> tuple[str, dict, int]:
         common = read_common(directory)
         return "torch_dist", dict(common.get("parallel") or {}), common["consumed_samples"]
     path = first_stage_file(load, it)
-    problem = file_problem(path, it)  # hashed before anything unpickles it (once per process)
+    problem = record_problem(path)  # what torch.load unpickles, checked first (zip's CRC-32)
     if problem:
         raise CheckpointError(f"--load {load}: {problem}")
     try:

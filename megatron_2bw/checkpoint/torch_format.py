@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 
 import torch
 
@@ -104,6 +105,28 @@ def file_problem(path: str, t: int) -> str | None:
         return (f"checkpoint file {path} is missing: the checkpoint at iteration {t} is "
                 "incomplete or was written with another parallel layout")
     return problem_of(lambda: verify_checksum(path))
+
+
+def record_problem(path: str) -> str | None:
+    """Why the zip records torch.load unpickles in a torch-format file (the zip index and
+    `data.pkl`) are damaged, by zip's own CRC-32, else None. It reads no tensor data: a check
+    for a reader that maps the tensors without reading them (torch.load(mmap=True); the
+    resume check before any process group, on every rank), where hashing the whole file on
+    every rank would read it world-size times. The loader checks the whole file's sha256."""
+    if not os.path.exists(path):
+        return f"checkpoint file {path} is missing: the checkpoint is incomplete"
+    try:
+        with zipfile.ZipFile(path) as z:
+            pickles = [n for n in z.namelist() if n.endswith("/data.pkl")]
+            for name in pickles:
+                z.read(name)  # raises on a CRC-32 mismatch
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        pickles, why = None, f"{type(e).__name__}: {e}"
+    if pickles:
+        return None
+    why = why if pickles is None else "no data.pkl record"
+    return (f"checkpoint file {path} is truncated or corrupted ({why}): load an earlier "
+            "iteration")
 
 
 def read_torch(path: str, t: int, verify: bool = True) -> dict:

@@ -194,16 +194,45 @@ def test_checksums_are_computed_while_writing(tmp_path, monkeypatch):
 
 def test_a_truncated_torch_stage_file_is_one_line_before_anything_unpickles_it(
         one_rank_checkpoints, tmp_path, monkeypatch, capsys):
-    """Resuming reads the first stage file before any process group: it is hashed first, so
-    a truncated one is one line naming it and the fix (it was torch's zip traceback)."""
+    """Resuming reads the first stage file before any process group, on every rank: the zip
+    records torch.load unpickles are checked first (zip's CRC-32; no rank reads the tensors,
+    nor hashes the whole file: the loader does, once per job), so a truncated file or a damaged
+    data.pkl is one line naming it and the fix (it was torch's zip traceback)."""
+    import io
     import shutil
+    import struct
+    import zipfile
     ck = tmp_path / "torch"
     shutil.copytree(one_rank_checkpoints / "torch", ck)
     stage = ck / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
     data = stage.read_bytes()
+    flags = ["--load", ck, "--pipeline-schedule", "2bw", "--ckpt-format", "torch"]
     stage.write_bytes(data[:len(data) // 2])
-    code, out, err = _front_door(["--load", ck, "--pipeline-schedule", "2bw", "--ckpt-format",
-                                  "torch"], 1, monkeypatch, capsys)
+    code, out, err = _front_door(flags, 1, monkeypatch, capsys)
     assert (code, out) == (2, [])
-    assert err == [f"error: --load {ck}: checkpoint file {stage} does not match its checksum: it "
-                   "is truncated or corrupted; load an earlier iteration"]
+    assert err == [f"error: --load {ck}: checkpoint file {stage} is truncated or corrupted "
+                   "(BadZipFile: File is not a zip file): load an earlier iteration"]
+    with zipfile.ZipFile(io.BytesIO(data)) as z:  # a byte of data.pkl's payload
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    names, extra = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    pickle = info.header_offset + 30 + names + extra + 5
+    stage.write_bytes(data[:pickle] + bytes([data[pickle] ^ 0xFF]) + data[pickle + 1:])
+    code, out, err = _front_door(flags, 1, monkeypatch, capsys)
+    assert (code, out) == (2, []) and len(err) == 1
+    assert err[0].startswith(f"error: --load {ck}: checkpoint file {stage} is truncated or "
+                             "corrupted (BadZipFile: Bad CRC-32 for file"), err
+
+
+@pytest.mark.parametrize("fmt,hashed", [("torch", []), ("torch_dist", ["common.pt"])])
+def test_the_resume_check_on_every_rank_hashes_no_stage_file(one_rank_checkpoints, monkeypatch,
+                                                             capsys, fmt, hashed):
+    """Every rank runs it before any process group: it hashes the small common.pt (torch_dist)
+    and no stage file (torch: zip's CRC-32 of data.pkl), which the loader hashes once per job."""
+    seen, real = [], checkpoint_files.sha256_of
+    monkeypatch.setattr(checkpoint_files, "_DIGESTS", {})
+    monkeypatch.setattr(checkpoint_files, "sha256_of",
+                        lambda path: seen.append(os.path.basename(path)) or real(path))
+    code, _, err = _front_door(["--load", one_rank_checkpoints / fmt, "--pipeline-schedule",
+                                "2bw", "--ckpt-format", fmt], 1, monkeypatch, capsys)
+    assert code == 0, err
+    assert seen == hashed
