@@ -294,6 +294,10 @@ def _check_architecture(m: ModelConfig, p: ParallelConfig) -> None:
             _fail(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size "
                   f"{p.tensor}: every tensor rank holds whole query groups; use a multiple of "
                   f"{p.tensor} groups or a smaller tensor size")
+    if m.qk_layernorm and p.tensor > 1 and not p.sequence_parallel:
+        _fail("--qk-layernorm at --tensor-model-parallel-size > 1 needs --sequence-parallel "
+              "here (its norms' gradients are summed over the tensor ranks with the "
+              "sequence-parallel ones)")
     if m.openai_gelu and m.swiglu:
         _fail("--openai-gelu and --swiglu exclude each other: SwiGLU's activation is SiLU")
     if m.ffn_size < 1:

@@ -81,10 +81,43 @@ NOTED = {
     "--num-workers": (dict(type=int, default=None),
                       "batches are built by one background thread ahead of the step "
                       "(data/prefetch.py), not by loader worker processes"),
+    "--no-async-tensor-model-parallel-allreduce": (
+        dict(action="store_true", default=None),
+        "the tensor-parallel all-reduce of the input gradient runs where the backward needs it"),
+    "--attention-softmax-in-fp32": (
+        dict(action="store_true", default=None),
+        "the softmax runs inside torch's scaled_dot_product_attention, at its precision"),
+    "--accumulate-allreduce-grads-in-fp32": (
+        dict(action="store_true", default=None),
+        "gradients are always accumulated and reduced in fp32"),
+    "--ddp-average-in-collective": (dict(action="store_true", default=None),
+                                    "the data-parallel reduction averages (the same numbers)"),
+    "--ddp-bucket-size": (dict(type=int, default=None),
+                          "the engine buckets the gradient reduction its own way"),
+    "--auto-detect-ckpt-format": (dict(action="store_true", default=None),
+                                  "loading always reads either checkpoint format"),
+    "--ckpt-fully-parallel-save": (dict(action="store_true", default=None),
+                                   "every rank writes its own part of a torch_dist checkpoint"),
+    "--ckpt-fully-parallel-load": (dict(action="store_true", default=None),
+                                   "every rank reads its own part of a torch_dist checkpoint"),
+    "--ckpt-assume-constant-structure": (dict(action="store_true", default=None),
+                                         "each save plans its layout (the files are the same)"),
+    "--log-validation-ppl-to-tensorboard": (
+        dict(action="store_true", default=None),
+        "`lm loss validation ppl` is always written to TensorBoard"),
+    "--log-memory-to-tensorboard": (dict(action="store_true", default=None),
+                                    "the memory per stage is always written to TensorBoard"),
     "--use-checkpoint-opt_param-scheduler": (
         dict(action="store_true", default=None),
         "the lr schedule is a function of the iteration: a resumed run continues it"),
 }
+
+for _flag in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+              "--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
+              "--disable-te-fused-rope", "--use-contiguous-parameters-in-local-ddp",
+              "--no-persist-layer-norm", "--defer-embedding-wgrad-compute"):
+    NOTED[_flag] = (dict(action="store_true", default=None),
+                    "a kernel-fusion switch: the engine's kernels compute the same either way")
 
 # flag -> (argparse keywords, neutral value, the feature it selects)
 NEUTRAL = {
@@ -111,8 +144,6 @@ NEUTRAL = {
     "--fp8-param-gather": (dict(action="store_true", default=False), False, "fp8 training"),
     "--moe-router-topk": (dict(type=int, default=2), 2, "mixture of experts"),
     "--moe-grouped-gemm": (dict(action="store_true", default=False), False, "mixture of experts"),
-    "--qk-layernorm": (dict(action="store_true", default=False), False,
-                       "layer norms over each query and key head"),
     "--eod-mask-loss": (dict(action="store_true", default=False), False,
                         "masking the loss at end-of-document tokens"),
     "--reset-position-ids": (dict(action="store_true", default=False), False,
@@ -126,6 +157,28 @@ NEUTRAL = {
                               "reading the model's flags from the checkpoint"),
     "--log-params-norm": (dict(action="store_true", default=False), False,
                           "logging the parameters' norm"),
+    "--log-num-zeros-in-grad": (dict(action="store_true", default=False), False,
+                                "logging the gradient's zeros"),
+    "--exit-on-missing-checkpoint": (dict(action="store_true", default=False), False,
+                                     "stopping when --load holds no checkpoint"),
+    "--dataloader-type": (dict(choices=("single", "cyclic", "external"), default=None),
+                          (None, "single"), "the cyclic and external data loaders"),
+    "--num-distributed-optimizer-instances": (dict(type=int, default=1), 1,
+                                              "several distributed-optimizer instances"),
+    "--use-rope-scaling": (dict(action="store_true", default=False), False,
+                           "Llama 3.1's RoPE frequency scaling"),
+    "--rotary-seq-len-interpolation-factor": (dict(type=int, default=None), None,
+                                              "RoPE sequence-length interpolation"),
+    "--fp16-lm-cross-entropy": (dict(action="store_true", default=False), False,
+                                "the cross entropy in fp16"),
+    "--no-position-embedding": (dict(action="store_true", default=False), False,
+                                "a GPT without any position information"),
+}
+# features accepted where another flag makes them neutral: flag -> (is it neutral here, line)
+NEUTRAL_WHEN = {
+    "--no-position-embedding": (
+        lambda args: getattr(args, "position_embedding_type", None) == "rope",
+        "with --position-embedding-type rope there is no learned position table"),
 }
 # what to do instead, by feature (the refusal's second half)
 INSTEAD = {
@@ -167,6 +220,9 @@ def notes(args: argparse.Namespace) -> list[str]:
         if value is not None and value is not False:
             shown = flag if value is True else f"{flag} {value}"
             out.append(f"megatron-2bw: {shown}: {line}")
+    for flag, (neutral_here, line) in NEUTRAL_WHEN.items():
+        if getattr(args, _flag_dest(flag), False) and neutral_here(args):
+            out.append(f"megatron-2bw: {flag}: {line}")
     return out
 
 
@@ -190,7 +246,8 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
         dest = parser._option_string_actions[flag].dest
         value = getattr(args, dest, None)
         allowed = neutral if isinstance(neutral, tuple) else (neutral,)
-        if value not in allowed:
+        when = NEUTRAL_WHEN.get(flag)
+        if value not in allowed and not (when and when[0](args)):
             by_feature.setdefault(feature, []).append(flag if value is True else f"{flag} {value}")
     for feature, flags in by_feature.items():
         instead = INSTEAD.get(feature, f"drop {'them' if len(flags) > 1 else 'it'}")

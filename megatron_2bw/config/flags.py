@@ -78,7 +78,8 @@ ARCHITECTURE_FLAGS = {"position_embedding_type": "position_embedding_type",
                       "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
                       "swiglu": "swiglu", "group_query_attention": "group_query_attention",
                       "num_query_groups": "num_query_groups", "openai_gelu": "openai_gelu",
-                      "kv_channels": "num_kv_channels", "apply_layernorm_1p": "apply_layernorm_1p"}
+                      "kv_channels": "num_kv_channels", "apply_layernorm_1p": "apply_layernorm_1p",
+                      "qk_layernorm": "qk_layernorm"}
 
 
 def add_architecture_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +105,10 @@ def add_architecture_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--apply-layernorm-1p", action="store_true", default=None,
                    help="norm weights stored as gamma - 1 (zero at init, weight decay pulls "
                         "gamma to 1): Megatron's zero-centred gamma, LayerNorm and RMSNorm")
+    g.add_argument("--qk-layernorm", action="store_true", default=None,
+                   help="a norm (of --normalization's kind) over each query and key head, "
+                        "before RoPE; at --tensor-model-parallel-size > 1 with "
+                        "--sequence-parallel")
 
 
 def apply_architecture_args(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:

@@ -76,6 +76,7 @@ class ModelConfig:
     openai_gelu: bool = False                   # tanh-approximated GeLU (GPT-2's "gelu_new")
     num_kv_channels: int | None = None          # --kv-channels; None: hidden_size / heads
     apply_layernorm_1p: bool = False            # norm weights hold gamma - 1 (zero-centred)
+    qk_layernorm: bool = False                  # a norm over each query and key head
 
     def __post_init__(self):
         if self.recompute_method is not None and self.recompute_granularity is None:

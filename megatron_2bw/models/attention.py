@@ -10,6 +10,8 @@ checks that they divide). With one group per head this is the classic per-head [
 Biases (unless `--disable-bias-linear`): `qv_bias` [groups, P + 1, d] holds the query and value
 biases; there is no key bias: softmax is invariant to it, so its gradient is exactly zero and it
 would only collect rounding noise (amplified by Adam). The output projection is row-parallel.
+`--qk-layernorm`: a norm (LayerNorm or RMSNorm, as --normalization) over each query and key head's
+kv_channels, after the biases and before RoPE (Megatron's q_layernorm / k_layernorm).
 
 Selective recomputation (`--recompute-activations`, Megatron's meaning): core attention, the
 softmax and dropout over the scores and the weighted sum of the values, keeps only q, k and v
@@ -24,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.norms import build_norm
 from megatron_2bw.models.recompute import recompute
 from megatron_2bw.models.rope import RotaryEmbedding
 from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear,
-                                          TPGroup, set_partition_attrs)
+                                          TPGroup, mark_sequence_parallel, set_partition_attrs)
 
 # scaled_dot_product_attention broadcasts key/value groups itself from torch 2.5 on
 _NATIVE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -60,6 +63,13 @@ class SelfAttention(nn.Module):
                                       bias=cfg.add_bias_linear, init_std=out_std)
         self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.rotary_base) \
             if cfg.position_embedding_type == "rope" else None
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:  # --qk-layernorm: a norm over each query and key head's channels
+            self.q_layernorm, self.k_layernorm = build_norm(cfg, d), build_norm(cfg, d)
+            # replicated, but each tensor rank's gradient covers only its heads: summed over the
+            # tensor group with the sequence-parallel parameters (the config asks for
+            # --sequence-parallel when t > 1)
+            mark_sequence_parallel(self.q_layernorm, self.k_layernorm)
 
     def _qkv(self, x: torch.Tensor):
         P = self.per_group
@@ -71,6 +81,8 @@ class SelfAttention(nn.Module):
             qkv = qkv + torch.cat([q_bias, torch.zeros_like(v_bias), v_bias], dim=1)
         q = qkv[:, :, :, :P].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[:, :, :, P], qkv[:, :, :, P + 1]
+        if self.q_layernorm is not None:  # before RoPE, as Megatron
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads or groups, s, d]
         if self.rope is not None:
             cos, sin = self.rope.cos_sin(s, x.device, q.dtype)

@@ -146,6 +146,8 @@ def layer_params(cfg, tensor: int = 1, arch: str | None = None) -> list[tuple[in
     # query/value and fc1 biases; replicated: two norms, the projection and fc2 biases
     split = h * (_qkv_width(m) + m.num_attention_heads * m.kv_channels + _mlp_in(m) + f)
     replicated = 2 * norm_params(m)
+    if getattr(m, "qk_layernorm", False):  # a norm over a head's kv_channels, for q and for k
+        replicated += 2 * (norm_params(m) // h) * m.kv_channels
     if m.add_bias_linear:
         split += (m.num_attention_heads + m.query_groups) * m.kv_channels + _mlp_in(m)
         replicated += 2 * h

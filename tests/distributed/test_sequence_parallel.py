@@ -92,7 +92,6 @@ def test_a_layer_keeps_what_the_memory_model_counts():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--sequence-parallel"], ["--sequence-parallel", "--tensor-model-parallel-size > 1"]),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "15"],
      ["--seq-length 15", "divisible by --tensor-model-parallel-size 2"]),
     (["--recompute-activations", "--recompute-granularity", "full", "--recompute-method",

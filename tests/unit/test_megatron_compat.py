@@ -183,3 +183,116 @@ def test_every_output_path_is_checked_before_training(tmp_path):
     ok = built(["--trace", str(tmp_path / "new" / "t")]).config.train
     check_output_paths(ok)
     assert (tmp_path / "new").is_dir()
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_qk_layernorm_normalizes_each_head_before_rope(norm):
+    from megatron_2bw.models.attention import SelfAttention
+    flags = ["--hidden-size", "32", "--num-attention-heads", "4", "--normalization", norm,
+             "--position-embedding-type", "rope", "--group-query-attention",
+             "--num-query-groups", "2"]
+    with_norm = built(flags + ["--qk-layernorm"]).config.model
+    plain_cfg = built(flags).config.model
+    torch.manual_seed(0)
+    attn = SelfAttention(with_norm, *_tp(), tracker=None, causal=True, init_std=0.02,
+                         out_std=0.02)
+    plain = SelfAttention(plain_cfg, *_tp(), tracker=None, causal=True, init_std=0.02,
+                          out_std=0.02)
+    plain.load_state_dict({k: v for k, v in attn.state_dict().items() if "layernorm" not in k})
+    with torch.no_grad():
+        for n in (attn.q_layernorm, attn.k_layernorm):
+            n.weight.copy_(torch.randn(8))
+    x = torch.randn(2, 5, 32)
+    q, k, _ = attn._qkv(x)
+    # the reference: plain attention's projections, normalized per head by hand, then RoPE
+    plain.rope = None
+    q0, k0, _ = plain._qkv(x)
+
+    def by_hand(t, n):
+        if norm == "RMSNorm":
+            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5)
+        else:
+            t = torch.nn.functional.layer_norm(t, (8,), eps=1e-5)
+        return t * n.weight + (n.bias if norm == "LayerNorm" else 0)
+    cos, sin = attn.rope.cos_sin(5, x.device, x.dtype)
+    assert torch.allclose(q, attn.rope(by_hand(q0, attn.q_layernorm), cos, sin), atol=1e-5)
+    assert torch.allclose(k, attn.rope(by_hand(k0, attn.k_layernorm), cos, sin), atol=1e-5)
+
+
+def test_qk_layernorm_parameters_are_counted_and_t2_needs_sequence_parallel():
+    from megatron_2bw.models.flops import layer_params
+    from megatron_2bw.models.gpt import gpt_layer_specs
+    cfg = built(["--qk-layernorm", "--kv-channels", "8", "--apply-layernorm-1p"]).config
+    real = [sum(p.numel() for p in spec.build().parameters())
+            for spec in gpt_layer_specs(cfg.model, *_tp())]
+    assert [p for p, _ in layer_params(cfg.model)] == real
+    with pytest.raises(ConfigError, match="--qk-layernorm at --tensor-model-parallel-size > 1 "
+                                          "needs --sequence-parallel"):
+        built(["--qk-layernorm", "--tensor-model-parallel-size", "2"], world=2)
+
+
+# every flag of Megatron-LM's example scripts (examples/gpt3/train_gpt3_175b_distributed.sh both
+# versions, train_gpt3_857m_distributed.sh, examples/bert/train_bert_340m_distributed.sh,
+# examples/llama/train_llama3_8b_h100_fp8.sh, train_llama3_8b_h200_bf16.sh, train_llama2.sh),
+# with the scripts' values where they parse here
+EXAMPLE_FLAGS = """
+--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
+--max-position-embeddings 32 --attention-backend auto --micro-batch-size 1 --global-batch-size 16
+--rampup-batch-size 16 16 5859375 --train-iters 2 --weight-decay 0.1 --adam-beta1 0.9
+--adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5
+--lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+--use-mcore-models --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+--vocab-file V --merge-file M --split 949,50,1 --log-interval 100 --save-interval 10000
+--eval-interval 1000 --save S --load S --eval-iters 10 --tensorboard-dir T
+--ffn-hidden-size 128 --group-query-attention --num-query-groups 2 --kv-channels 16
+--position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0
+--attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --normalization RMSNorm
+--apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
+--grad-reduce-in-bf16 --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc
+--empty-unused-memory-level 1 --exit-duration-in-mins 235 --context-parallel-size 1
+--sequence-parallel --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+--mock-data --tokenizer-type NullTokenizer --vocab-size 512 --data-cache-path C
+--tiktoken-pattern v2 --no-create-attention-mask-in-dataloader --no-mmap-bin-files
+--num-workers 1 --log-throughput --profile --profile-step-start 4 --profile-step-end 6
+--ckpt-format torch_dist --distributed-timeout-minutes 60 --wandb-project P
+--wandb-exp-name E --wandb-save-dir W --log-timers-to-tensorboard --no-position-embedding
+--no-async-tensor-model-parallel-allreduce --no-masked-softmax-fusion --dataloader-type single
+--no-save-optim --no-load-optim --no-gradient-accumulation-fusion --distributed-backend gloo
+--use-flash-attn --use-contiguous-parameters-in-local-ddp --disable-te-fused-rope
+--transformer-impl transformer_engine --attention-softmax-in-fp32 --use-pytorch-profiler
+--optimizer adam
+""".split()
+# the flags whose feature is not here (one line each below)
+EXAMPLE_REFUSED = ["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
+                   "--log-params-norm", "--log-num-zeros-in-grad", "--exit-on-missing-checkpoint",
+                   "--use-checkpoint-args", "--no-load-rng"] + FP8
+
+
+def test_every_flag_of_megatrons_example_scripts_is_taken(capsys):
+    args = build_parser("gpt").parse_args(EXAMPLE_FLAGS)
+    assert args.kv_channels == 16 and args.rampup_batch_size == [16, 16, 5859375]
+    lines = refused(EXAMPLE_FLAGS + EXAMPLE_REFUSED, capsys)
+    assert not [x for x in lines if "unknown flag" in x], lines
+    features = ("a separate learning rate", "logging the parameters' norm",
+                "logging the gradient's zeros", "stopping when --load holds no checkpoint",
+                "reading the model's flags", "a resume that keeps this run's random state",
+                "fp8 training")
+    assert len(lines) == len(features) and all(f in " ".join(lines) for f in features), lines
+    bert = build_parser("bert").parse_args(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 4 --global-batch-size 32 "
+        "--train-iters 10 --weight-decay 1e-2 --clip-grad 1.0 --fp16 --lr 0.0001 "
+        "--lr-decay-iters 990000 --lr-decay-style linear --min-lr 1.0e-5 --weight-decay 1e-2 "
+        "--lr-warmup-fraction .01 --clip-grad 1.0 --tensor-model-parallel-size 1 "
+        "--pipeline-model-parallel-size 1 --data-path D --vocab-file V --split 949,50,1 "
+        "--log-interval 100 --save-interval 10000 --eval-interval 1000 --save S --load S "
+        "--eval-iters 10 --tensorboard-dir T".split())
+    assert bert.lr_warmup_fraction == 0.01
+
+
+def test_no_position_embedding_is_taken_with_rope_only(capsys):
+    b = built(["--position-embedding-type", "rope", "--no-position-embedding"])
+    assert any("--no-position-embedding: with --position-embedding-type rope" in n
+               for n in b.notes)
+    (line,) = refused(["--no-position-embedding"], capsys)
+    assert "a GPT without any position information is not in this engine" in line
