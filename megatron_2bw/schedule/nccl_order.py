@@ -11,7 +11,9 @@ The semantics replayed:
   batch_isend_irecv) completes when each of its parts met its partner while both posts were
   running (at the head of their queues); a send never completes before its receive is posted;
 - a rank that waits (for a work, or on the host: the fp16 inf check, a blocking send/recv or
-  collective) posts nothing after it until the wait is over, on any communicator.
+  collective) posts nothing after it until the wait is over, on any communicator;
+- the first use of a pair communicator is a blocking rendezvous of its two ranks (NCCL may
+  create it then: `CommLayout.lazy_p2p_init`, on by default).
 
 `check_nccl_order(schedule, layout)` runs every rank of the layout (tensor x schedule's stages x
 data) to its end, or raises `NcclOrderError` whose message names the cycle: each rank in it,
@@ -142,16 +144,15 @@ class _Replay:
             ops = [op for op in heads.values() if op is not None]
             if not ops:
                 return
-            if ops[0].parts is None:
-                if len(ops) == len(members) and len({op.seq for op in ops}) == 1:
-                    for op in ops:
-                        self.complete(op, woken)
+            colls = [op for op in ops if op.parts is None]
+            if len(colls) == len(members) and len({op.seq for op in colls}) == 1:
+                for op in colls:
+                    self.complete(op, woken)
+                progress = True
+            for op in ops:
+                if op.parts is not None and all(self._met(part, heads) for part in op.links):
+                    self.complete(op, woken)
                     progress = True
-            else:
-                for op in ops:
-                    if all(self._met(part, heads) for part in op.links):
-                        self.complete(op, woken)
-                        progress = True
             if not progress:
                 return
 

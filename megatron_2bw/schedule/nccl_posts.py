@@ -27,7 +27,9 @@ action(s) the engine runs when it posts or waits. It mirrors, step for step:
                              predicting compensation: `show_newest` (all-gather, waited) then
                              `resume` at the next window (all-gather); every view waits for all
                              gathers (`wait_weights()`);
-    tensor parallel          each F and B all-reduces over its tp group (stream-ordered).
+    tensor parallel          each F and B all-reduces over its tp group (stream-ordered);
+    NCCL                     the first use of a pair communicator may create it (a blocking
+                             rendezvous of its two ranks): `lazy_p2p_init`.
 
 `tests/unit/test_nccl_order.py` runs the real Interpreter over a recording P2P and checks that
 it posts and waits exactly as `stage_program` says.
@@ -40,6 +42,7 @@ from megatron_2bw.schedule.actions import (BACKWARD, FORWARD, NORM, RECV_ACT, RE
                                            SEND_ACT, SEND_GRAD, STEP)
 
 POST, WAIT = "post", "wait"
+INIT = "communicator init"  # what the first use of a pair communicator is (lazy_p2p_init)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class CommLayout:
     views: bool = False                 # a view (eval / checkpoint) between every two windows
     split_pairs: bool = True            # a group per direction of a stage pair (NCCL's layout)
     early_receives: bool = True         # post the next group's receives early
+    lazy_p2p_init: bool = True          # a pair communicator's first post blocks both ranks
+                                        # until both reach it (NCCL may create p2p lazily)
 
     def __post_init__(self):
         for name in ("tensor", "data"):
@@ -171,13 +176,17 @@ class _Rank:
             self.comms["world"] = "world"
             self.members["world"] = list(range(world))
         self.tied = layout.tied and d > 1 and s in (0, d - 1)
-        self.prog = []
+        self.prog, self.started = [], set()  # started: communicators used (lazy_p2p_init)
         self.label = ""
         self.new_segment()
 
     # ---- posting -------------------------------------------------------------------------
     def post(self, key, parts, what):
-        op = Op(self.rank, self.s, self.comms[key], parts, what, self.label)
+        comm = self.comms[key]
+        if parts is not None and self.L.lazy_p2p_init and comm not in self.started:
+            self.started.add(comm)
+            self.blocking(key, None, INIT)
+        op = Op(self.rank, self.s, comm, parts, what, self.label)
         self.prog.append((POST, op, self.label))
         return op
 
@@ -371,5 +380,5 @@ def stage_program(schedule, layout: CommLayout, tp: int, stage: int, dp: int) ->
     return rank
 
 
-__all__ = ["CommLayout", "Op", "POST", "WAIT", "comm_groups", "comm_name", "label_text",
+__all__ = ["CommLayout", "Op", "INIT", "POST", "WAIT", "comm_groups", "comm_name", "label_text",
            "rank_of", "stage_program"]

@@ -311,7 +311,7 @@ class _Stage(Interpreter):
 def _model_log(sched, layout, s):
     out, names = [], {}
     for kind, op, _ in stage_program(sched, layout, 0, s, 0).prog:
-        if not op.comm.startswith("pair"):
+        if not op.comm.startswith("pair") or op.parts is None:  # (INIT: no operation of torch)
             continue
         parts = tuple((dr, p, "meta" if tag[0] == "meta" else tag[1]) for dr, p, tag in op.parts)
         names.setdefault(id(op), (op.comm, parts))
@@ -367,3 +367,16 @@ def test_sends_in_another_order_than_their_receives_are_a_mismatch():
                                              r"as message #1 from rank 0 to rank 1, which rank 1 "
                                              r"\(stage 1, tp 0, dp 0\) posted as ra0 \[1ra0\]"):
         check_nccl_order(forward_only(2, 3), CommLayout(), edit=swap_first_two_sends)
+
+
+def test_each_pair_communicator_starts_with_a_rendezvous_of_its_two_ranks():
+    """lazy_p2p_init: NCCL may create a pair's communicator at its first operation, which then
+    blocks both ranks until both reach it; the replay puts that first on each one it uses."""
+    from megatron_2bw.schedule.nccl_posts import INIT
+    sched = make_schedule("2bw", 3, 3)
+    for lazy in (True, False):
+        rank = stage_program(sched, CommLayout(lazy_p2p_init=lazy), 0, 1, 0)
+        inits = [op.comm for kind, op, _ in rank.prog if op.what == INIT and kind == POST]
+        assert inits == (["pair-act[0,1]", "pair-act[1,2]", "pair-grad[1,2]", "pair-grad[0,1]"]
+                         if lazy else [])
+        check_nccl_order(sched, CommLayout(lazy_p2p_init=lazy))
