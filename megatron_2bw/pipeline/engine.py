@@ -33,12 +33,11 @@ from megatron_2bw.parallel.p2p import P2P
 from megatron_2bw.pipeline.batch_step import BatchStepper
 from megatron_2bw.pipeline.compensation import compensation_method
 from megatron_2bw.pipeline.host_memory import keep_freed_memory
-from megatron_2bw.pipeline.interpreter import Interpreter
+from megatron_2bw.pipeline.interpreter import Interpreter, comm_layout
 from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.kinds import schedule_kind
-from megatron_2bw.schedule.nccl_posts import CommLayout
 from megatron_2bw.schedule.simulate import check_schedule
 from megatron_2bw.schedule.tables import forward_only, make_schedule
 
@@ -373,20 +372,6 @@ class PipelineEngine(Interpreter):
         k, t = self.kind, a.batch
         self.stepper.step(t, k.slot_of_batch(t), k.newest_slot(t), k.step_writes_slot(t))
         self.iteration = t + 1
-
-
-def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec]) -> CommLayout:
-    """What the NCCL-order validator replays for this run, the same on every rank: one tensor
-    rank and at most 2 replicas (the tensor ranks of a stage, and its replicas, run the same
-    program, so their collectives complete together: more of them can neither make nor break a
-    cycle), NCCL's pair layout (one group per direction; gloo matches each direction apart,
-    which that covers), and a view between any two windows (evaluation, checkpoints)."""
-    return CommLayout(
-        tensor=1, data=min(grid.data, 2), rank_order=grid.rank_order,
-        tied=grid.pipeline > 1 and any(sp.tied_key is not None for sp in specs),
-        distributed_optimizer=cfg.parallel.distributed_optimizer,
-        sequence_parallel=cfg.parallel.sequence_parallel and grid.tensor > 1,
-        compensation=compensation_method(cfg.compensation).predicts, views=True)
 
 
 def _to(obj, device):

@@ -24,14 +24,30 @@ order cannot deadlock a table the validator accepted.
 """
 from __future__ import annotations
 
+from megatron_2bw.config import Config
+from megatron_2bw.models.stage import LayerSpec
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.compensation import compensation_method
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.nccl_order import early_receives_safe
-from megatron_2bw.schedule.nccl_posts import comm_groups  # noqa: F401  (the posting groups)
+from megatron_2bw.schedule.nccl_posts import CommLayout, comm_groups
 
 _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
                 A.NORM: "all-reduce", A.STEP: "optimizer"}
 
 
+def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec]) -> CommLayout:
+    """What the NCCL-order validator replays for this run, the same on every rank: one tensor
+    rank and at most 2 replicas (the tensor ranks of a stage, and its replicas, run the same
+    program, so their collectives complete together: more of them can neither make nor break a
+    cycle), NCCL's pair layout (one group per direction; gloo matches each direction apart,
+    which that covers), and a view between any two windows (evaluation, checkpoints)."""
+    return CommLayout(
+        tensor=1, data=min(grid.data, 2), rank_order=grid.rank_order,
+        tied=grid.pipeline > 1 and any(sp.tied_key is not None for sp in specs),
+        distributed_optimizer=cfg.parallel.distributed_optimizer,
+        sequence_parallel=cfg.parallel.sequence_parallel and grid.tensor > 1,
+        compensation=compensation_method(cfg.compensation).predicts, views=True)
 
 
 class Interpreter:

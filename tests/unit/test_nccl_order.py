@@ -338,11 +338,11 @@ def test_the_interpreter_posts_and_waits_as_the_validator_replays(kind, d, m, t0
 
 
 def test_the_engine_asks_one_layout_on_every_rank():
-    """`engine.comm_layout`: the same CommLayout on every rank of a run (so every rank posts by
+    """`interpreter.comm_layout` (the engine's): the same CommLayout on every rank of a run (so every rank posts by
     one verdict), one tensor rank and at most two replicas (their programs are the same), the
     run's options."""
     from megatron_2bw.models.stage import LayerSpec
-    from megatron_2bw.pipeline.engine import comm_layout
+    from megatron_2bw.pipeline.interpreter import comm_layout
     from megatron_2bw.testing.verify import parse
     cfg, _ = parse(["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
