@@ -35,6 +35,7 @@ from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree,
                                            read_checkpoint_file, remove_temporary_files,
                                            write_checkpoint_file, write_error, write_with_checksum)
 from megatron_2bw.fs import fsync_directory, unique_temp, writable_problem
+from megatron_2bw.optim.distributed import full_state
 
 LATEST = "latest"
 
@@ -81,8 +82,9 @@ class CheckpointMixin:
         staging = os.path.join(save_dir, TMP_PREFIX + tag.replace(os.sep, "_"))
         problem = agree(_start_save(save_dir, staging) if self.global_rank == 0 else None, grid)
         if problem is None:  # every rank writes its files, then agrees they are durable
+            engine_state = self._unsharded_state()
             if self.grid.get_data_parallel_rank() == 0:
-                problem = self._write_stage(staging, client_state)
+                problem = self._write_stage(staging, client_state, engine_state)
             problem = agree(problem, grid)
         if problem is None:  # rank 0 renames the tag into place, then moves `latest`
             if self.global_rank == 0:
@@ -95,7 +97,19 @@ class CheckpointMixin:
             raise CheckpointError(f"{problem}; {_kept(save_dir)}")
         return True
 
-    def _write_stage(self, staging: str, client_state: dict) -> str | None:
+    def _unsharded_state(self) -> dict:
+        """The engine state, its optimizer state whole on data-parallel rank 0 (collective under
+        ZeRO-1 / the distributed optimizer: every replica's shard is gathered, so the checkpoint
+        is the one an unsharded run writes and loads under any layout)."""
+        state = self._engine.state_dict()
+        if not self._engine.weights.sharded:
+            return state
+        shards = self._engine.grid.comm.gather_objects((self.stage_id, state["optimizer"]))
+        if self.grid.get_data_parallel_rank() == 0:
+            state["optimizer"] = full_state([o for stage, o in shards if stage == self.stage_id])
+        return state
+
+    def _write_stage(self, staging: str, client_state: dict, engine_state: dict) -> str | None:
         """This stage's layer files and state file into `staging`; the problem, if any."""
         try:
             for idx, sd in self._layer_state_dicts().items():
@@ -108,7 +122,7 @@ class CheckpointMixin:
                      "skipped_steps": self.skipped_steps, "dp_world_size": self.dp_world_size,
                      "mp_world_size": self.mp_world_size, "ds_config": self._config,
                      "ds_version": "megatron_2bw",
-                     "megatron_2bw": {"engine": self._engine.state_dict(),
+                     "megatron_2bw": {"engine": engine_state,
                                       "shapes": [tuple(s) for s in w.shapes],
                                       "parts": list(self.module.parts),
                                       "num_stages": self.num_stages, "stage": self.stage_id}}

@@ -426,3 +426,15 @@ def test_initialize_strict_argument_and_flag_refuse_before_any_process_group():
     one_line_error(deepspeed.initialize, args=args, model=net, config=config,
                    match="strict: unknown keys are errors")
     assert not dist.is_initialized()
+
+
+def test_zero_stage_1_is_the_distributed_optimizer():
+    cfg, _ = config_from_deepspeed({**BASE, "zero_optimization": {"stage": 1}}, world_size=4,
+                                   num_stages=2, num_layers=4)
+    assert cfg.parallel.distributed_optimizer is True
+    for zero in ({"stage": 0}, {}):
+        cfg, _ = config_from_deepspeed({**BASE, "zero_optimization": zero}, world_size=4,
+                                       num_stages=2, num_layers=4)
+        assert cfg.parallel.distributed_optimizer is False
+    one_line_error(config_from_deepspeed, {**BASE, "zero_optimization": {"stage": "1"}},
+                   world_size=4, num_stages=2, num_layers=4, match="must be 0, 1, 2 or 3")

@@ -27,19 +27,21 @@ What maps where (DeepSpeed key -> Config field, Megatron flag):
     wandb {enabled, project, group}   train.wandb_project/_exp_name  --wandb-project ...
     pipeline {schedule, activation_checkpoint_interval, stages}
                                       schedule, model.recompute_*  --pipeline-schedule ...
-    zero_optimization {stage}         stage 0/1 accepted (no sharding), >= 2 is an error
+    zero_optimization {stage}         stage 1: parallel.distributed_optimizer --use-distributed-optimizer
+                                      (sharded over the replicas); 0: none; 2/3: refused with a pipeline
 
 Any two of the batch triple imply the third (train_batch = micro x accumulation x data-parallel
 size). Every bad setting is a one-line `ConfigError` naming the JSON key, raised before any
-process group work. Every key must be known (keys.py): DeepSpeed settings that change nothing
-here (monitors, profilers, I/O) are accepted and ignored; features that would change what is
-trained (curricula, autocast, sparse/quantized models, AutoTP, MoE) are refused; any other key
-is an error with the closest known key ("did you mean"), at the top level and in the sections
-we read (DeepSpeed itself silently ignores unknown keys).
+process group work. Every key is looked up (keys.py): DeepSpeed settings that change nothing
+here (monitors, profilers, I/O) are accepted; features that would change what is trained
+(curricula, autocast, sparse/quantized models, AutoTP, MoE) are refused; a key DeepSpeed ignores
+(top level, "pipeline") is one warning line with the closest known key ("did you mean"), an
+error under "strict": true; in the sections DeepSpeed validates (fp16, bf16, wandb) an unknown
+key is an error, as in DeepSpeed.
 
 Semantics that differ from DeepSpeed (documented, not hidden): weight decay applies to matrices
-and embeddings only (DeepSpeed decays every parameter of a group); ZeRO-1 does not shard the
-optimizer state; fp16 dynamic loss scaling uses our scaler (same window/hysteresis meaning).
+and embeddings only (DeepSpeed decays every parameter of a group); fp16 dynamic loss scaling uses
+our scaler (same window/hysteresis meaning).
 
 What the JSON states explicitly is recorded in `Config.fixed` ("train_batch_size=16 in the
 DeepSpeed config"), so --auto-plan keeps it and a contradiction names it.

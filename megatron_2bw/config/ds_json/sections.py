@@ -47,6 +47,8 @@ def _check_keys_and_zero(ds: dict) -> list[str]:
     notes = check_keys(ds)
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        fail(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     if stage >= 2:
         fail(f"DeepSpeed config: zero_optimization.stage {stage} is incompatible with pipeline "
              "parallelism (in DeepSpeed too): use stage 0 or 1")
@@ -56,6 +58,17 @@ def _check_keys_and_zero(ds: dict) -> list[str]:
     if ds.get("gradient_predivide_factor", 1.0) != 1.0:
         fail("DeepSpeed config: gradient_predivide_factor other than 1.0 is not supported")
     return notes
+
+
+def _zero_settings(ds: dict) -> list[Setting]:
+    """ZeRO stage 1 (optimizer state partitioned over the data-parallel ranks) is the
+    distributed optimizer: master weights and optimizer state sharded over the replicas, the
+    same arithmetic (stages 2 and 3 are refused in _check_keys_and_zero)."""
+    zero = ds.get("zero_optimization") or {}
+    if isinstance(zero, dict) and zero.get("stage", 0) == 1:
+        return [Setting("zero_optimization.stage", "--use-distributed-optimizer",
+                        "parallel.distributed_optimizer", True)]
+    return []
 
 
 def _logging_settings(ds: dict) -> list[Setting]:
@@ -140,5 +153,6 @@ def ds_settings(ds: dict, lr_hint: float = 1e-3) -> tuple[list[Setting], DeepSpe
     out += scheduler_settings(ds, lr)
     out += _precision_settings(ds)
     out += _logging_settings(ds)
+    out += _zero_settings(ds)
     pipeline, settings = _pipeline_settings(ds)
     return out + pipeline, dataclasses.replace(settings, notes=tuple(notes))
