@@ -100,7 +100,11 @@ def parse(family: str, argv=None) -> Parsed:
                 print(line, flush=True)
         from megatron_2bw.checkpoint.api import preflight
         from megatron_2bw.checkpoint.resume import resume_note
-        preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
+        start = preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
+        if args.exit_on_missing_checkpoint and cfg.train.load and not start \
+                and not cfg.train.finetune:
+            raise ConfigError(f"--exit-on-missing-checkpoint: --load {cfg.train.load} holds no "
+                              "checkpoint; drop the flag to start from scratch")
         note = resume_note(cfg, world_size, planned=args.auto_plan)  # or a one-line error
         if note and rank == 0:
             print(note, flush=True)

@@ -224,6 +224,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "the background while training continues")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop with one line when it holds no checkpoint, instead "
+                        "of starting from scratch (also when --load equals --save)")
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--exit-interval", type=int, default=0)
     g.add_argument("--exit-duration-in-mins", type=float, default=0.0)
@@ -256,6 +259,9 @@ def add_observability_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-step-start", type=int, default=10)
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="add the L2 norm of all weights to each log line (`params norm`) and "
+                        "TensorBoard (`params-norm`): one all-reduce per log interval")
     g.add_argument("--log-straggler", action="store_true",
                    help="report every rank's compute and wait time per log interval and name "
                         "the slowest rank when above --straggler-threshold")
@@ -334,6 +340,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
         profile_ranks=tuple(args.profile_ranks), log_straggler=args.log_straggler,
         straggler_threshold=args.straggler_threshold,
+        log_params_norm=getattr(args, "log_params_norm", False),
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=args.pipeline_schedule,

@@ -224,6 +224,7 @@ class TrainConfig:
     log_straggler: bool = False
     straggler_threshold: float = 20.0  # percent above the median compute time that names a rank
     check_for_nan_in_loss_and_grad: bool = True
+    log_params_norm: bool = False      # `params norm` in the line (a collective per interval)
 
     @property
     def times_actions(self) -> bool:

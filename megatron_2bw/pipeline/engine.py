@@ -237,6 +237,19 @@ class PipelineEngine(Interpreter):
     def last_grad_norm(self) -> torch.Tensor:
         return self.stepper.last_grad_norm
 
+    def params_norm(self) -> float:
+        """Collective (every rank): the L2 norm of the newest weights of the whole model, each
+        element counted once as in the gradient norm (tied once, tensor-replicated once, a
+        shard's elements on their rank): Megatron's --log-params-norm."""
+        slot = self._newest_slot()
+        self.stepper.compensation.show_newest(slot)
+        self.stepper.wait_weights()
+        total = self.stepper._norm_sq(self.weights.fp32_weights(slot)).reshape(1).clone()
+        group = None if self.stepper.sharded else self.grid.group("mp")
+        if self.stepper.sharded or group is not None:
+            self.stepper.comm.all_reduce(total, group)
+        return float(total.sqrt())
+
     @property
     def optimizer(self):
         """The optimizer over this stage's flat weights (state_dict / load_state_dict); the

@@ -1,10 +1,19 @@
 """Megatron's model flags of issue 34 (--kv-channels, --apply-layernorm-1p, --qk-layernorm) on real
 gloo processes: the pipelined, tensor-parallel run equals the single-process reference
 (testing/verify.py, fp32, rtol 1e-5), so their gradients (the q/k norms' summed over the tensor
-ranks) and their weight decay are right."""
+ranks) and their weight decay are right; --log-params-norm logs the norm of every weight, each
+counted once."""
 import pytest
+import torch
 
+from megatron_2bw.config.build import build_config
+from megatron_2bw.pretrain import build_parser
+from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.verify import parse, run
+from megatron_2bw.training.build import batches, build_grid, mock_dataset
+from megatron_2bw.training.loop import train
+from megatron_2bw.training.observe.logger import parse_line
+from megatron_2bw.training.reliability import FaultHooks
 
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--micro-batch-size 2 --train-iters 3 --global-batch-size 8 --weight-decay 0.1 "
@@ -23,3 +32,44 @@ def test_megatron_model_flags_match_the_reference(t, d, extra):
     rep = run(cfg, timeout_minutes=2)
     assert rep.passed(1e-5), rep
     assert rep.tied_equal and rep.replicas_equal and not rep.problems
+
+
+class KeepEngine(FaultHooks):
+    def on_engine(self, engine):
+        self.engine = engine
+
+
+def _params_norm_worker(rank, world_size, cfg, out):
+    hooks = KeepEngine()
+    grid = build_grid(cfg, rank, world_size)
+    dataset = mock_dataset(cfg)
+    lines = []
+    train(cfg, grid, "cpu", log=lines.append, hooks=hooks,
+          make_data=lambda start: batches(cfg, dataset, grid.data, grid.dp_rank, start))
+    w = hooks.engine.weights  # a stage after the first holds a copy of the tied embedding
+    copies = {n for n, o in zip(w.names, w.offsets) if o < w.tied_end} \
+        if not grid.is_first_stage else set()
+    squares = {name: float(t.double().pow(2).sum())
+               for name, t in hooks.engine.fp32_state().items() if name not in copies}
+    logged = [f for _, f in filter(None, map(parse_line, lines))]
+    torch.save((squares, logged), f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("extra", [
+    [], pytest.param(["--use-distributed-optimizer", "--data-parallel-size", "2",
+                      "--pipeline-model-parallel-size", "1"], marks=pytest.mark.slow)],
+    ids=["d2-tied", "w2-sharded"])
+def test_log_params_norm_is_the_norm_of_every_weight_once(tmp_path, extra):
+    argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+            "--seq-length 16 --micro-batch-size 2 --global-batch-size 8 --train-iters 2 "
+            "--pipeline-model-parallel-size 2 --log-params-norm --lr 1e-2").split() + extra
+    cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 2).config
+    out = str(tmp_path / "r")
+    spawn(_params_norm_worker, 2, args=(cfg, out), timeout_minutes=1)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    union = {}
+    for squares, _ in ranks:
+        union.update(squares)  # replicas (w2) hold the same names: counted once
+    logged = [f for _, lines in ranks for f in lines if "params norm" in f]
+    assert len(logged) == 2, "the reporting rank logs it at both iterations"
+    assert logged[-1]["params norm"] == pytest.approx(sum(union.values()) ** 0.5, rel=1e-3)

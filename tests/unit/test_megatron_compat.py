@@ -260,12 +260,11 @@ EXAMPLE_FLAGS = """
 --no-save-optim --no-load-optim --no-gradient-accumulation-fusion --distributed-backend gloo
 --use-flash-attn --use-contiguous-parameters-in-local-ddp --disable-te-fused-rope
 --transformer-impl transformer_engine --attention-softmax-in-fp32 --use-pytorch-profiler
---optimizer adam
+--optimizer adam --log-params-norm
 """.split()
 # the flags whose feature is not here (one line each below)
 EXAMPLE_REFUSED = ["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
-                   "--log-params-norm", "--log-num-zeros-in-grad", "--exit-on-missing-checkpoint",
-                   "--use-checkpoint-args", "--no-load-rng"] + FP8
+                   "--log-num-zeros-in-grad", "--use-checkpoint-args", "--no-load-rng"] + FP8
 
 
 def test_every_flag_of_megatrons_example_scripts_is_taken(capsys):
@@ -273,9 +272,7 @@ def test_every_flag_of_megatrons_example_scripts_is_taken(capsys):
     assert args.kv_channels == 16 and args.rampup_batch_size == [16, 16, 5859375]
     lines = refused(EXAMPLE_FLAGS + EXAMPLE_REFUSED, capsys)
     assert not [x for x in lines if "unknown flag" in x], lines
-    features = ("a separate learning rate", "logging the parameters' norm",
-                "logging the gradient's zeros", "stopping when --load holds no checkpoint",
-                "reading the model's flags", "a resume that keeps this run's random state",
+    features = ("a separate learning rate", "logging the gradient's zeros", "reading the model's flags", "a resume that keeps this run's random state",
                 "fp8 training")
     assert len(lines) == len(features) and all(f in " ".join(lines) for f in features), lines
     bert = build_parser("bert").parse_args(
@@ -296,3 +293,16 @@ def test_no_position_embedding_is_taken_with_rope_only(capsys):
                for n in b.notes)
     (line,) = refused(["--no-position-embedding"], capsys)
     assert "a GPT without any position information is not in this engine" in line
+
+
+def test_exit_on_missing_checkpoint_stops_where_a_job_would_start_from_scratch(tmp_path, capsys):
+    from megatron_2bw.pretrain import parse
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["--mock-data", "--train-iters", "2", "--load", ckpt, "--save", ckpt]
+    assert parse("gpt", argv).cfg.train.load == ckpt  # without the flag: a fresh start
+    with pytest.raises(SystemExit) as e:
+        parse("gpt", argv + ["--exit-on-missing-checkpoint"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --exit-on-missing-checkpoint: --load {ckpt} holds no checkpoint; drop the flag "
+        "to start from scratch")

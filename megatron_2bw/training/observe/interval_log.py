@@ -2,7 +2,8 @@
 
     consumed samples, ms/iteration, ETA            training/observe/progress.py (host wall clock,
                                                    no sync)
-    lr, lm loss, grad norm, loss scale, skipped    the engine (read once per interval); lm loss
+    lr, lm loss, grad norm [, params norm],        the engine (read once per interval; params
+    loss scale, skipped                            norm: --log-params-norm, a collective); lm loss
                                                    is the mean over the interval's iterations,
                                                    skipped fp16 steps left out (Megatron's)
     samples/s, tokens/s, TFLOP/s/device            Megatron's model FLOPs (models/flops.py)
@@ -76,6 +77,7 @@ class IntervalLog:
                    "ms/iteration": 1e3 * seconds / max(n, 1), "ETA": format_duration(eta),
                    "lr": engine.stepper.last_lr, "lm loss": mean,
                    "grad norm": float(engine.last_grad_norm),
+                   **({"params norm": engine.params_norm()} if t.log_params_norm else {}),
                    "loss scale": engine.stepper.scaler.scale,
                    "skipped": engine.skipped_iterations, "samples/s": rate,
                    "tokens/s": rate * cfg.model.seq_length,
@@ -117,6 +119,8 @@ class IntervalLog:
                 rows.append((it, B * it, tags))
         end = {"grad-norm": metrics["grad norm"], "loss-scale": metrics["loss scale"],
                "iteration-time": seconds_per_iteration, "throughput": metrics["TFLOP/s/device"]}
+        if "params norm" in metrics:
+            end["params-norm"] = metrics["params norm"]
         rows.append((iteration, B * iteration, end))
         return rows
 

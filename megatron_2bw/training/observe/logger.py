@@ -14,7 +14,7 @@ import re
 from megatron_2bw.training.observe.writers import TensorBoardWriter, WandbWriter, scalars
 
 # line fields the writers get under Megatron's tags instead (interval_log.megatron_rows)
-MEGATRON_TAGGED = ("lm loss", "lr", "grad norm", "loss scale", "validation loss",
+MEGATRON_TAGGED = ("lm loss", "lr", "grad norm", "params norm", "loss scale", "validation loss",
                    "validation ppl")
 
 
