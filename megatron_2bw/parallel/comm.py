@@ -28,6 +28,7 @@ calls here raise it themselves, and the engine's waits on async works build it t
 from __future__ import annotations
 
 import datetime
+import re
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,7 @@ def peer_error(e: BaseException, waited_for: str, what: str,
     """The one-line PeerError for `e` (raised while waiting for `waited_for`, e.g. "rank 1
     (stage 1/2)", on `what`, e.g. "activation receive")."""
     first = str(e).splitlines()[0].strip() if str(e) else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # no "[file.cc:N] ", no advice
     if any(w in first.lower() for w in _TIMEOUT_WORDS):
         after = f" after {timeout_s:g} s" if timeout_s else ""
         return PeerError(f"timed out{after} waiting for {waited_for} on the {what}: it may be "
