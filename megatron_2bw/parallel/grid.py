@@ -2,7 +2,9 @@
 
 No module-level state: one `ProcessGrid` object per process. Coordinates are pure arithmetic (unit
 tested without processes); `init_groups(comm)` creates the torch.distributed groups through the
-grid's `Comm` (comm.py), which every collective of the package then goes through.
+grid's `Comm` (comm.py), which every collective of the package then goes through: one
+world-wide split per kind of group (`group_splits`; on NCCL one ncclCommSplit each, 9 for a
+1024-rank grid instead of 2256 group creations), each group with the user's timeout.
 
 Rank order names the axes from innermost (fastest varying) to outermost:
   "tp-dp-pp" (Megatron's default): rank = tp + t * (dp + w * pp)
