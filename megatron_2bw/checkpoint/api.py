@@ -180,11 +180,12 @@ def _loss_scaling(precision: dict) -> tuple:
 
 
 def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool = True,
-                    finetune: bool = False, log=None) -> int:
+                    finetune: bool = False, log=None, load_rng: bool = True) -> int:
     """Load this rank's stage state from the newest checkpoint in `load_dir`, in either format
     (a torch_dist one from any layout); returns the iteration to continue from (0 if none).
     A checkpoint saved with another precision or loss-scaling mode loads with a fresh loss
-    scaler (log says so): fp16's scale means nothing to fp32/bf16 and vice versa."""
+    scaler (log says so): fp16's scale means nothing to fp32/bf16 and vice versa. `load_rng`
+    False (--no-load-rng): keep this process's RNG state instead of the checkpoint's."""
     from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint
     from megatron_2bw.checkpoint.torch_format import stage_file
     t = agreed_latest(load_dir, grid)  # one reduction: every rank loads the same iteration
@@ -219,7 +220,7 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
         engine.load_state_dict(state)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {where}: {e}") from None
-    if dist and not finetune:
+    if dist and not finetune and load_rng:
         _restore_rng(payload, cfg, grid, engine.device)
     return engine.iteration
 

@@ -150,9 +150,6 @@ NEUTRAL = {
                              "position ids restarting after each end-of-document token"),
     "--reset-attention-mask": (dict(action="store_true", default=False), False,
                                "attention masks that stop at end-of-document tokens"),
-    "--no-load-rng": (dict(action="store_true", default=False), False,
-                      "a resume that keeps this run's random state (the checkpoint's is always "
-                      "restored)"),
     "--use-checkpoint-args": (dict(action="store_true", default=False), False,
                               "reading the model's flags from the checkpoint"),
     "--log-num-zeros-in-grad": (dict(action="store_true", default=False), False,

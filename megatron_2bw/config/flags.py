@@ -224,6 +224,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "the background while training continues")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", dest="load_rng", action="store_false",
+                   help="on resume keep this process's RNG state (from --seed), not the "
+                        "checkpoint's")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with one line when it holds no checkpoint, instead "
                         "of starting from scratch (also when --load equals --save)")
@@ -330,6 +333,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         save_optim=not args.no_save_optim, ckpt_format=args.ckpt_format,
         async_save=args.async_save,
         load_optim=not args.no_load_optim, finetune=args.finetune,
+        load_rng=getattr(args, "load_rng", True),
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
         wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown,

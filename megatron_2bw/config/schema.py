@@ -201,6 +201,7 @@ class TrainConfig:
     keep_last: int = 0                # > 0: delete all but the newest N checkpoints
     save_optim: bool = True
     load_optim: bool = True
+    load_rng: bool = True             # --no-load-rng: keep this process's RNG state on resume
     ckpt_format: str = "torch_dist"   # torch_dist: layout-free (ckpt/); torch: Megatron's layout
     async_save: bool = False          # torch_dist: write in the background while training
     finetune: bool = False

@@ -57,7 +57,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if reporter:
         log(kernels_line(cfg, grid.tensor, device, engine.stepper.optimizer.impl))
     start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune,
-                            log=log if reporter else None) if t.load else 0
+                            log=log if reporter else None, load_rng=t.load_rng) if t.load else 0
     check_iterations(t.train_iters, start, t.load)
     if start and reporter:
         log(f"loading checkpoint from {t.load} at iteration {start}")

@@ -73,3 +73,22 @@ def test_log_params_norm_is_the_norm_of_every_weight_once(tmp_path, extra):
     logged = [f for _, lines in ranks for f in lines if "params norm" in f]
     assert len(logged) == 2, "the reporting rank logs it at both iterations"
     assert logged[-1]["params norm"] == pytest.approx(sum(union.values()) ** 0.5, rel=1e-3)
+
+
+def test_no_load_rng_keeps_this_processes_random_state(tmp_path):
+    from megatron_2bw.checkpoint.api import load_checkpoint, save_checkpoint
+    from megatron_2bw.training.build import mock_batches
+    from test_ckpt_async import _one_rank
+    engine, cfg, grid = _one_rank(["--save", str(tmp_path), "--no-load-rng"])
+    assert cfg.train.load_rng is False
+    engine.train_batch(mock_batches(cfg, 1, 0))
+    torch.manual_seed(1234)
+    save_checkpoint(str(tmp_path), engine, cfg, grid)
+    saved = torch.get_rng_state()
+    for load_rng in (False, True):
+        torch.manual_seed(99)
+        ours = torch.get_rng_state()
+        fresh, _, _ = _one_rank()
+        torch.set_rng_state(ours)
+        assert load_checkpoint(str(tmp_path), fresh, cfg, grid, load_rng=load_rng) == 1
+        assert torch.equal(torch.get_rng_state(), saved if load_rng else ours), load_rng
