@@ -36,7 +36,8 @@ from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
 from megatron_2bw.parallel.launcher import env_rank_world, launched
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
-                                               abort_on_sigint, describe, watch_launcher)
+                                               abort_on_sigint, describe, hold_usr1,
+                                               watch_launcher)
 
 
 def build_parser(family: str) -> FlagParser:
@@ -132,6 +133,7 @@ def parse(family: str, argv=None) -> Parsed:
 
 def main(family: str, argv=None, hooks: FaultHooks = NO_FAULTS) -> int:
     """Train; `hooks` injects faults (tests only, see tests/fault_entry.py)."""
+    hold_usr1()  # SLURM's pre-timeout signal during start-up: kept for training to act on
     if launched():
         watch_launcher()
     try:

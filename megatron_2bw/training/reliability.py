@@ -141,8 +141,22 @@ def abort_on_sigint(line: str, code: int = 130):
     return signal.signal(signal.SIGINT, abort)
 
 
+_HELD: list[str] = []  # SIGUSR1s that came before a Preemption took over (hold_usr1)
+
+
+def hold_usr1() -> None:
+    """Keep a SIGUSR1 (SLURM's pre-timeout signal) that comes before training starts (flag
+    parsing, index building, process-group set-up) instead of dying of it: the Preemption that
+    training.train installs acts on it, so the run saves at its first agreed boundary.
+    pretrain.main calls it first. Without --save no Preemption takes over and USR1 stays
+    ignored. Off the main thread signals are left alone."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: _HELD.append("SIGUSR1"))
+
+
 class Preemption:
-    """Catches SIGTERM/SIGUSR1/SIGINT and turns them into a checkpoint-and-exit at a safe point."""
+    """Catches SIGTERM/SIGUSR1/SIGINT and turns them into a checkpoint-and-exit at a safe point
+    (also a SIGUSR1 held since start-up: hold_usr1)."""
 
     SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
     ABORT_AFTER_S = 1.0  # torchrun forwards the terminal's Ctrl-C to workers that already got it
@@ -159,6 +173,9 @@ class Preemption:
                     self._previous[sig] = signal.signal(sig, self._handle)
                 except ValueError:  # not the main thread: leave signals alone
                     pass
+        if _HELD:  # a SIGUSR1 came during start-up
+            self.requested, self.signal_name = True, _HELD[0]
+            _HELD.clear()
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT:

@@ -122,3 +122,35 @@ def test_exit_duration_counts_from_process_start(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert 1 <= int((tmp_path / "ck" / LATEST).read_text()) <= 3, out.stdout[-2000:]
+
+
+def test_usr1_during_start_up_is_kept_and_ends_in_a_checkpoint(tmp_path):
+    """A USR1 that comes before training starts (here: right after the --load check, before the
+    data and the process group) is held (reliability.hold_usr1), not lost or fatal: the run
+    saves at the first agreed boundary and exits 0. Started with USR1 ignored, as the batch
+    scripts start it; a lost signal would train all 50 iterations."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")}
+    env.update(WANDB_MODE="offline", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen(
+        ["bash", "-c", 'trap "" USR1; exec "$@"', "ignore-usr1", sys.executable,
+         str(ROOT / "tests" / "fault_entry.py"), "--slow-start", "2",
+         *TINY.replace("--pipeline-model-parallel-size 2", "").split(), "--train-iters", "50",
+         "--save", str(ck), "--load", str(ck), "--log-interval", "1", "--no-memory-check"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "holds no checkpoint yet" in line:  # parse(): before data and process group
+                proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-2000:]
+    assert 1 <= int((ck / LATEST).read_text()) <= 3, out[-2000:]
+    assert "SIGUSR1: saved a checkpoint at iteration" in out, out[-2000:]
