@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.utils.checkpoint
 
 from megatron_2bw.config import ConfigError
-from megatron_2bw.deepspeed.utils import logger
+from megatron_2bw.deepspeed.utils import log_dist
 from megatron_2bw.tensor_parallel.random import RNGTracker
 
 _STATE = {"configured": False, "use_reentrant": True, "profile": False, "synchronize": False,
@@ -34,20 +34,28 @@ def _section(deepspeed_config) -> dict | None:
 
 def configure(mpu_, deepspeed_config=None, partition_activations=None,
               contiguous_checkpointing=None, num_checkpoints=None, checkpoint_in_cpu=None,
-              synchronize=None, profile=None, use_reentrant=None):
-    """Record the settings (arguments win over the JSON's section, as in DeepSpeed)."""
+              synchronize=None, profile=None, use_reentrant=None, warn=True):
+    """Record the settings (arguments win over the JSON's section, as in DeepSpeed). An unknown
+    key of the section is one warning line (an error under "strict"); so is each memory
+    placement that has no effect here. `warn=False` (initialize: it printed them) keeps quiet."""
     from megatron_2bw.config.ds_json.activation import (MEMORY_ONLY_KEYS,
                                                        activation_checkpointing_settings)
-    settings = activation_checkpointing_settings(_section(deepspeed_config))
+    from megatron_2bw.config.ds_json.keys import check_keys
+    section = _section(deepspeed_config)
+    lines = check_keys({"activation_checkpointing": section or {},
+                        "strict": bool((deepspeed_config or {}).get("strict", False))
+                        if isinstance(deepspeed_config, dict) else False})
+    settings = activation_checkpointing_settings(section)
     given = {"partition_activations": partition_activations,
              "contiguous_memory_optimization": contiguous_checkpointing,
              "cpu_checkpointing": checkpoint_in_cpu, "number_checkpoints": num_checkpoints,
              "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     settings.update({k: v for k, v in given.items() if v is not None})
-    for name in MEMORY_ONLY_KEYS:
-        if settings.get(name):
-            logger.warning(f"activation checkpointing: {name} only moves saved activations "
-                           "(memory) and is not implemented here; it has no effect")
+    lines += [f"activation checkpointing: {name} only moves saved activations (memory) and is "
+              "not implemented here; it has no effect"
+              for name in MEMORY_ONLY_KEYS if settings.get(name)]
+    for line in lines if warn else []:
+        log_dist(line.removeprefix("megatron-2bw: warning: "), ranks=[0], level=30)
     _STATE.update(configured=True, profile=bool(settings.get("profile")),
                   synchronize=bool(settings.get("synchronize_checkpoint_boundary")),
                   num_checkpoints=settings.get("number_checkpoints"))

@@ -125,6 +125,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         model.set_checkpoint_interval(settings.activation_checkpoint_interval)
     if settings.notes and current_rank_world()[0] == 0:
         print("\n".join(settings.notes), file=sys.stderr, flush=True)
+    if ds.get("activation_checkpointing") is not None:   # deepspeed.checkpointing, configured
+        from megatron_2bw.deepspeed import checkpointing
+        checkpointing.configure(None, deepspeed_config=ds, use_reentrant=settings.use_reentrant,
+                                warn=False)
     # -- configuration is valid: from here on, process groups ------------------------------------
     if not is_initialized():
         init_distributed(dist_init_required=dist_init_required)

@@ -106,7 +106,9 @@ def _engine_worker(rank, world, outdir):
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 100,
               "fp16": {"enabled": False, "loss_scale": 128},
-              "zero_optimization": {"stage": 0}, "pipeline": {"schedule": "flush"}}
+              "zero_optimization": {"stage": 0}, "pipeline": {"schedule": "flush"},
+              "activation_checkpointing": {"number_checkpoints": 2}}
+    deepspeed.checkpointing.reset()
     eng, _, _, _ = deepspeed.initialize(model=net, config=config)
     data = [(torch.randn(2, 8), torch.randn(2, 1)) for _ in range(4)]
     for _ in range(2):
@@ -117,6 +119,7 @@ def _engine_worker(rank, world, outdir):
            "zero": eng.zero_optimization_stage(), "config": eng.config,
            "steps": eng.global_steps, "samples": eng.global_samples,
            "monitor": eng.monitor.enabled,
+           "ckpt_configured": deepspeed.checkpointing.is_configured(),
            "named": len(list(eng.named_parameters())) == len(list(eng.parameters()))},
           outdir, rank)
 
@@ -129,4 +132,5 @@ def test_engine_attributes_scripts_read():
         assert r["params"] == r["total"]          # the stages' parameters() cover the model
         assert (r["loss_scale"], r["zero"], r["steps"], r["samples"]) == (128, 0, 2, 8)
         assert r["config"]["pipeline"] == {"schedule": "flush"} and r["monitor"] is False
+        assert r["ckpt_configured"]    # the activation_checkpointing section configures it
         assert r["named"]

@@ -438,3 +438,44 @@ def test_zero_stage_1_is_the_distributed_optimizer():
         assert cfg.parallel.distributed_optimizer is False
     one_line_error(config_from_deepspeed, {**BASE, "zero_optimization": {"stage": "1"}},
                    world_size=4, num_stages=2, num_layers=4, match="must be 0, 1, 2 or 3")
+
+
+def test_monitor_sections_keys_types_and_packages():
+    from megatron_2bw.config.ds_json.monitors import check_monitors
+    msg = one_line_error(config_from_deepspeed, {**BASE, "comet": {"enabled": True}},
+                         world_size=2, num_stages=2, num_layers=4)
+    if importlib.util.find_spec("comet_ml") is None:
+        assert "the comet_ml package is not installed: pip install comet-ml" in msg
+    one_line_error(check_monitors, {"tensorboard": {"enabled": True}},
+                   find_spec=lambda name: None, match="pip install tensorboard")
+    one_line_error(check_monitors, {"wandb": {"enabled": True}}, find_spec=lambda name: None,
+                   match="the wandb package is not installed")
+    check_monitors({"comet": {"enabled": False}}, find_spec=lambda name: None)  # off: no package
+    one_line_error(config_from_deepspeed, {**BASE, "csv_monitor": {"enabled": True,
+                                                                   "output_pth": "x"}},
+                   world_size=2, num_stages=2, num_layers=4,
+                   match="'output_pth' in csv_monitor (did you mean 'output_path'?)")
+    one_line_error(config_from_deepspeed, {**BASE, "tensorboard": {"enabled": "yes"}},
+                   world_size=2, num_stages=2, num_layers=4, match="tensorboard.enabled")
+
+
+def test_activation_checkpointing_section_and_fp16_auto_cast():
+    _, settings = config_from_deepspeed(
+        {**BASE, "activation_checkpointing": {"partition_activations": True,
+                                              "cpu_checkpointing": True, "profile": True,
+                                              "number_checkpoints": 4}},
+        world_size=2, num_stages=2, num_layers=4)
+    assert len(settings.notes) == 2 and all("\n" not in n for n in settings.notes)
+    assert "activation_checkpointing.partition_activations is not supported" in settings.notes[0]
+    assert "activation_checkpointing.cpu_checkpointing" in settings.notes[1]
+    _, settings = config_from_deepspeed(
+        {**BASE, "activation_checkpointing": {"cpu_checkpoint": True}}, world_size=2,
+        num_stages=2, num_layers=4)
+    assert "did you mean 'cpu_checkpointing'" in settings.notes[0]
+    one_line_error(config_from_deepspeed, {**BASE, "activation_checkpointing": {
+        "number_checkpoints": 0}}, world_size=2, num_stages=2, num_layers=4,
+        match="number_checkpoints must be an integer >= 1")
+    one_line_error(config_from_deepspeed, {**BASE, "fp16": {"enabled": True, "auto_cast": True}},
+                   world_size=2, num_stages=2, num_layers=4, match="fp16.auto_cast is not supported")
+    config_from_deepspeed({**BASE, "fp16": {"enabled": True, "auto_cast": False}},
+                          world_size=2, num_stages=2, num_layers=4)

@@ -165,9 +165,14 @@ def test_checkpointing_configure_and_checkpoint(caplog):
     again = checkpointing.checkpoint(layer, x)
     again.sum().backward()
     assert torch.equal(plain, again) and torch.equal(g_plain, x.grad)  # same dropout mask
+    caplog.clear()
+    checkpointing.configure(None, deepspeed_config={
+        "activation_checkpointing": {"cpu_checkpoint": True}})
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "DeepSpeed"]
+    assert "did you mean 'cpu_checkpointing'" in line    # DeepSpeed ignores it: a warning
     with pytest.raises(ConfigError, match="did you mean 'cpu_checkpointing'"):
         checkpointing.configure(None, deepspeed_config={
-            "activation_checkpointing": {"cpu_checkpoint": True}})
+            "activation_checkpointing": {"cpu_checkpoint": True}, "strict": True})
     checkpointing.reset()
     assert not checkpointing.is_configured()
     tracker = checkpointing.model_parallel_cuda_manual_seed(5)

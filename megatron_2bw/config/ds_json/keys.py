@@ -23,20 +23,22 @@ from __future__ import annotations
 
 import difflib
 
+from megatron_2bw.config.ds_json.activation import ACTIVATION_KEYS
 from megatron_2bw.config.ds_json.setting import fail
 
 SUPPORTED_KEYS = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping", "steps_per_print",
     "wall_clock_breakdown", "wandb", "pipeline", "zero_optimization", "amp",
-    "dataloader_drop_last", "prescale_gradients", "gradient_predivide_factor")
+    "dataloader_drop_last", "prescale_gradients", "gradient_predivide_factor", "tensorboard",
+    "csv_monitor", "comet", "activation_checkpointing")
 
 IGNORED_KEYS = (
-    "tensorboard", "csv_monitor", "comet", "comms_logger", "flops_profiler", "memory_breakdown",
+    "comms_logger", "flops_profiler", "memory_breakdown",
     "dump_state", "autotuning", "timers", "log_level", "disable_allgather", "disable_python_gc",
     "aio", "checkpoint", "datastates", "compile", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "communication_data_type",
-    "seq_parallel_communication_data_type", "activation_checkpointing", "data_types",
+    "seq_parallel_communication_data_type", "data_types",
     "use_data_before_expert_parallelism", "managed_gradient_accumulation", "vocabulary_size")
 
 REFUSED_KEYS = {
@@ -69,11 +71,17 @@ SECTION_KEYS = {
     "pipeline": ("schedule", "activation_checkpoint_interval", "stages", "partition",
                  "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"),
     "wandb": ("enabled", "project", "group", "team"),
+    "tensorboard": ("enabled", "output_path", "job_name"),
+    "csv_monitor": ("enabled", "output_path", "job_name"),
+    "comet": ("enabled", "samples_log_interval", "project", "workspace", "api_key",
+              "experiment_name", "experiment_key", "online", "mode"),
+    "activation_checkpointing": ACTIVATION_KEYS,
 }
 SECTION_KEYS["bfloat16"] = SECTION_KEYS["bf16"]
 
 
-IGNORING_SECTIONS = ("pipeline",)   # sections DeepSpeed reads without validating their keys
+# sections DeepSpeed reads without validating their keys
+IGNORING_SECTIONS = ("pipeline", "activation_checkpointing")
 STRICT_KEY = "strict"                # ours: DeepSpeed ignores it as an unknown top-level key
 
 

@@ -8,6 +8,7 @@ import dataclasses
 from megatron_2bw.config import SCHEDULES
 from megatron_2bw.config.ds_json.engine_settings import DeepSpeedSettings
 from megatron_2bw.config.ds_json.keys import check_keys
+from megatron_2bw.config.ds_json.monitors import activation_notes, check_monitors
 from megatron_2bw.config.ds_json.optim import optimizer_settings
 from megatron_2bw.config.ds_json.schedulers import scheduler_settings
 from megatron_2bw.config.ds_json.setting import Setting, fail
@@ -25,6 +26,9 @@ def _precision_settings(ds: dict) -> list[Setting]:
     if bf16.get("enabled", False):
         out.append(Setting("bf16.enabled", "--bf16", "precision.dtype", "bf16"))
     if fp16.get("enabled", False):
+        if fp16.get("auto_cast", False):
+            fail('DeepSpeed config: fp16.auto_cast is not supported (the engine does not cast '
+                 'the inputs): cast them to half in the first layer, or remove "auto_cast"')
         out.append(Setting("fp16.enabled", "--fp16", "precision.dtype", "fp16"))
         scale = fp16.get("loss_scale", 0)
         out.append(Setting("fp16.loss_scale", "--loss-scale", "precision.loss_scale",
@@ -148,6 +152,8 @@ def ds_settings(ds: dict, lr_hint: float = 1e-3) -> tuple[list[Setting], DeepSpe
     if not isinstance(ds, dict):
         fail("DeepSpeed config must be a JSON object")
     notes = _check_keys_and_zero(ds)
+    check_monitors(ds)
+    notes += activation_notes(ds)
     out = optimizer_settings(ds)
     lr = next((s.value for s in out if s.path == "optimizer.lr"), lr_hint)
     out += scheduler_settings(ds, lr)
