@@ -83,10 +83,20 @@ def test_nonfinite_gradient_on_one_stage_stops_the_run_naming_it(tmp_path, rank,
 
 def test_fp16_skips_a_nonfinite_gradient_and_goes_on(tmp_path):
     d = str(tmp_path)
-    run(make_cfg(["--train-iters", "5", "--fp16", "--log-interval", "5"]), f"{d}/l",
-        hooks=PoisonGradient(rank=0, iteration=3, value=float("inf")), log=f"{d}/log")
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    losses = run(make_cfg(["--train-iters", "5", "--fp16", "--log-interval", "5",
+                           "--tensorboard-dir", f"{d}/tb"]), f"{d}/l",
+                 hooks=PoisonGradient(rank=0, iteration=3, value=float("inf")), log=f"{d}/log")
     (it, fields), = filter(None, map(parse_line, open(f"{d}/log.1")))
     assert it == 5 and fields["skipped"] == 1 and math.isfinite(fields["lm loss"])
+    # Megatron's: the skipped iteration (3) has no lm loss, and the line's is the mean of the rest
+    acc = EventAccumulator(f"{d}/tb", size_guidance={"scalars": 0})
+    acc.Reload()
+    board = [(e.step, e.value) for e in acc.Scalars("lm loss")]
+    assert [step for step, _ in board] == [1, 2, 4, 5]
+    assert [v for _, v in board] == pytest.approx(losses[:2] + losses[3:], rel=1e-6)
+    assert fields["lm loss"] == pytest.approx(sum(v for _, v in board) / 4, rel=1e-3)
 
 
 def test_without_the_check_a_nonfinite_gradient_trains_on(tmp_path):
