@@ -153,6 +153,8 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
     from megatron_2bw.training.build import build_grid
     grid = build_grid(cfg, rank, world_size, comm)
     device, backend = comm.device, comm.backend
+    from megatron_2bw.training.kernels import configure_math
+    configure_math(cfg, device)
     if rank == 0:
         print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
