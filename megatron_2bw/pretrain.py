@@ -34,7 +34,7 @@ from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.comm import PeerError
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
-from megatron_2bw.parallel.launcher import env_rank_world, launched
+from megatron_2bw.parallel.launcher import env_rank_world, launched, node_ranks
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
                                                abort_on_sigint, describe, hold_usr1,
                                                watch_launcher)
@@ -94,7 +94,9 @@ def parse(family: str, argv=None) -> Parsed:
             topology, profile = planner_inputs(args, world_size)
             log = (lambda line: print(line, flush=True)) if rank == 0 else None
             planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
-        built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner)
+        eod = tokenizer.eod if tokenizer is not None and args.eod_mask_loss else None
+        built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner,
+                             eod=eod)
         cfg = built.config
         if rank == 0:
             for line in built.notes:
@@ -116,7 +118,8 @@ def parse(family: str, argv=None) -> Parsed:
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)
         from megatron_2bw.training.build import data_role
-        reads, builder = data_role(cfg, rank, world_size, local_rank)  # middle stages read none
+        reads, builder = data_role(cfg, rank, world_size,  # middle stages read none
+                                   node_ranks(rank, local_rank))
         data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
                                    t.train_iters * gbs, valid, tokenizer=tokenizer, reads=reads,
                                    builder=builder)

@@ -34,6 +34,23 @@ def launched() -> bool:
     return any(r in os.environ and w in os.environ for r, w, _, _ in LAUNCHER_VARS)
 
 
+def node_ranks(rank: int, local_rank: int) -> list[int] | None:
+    """The global ranks that share this process's node, where the launcher says so: torchrun
+    numbers a node's workers contiguously (rank - local rank onwards, LOCAL_WORLD_SIZE of them);
+    a plain `srun` names them in SLURM_GTIDS, whatever the task distribution (block, cyclic,
+    plane). None when no launcher says (mpirun's mapping, a hand-made environment)."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:  # torchrun's workers
+        first = rank - local_rank
+        return list(range(first, first + int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))))
+    if "SLURM_GTIDS" in env and env.get("SLURM_PROCID") == str(rank):  # srun, one task a rank
+        try:
+            return [int(x) for x in env["SLURM_GTIDS"].split(",")]
+        except ValueError:
+            return None
+    return None
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compressed host list as host names, in `scontrol show hostnames` order: a comma
     list of names, each literal text and bracket groups of numbers and ranges, zero padding

@@ -17,12 +17,14 @@ def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGri
     return grid.init_groups(comm)
 
 
-def data_role(cfg: Config, rank: int, world_size: int, local_rank: int) -> tuple[bool, bool]:
+def data_role(cfg: Config, rank: int, world_size: int,
+              node: list[int] | None) -> tuple[bool, bool]:
     """(reads, builder) of a rank, before any process group: whether it reads batches (the
     first and the last pipeline stage; the middle ones receive activations) and whether it
-    builds its node's data caches (the node's first rank that reads data). The ranks
-    rank - local_rank .. rank are taken to share this node, as torchrun and SLURM's block
-    distribution place them; with d <= 2 every rank reads and local rank 0 builds."""
+    builds its node's data caches: the first rank of `node` (the ranks sharing this node,
+    parallel/launcher.py `node_ranks`) that reads data. With `node` unknown every rank that
+    reads builds: several builders are harmless (data/cache.py publishes create-if-absent),
+    a node without one would wait for the cache until its timeout."""
     grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
                        cfg.resolved(world_size).data_parallel_size, rank=rank,
                        rank_order=cfg.parallel.rank_order)
@@ -30,8 +32,9 @@ def data_role(cfg: Config, rank: int, world_size: int, local_rank: int) -> tuple
 
     def reads(r: int) -> bool:
         return grid.coords(r)[1] in (0, d - 1)
-    return reads(rank), reads(rank) and not any(reads(r) for r in
-                                                range(max(rank - local_rank, 0), rank))
+    if node is None:
+        return reads(rank), reads(rank)
+    return reads(rank), reads(rank) and not any(reads(r) for r in node if r < rank)
 
 
 def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEngine,
@@ -46,8 +49,9 @@ def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_b
     """Microbatches of `dataset` for one data-parallel replica, from batch `start_batch` on."""
     batches_cls = FAMILIES[cfg.model.family].batches
     m = cfg.replace(parallel={"data": data_parallel_size}).num_microbatches
+    eod = {"eod": cfg.model.eod_token} if cfg.model.eod_mask_loss else {}  # GPT only (config)
     return batches_cls(dataset, cfg.batch.micro_batch_size, m, data_parallel_size, dp_rank,
-                       start_batch=start_batch)
+                       start_batch=start_batch, **eod)
 
 
 def mock_dataset(cfg: Config):

@@ -140,7 +140,29 @@ def test_the_node_builder_is_its_first_rank_that_reads_data(d, order, per_node, 
             "--mock-data", "--pipeline-model-parallel-size", str(d), "--rank-order", order,
             "--pipeline-schedule", "flush"]
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 8).config
-    roles = [data_role(cfg, r, 8, r % per_node) for r in range(8)]
+    def node(r):
+        return list(range(r - r % per_node, r - r % per_node + per_node))
+    roles = [data_role(cfg, r, 8, node(r)) for r in range(8)]
     assert [r for r, (_, b) in enumerate(roles) if b] == builders
     stage = [r // (8 // d) if order == "tp-dp-pp" else r % d for r in range(8)]
     assert [reads for reads, _ in roles] == [s in (0, d - 1) for s in stage]
+    # a node whose ranks are not contiguous (srun's cyclic distribution: rank r on node r % 2)
+    cyclic = [data_role(cfg, r, 8, list(range(r % 2, 8, 2))) for r in range(8)]
+    for host in (0, 1):
+        readers = [r for r in range(host, 8, 2) if cyclic[r][0]]
+        assert [r for r in range(host, 8, 2) if cyclic[r][1]] == readers[:1]  # never none
+    # nobody says which ranks share a node: every reader builds (harmless, never a wait)
+    assert [data_role(cfg, r, 8, None) for r in range(8)] == [(x, x) for x, _ in roles]
+
+
+def test_the_launcher_names_the_ranks_of_this_node(monkeypatch):
+    from megatron_2bw.parallel.launcher import node_ranks
+    for var in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "SLURM_GTIDS", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    assert node_ranks(5, 1) is None
+    monkeypatch.setenv("SLURM_GTIDS", "1,3,5,7")  # srun --distribution=cyclic, node 1 of 2
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    assert node_ranks(5, 2) == [1, 3, 5, 7]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun per node: a contiguous block
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert node_ranks(5, 1) == [4, 5, 6, 7]
