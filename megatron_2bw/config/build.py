@@ -76,11 +76,13 @@ def fixed_by_flags(args, typed) -> tuple[Fixed, ...]:
 
 
 def build_config(args, family: str, world_size: int, typed=(), vocab_size: int | None = None,
-                 planner: Callable[[Config], Config] | None = None) -> BuiltConfig:
+                 planner: Callable[[Config], Config] | None = None,
+                 eod: int | None = None) -> BuiltConfig:
     """The validated Config of a pretrain run (see the module docstring for the steps). `args`:
     the parsed flags (`pretrain.build_parser`); `typed`: the flags given on the command line
     (`ds_json.explicit_flags(argv)`); `vocab_size`: the tokenizer's padded vocabulary (None:
-    --vocab-size); `planner`: --auto-plan's Config -> Config. Raises ConfigError (one line)."""
+    --vocab-size); `planner`: --auto-plan's Config -> Config; `eod`: the tokenizer's
+    end-of-document id (--eod-mask-loss). Raises ConfigError (one line)."""
     typed = set(typed)
     _check_sample_mode(args)
     cfg = config_from_args(args, family)
@@ -98,6 +100,8 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
         notes += deepspeed.notes   # unknown keys DeepSpeed ignores: one warning line each
     if vocab_size is not None:
         cfg = cfg.replace(model={"vocab_size": vocab_size})
+    if eod is not None and cfg.model.eod_mask_loss:  # the tokenizer's end of document
+        cfg = cfg.replace(model={"eod_token": int(eod)})
     if planner is not None:
         cfg = planner(cfg)
     cfg = cfg.resolved(world_size)

@@ -294,6 +294,10 @@ def _check_architecture(m: ModelConfig, p: ParallelConfig) -> None:
             _fail(f"--num-query-groups {g} is not divisible by --tensor-model-parallel-size "
                   f"{p.tensor}: every tensor rank holds whole query groups; use a multiple of "
                   f"{p.tensor} groups or a smaller tensor size")
+    if m.eod_mask_loss and (m.family != "gpt" or m.eod_token is None):
+        _fail("--eod-mask-loss needs a GPT and a tokenizer with an end-of-document id "
+              "(--tokenizer-type ...): --mock-data without one has no documents to end"
+              if m.family == "gpt" else "--eod-mask-loss is a GPT flag: drop it for BERT")
     if m.qk_layernorm and p.tensor > 1 and not p.sequence_parallel:
         _fail("--qk-layernorm at --tensor-model-parallel-size > 1 needs --sequence-parallel "
               "here (its norms' gradients are summed over the tensor ranks with the "

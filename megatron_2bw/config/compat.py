@@ -144,8 +144,6 @@ NEUTRAL = {
     "--fp8-param-gather": (dict(action="store_true", default=False), False, "fp8 training"),
     "--moe-router-topk": (dict(type=int, default=2), 2, "mixture of experts"),
     "--moe-grouped-gemm": (dict(action="store_true", default=False), False, "mixture of experts"),
-    "--eod-mask-loss": (dict(action="store_true", default=False), False,
-                        "masking the loss at end-of-document tokens"),
     "--reset-position-ids": (dict(action="store_true", default=False), False,
                              "position ids restarting after each end-of-document token"),
     "--reset-attention-mask": (dict(action="store_true", default=False), False,
@@ -245,6 +243,10 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
     for feature, flags in by_feature.items():
         instead = INSTEAD.get(feature, f"drop {'them' if len(flags) > 1 else 'it'}")
         out.append(f"{', '.join(flags)}: {feature} is not in this engine; {instead}")
+    if getattr(args, "calculate_per_token_loss", None) and getattr(args, "eod_mask_loss", False):
+        out.append("--calculate-per-token-loss with --eod-mask-loss: the mean over the global "
+                   "batch's unmasked tokens is not in this engine (it takes the mean of the "
+                   "microbatch means); drop --calculate-per-token-loss")
     return out
 
 

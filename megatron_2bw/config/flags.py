@@ -53,6 +53,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="GPT: leave out of the loss the positions whose input token is the "
+                        "tokenizer's end of document (Megatron's loss mask)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="selective recomputation, as in Megatron: recompute core attention "
                         "(softmax and dropout over the scores) in backward, keep the rest. "
@@ -300,6 +303,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        eod_mask_loss=getattr(args, "eod_mask_loss", False),
         recompute_method=method, recompute_num_layers=num or 0,
         recompute_granularity=granularity)
     model = apply_architecture_args(model, args)

@@ -77,6 +77,8 @@ class ModelConfig:
     num_kv_channels: int | None = None          # --kv-channels; None: hidden_size / heads
     apply_layernorm_1p: bool = False            # norm weights hold gamma - 1 (zero-centred)
     qk_layernorm: bool = False                  # a norm over each query and key head
+    eod_mask_loss: bool = False                 # GPT: no loss where the input token is eod_token
+    eod_token: int | None = None                # the tokenizer's end-of-document id
 
     def __post_init__(self):
         if self.recompute_method is not None and self.recompute_granularity is None:

@@ -61,8 +61,17 @@ class MicrobatchIterator:
 
 
 class GPTBatches(MicrobatchIterator):
-    """(tokens, labels) microbatches for one data-parallel replica, in schedule order."""
+    """(tokens, labels) microbatches for one data-parallel replica, in schedule order. With `eod`
+    (--eod-mask-loss) a position whose input token is `eod` gets the label -1: the loss leaves
+    negative labels out (Megatron's loss mask)."""
+
+    def __init__(self, *args, eod: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eod = eod
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         samples = torch.stack(self._next_samples())
-        return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+        tokens, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+        if self.eod is not None:
+            labels = labels.masked_fill(tokens == self.eod, -1)
+        return tokens, labels

@@ -43,4 +43,5 @@ def model_parts(cfg: Config, tp: TPGroup = TPGroup(), num_stages: int = 1):
         tp = dataclasses.replace(tp, sequence_parallel=cfg.parallel.sequence_parallel)
     partition = cfg.parallel.partition if (cfg.parallel.partition and num_stages > 1) else \
         family.partition(cfg.model, num_stages)
-    return family.layer_specs(cfg.model, tp, seed=cfg.train.seed), family.make_loss(tp), partition
+    loss = make_gpt_loss(tp, masked=True) if cfg.model.eod_mask_loss else family.make_loss(tp)
+    return family.layer_specs(cfg.model, tp, seed=cfg.train.seed), loss, partition

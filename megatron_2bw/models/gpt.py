@@ -105,11 +105,18 @@ def gpt_partition(cfg: ModelConfig, num_stages: int) -> list[int]:
     return bounds
 
 
-def make_gpt_loss(tp: TPGroup = TPGroup()):
+def make_gpt_loss(tp: TPGroup = TPGroup(), masked: bool = False):
     def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over the microbatch (vocab-parallel, fp32 math)."""
         return vocab_parallel_cross_entropy(logits, labels, tp).mean()
-    return gpt_loss
+
+    def masked_gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """--eod-mask-loss: the mean over the positions with a label >= 0 (Megatron's
+        sum(loss * mask) / sum(mask) per microbatch)."""
+        keep = labels >= 0
+        losses = vocab_parallel_cross_entropy(logits, labels.clamp(min=0), tp)
+        return (losses * keep).sum() / keep.sum().clamp(min=1)
+    return masked_gpt_loss if masked else gpt_loss
 
 
 gpt_loss = make_gpt_loss()

@@ -25,9 +25,9 @@ def refused(argv, capsys) -> list[str]:
     return capsys.readouterr().err.splitlines()
 
 
-def built(argv, world=1):
+def built(argv, world=1, eod=None):
     args = build_parser("gpt").parse_args(["--mock-data"] + argv)
-    return build_config(args, "gpt", world)
+    return build_config(args, "gpt", world, eod=eod)
 
 
 def test_every_refusal_of_a_command_comes_in_one_message(capsys):
@@ -306,3 +306,31 @@ def test_exit_on_missing_checkpoint_stops_where_a_job_would_start_from_scratch(t
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --exit-on-missing-checkpoint: --load {ckpt} holds no checkpoint; drop the flag "
         "to start from scratch")
+
+
+def test_eod_mask_loss_leaves_end_of_document_positions_out(capsys):
+    from megatron_2bw.data.mock import GPTBatches
+    from megatron_2bw.models.families import model_parts
+    from megatron_2bw.training.build import batches
+    samples = [torch.tensor([5, 1, 2, 5, 3, 4]), torch.tensor([1, 5, 5, 2, 3, 1])]
+    tokens, labels = next(GPTBatches(samples, 2, 1, eod=5))
+    assert torch.equal(tokens, torch.stack(samples)[:, :-1])
+    assert labels.tolist() == [[-1, 2, 5, -1, 4], [5, -1, -1, 3, 1]]  # input 5: no loss
+    cfg = built(["--eod-mask-loss", "--vocab-size", "64", "--micro-batch-size", "2"], eod=5).config
+    assert cfg.model.eod_mask_loss and cfg.model.eod_token == 5
+    x, y = next(batches(cfg, samples, 1, 0))
+    assert torch.equal(y, labels)
+    _, loss_fn, _ = model_parts(cfg)
+    logits = torch.randn(2, 5, 64)
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, 64),
+                                                  labels.clamp(min=0).reshape(-1),
+                                                  reduction="none")
+    keep = labels.reshape(-1) >= 0
+    assert torch.allclose(loss_fn(logits, labels), per_token[keep].mean(), atol=1e-6)
+    _, plain, _ = model_parts(built(["--vocab-size", "64"]).config)
+    full = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), y.clamp(min=0).reshape(-1))
+    assert torch.allclose(plain(logits, y.clamp(min=0)), full, atol=1e-6)
+    with pytest.raises(ConfigError, match="--eod-mask-loss needs a GPT and a tokenizer"):
+        built(["--eod-mask-loss"])
+    (line,) = refused(["--eod-mask-loss", "--calculate-per-token-loss"], capsys)
+    assert "--calculate-per-token-loss with --eod-mask-loss" in line
