@@ -26,7 +26,7 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   layer's forward FLOPs) in the backward and frees what the attention kernel keeps beyond q, k, v;
   sequence parallelism divides the norm, dropout and residual activations and the stage-to-stage
   messages by t (models/flops.py); its all-gathers and reduce-scatters move what the all-reduces
-  moved.
+  moved: they are priced at the full b*s*h activation, not at the 1/t chunk a stage sends.
 - memory: exactly the engine's buffers (`pipeline/weights.py`, `optim/optimizer.py`): weight
   versions (the kind's `num_slots`: 2 in 2BW) in the model dtype, fp32 master (bf16/fp16, and
   fp32 with a 2BW compensation whose slots hold predictions: `compensation.keeps_master`), fp32
@@ -264,7 +264,10 @@ class LayerTimes:
             times = [self.profile.layer_times(c, b, t) for c in costs]
             tp = [(0.0, 0.0)] * len(costs)
             if t > 1:  # tensor-parallel all-reduces (node-local): (forward, backward) per layer
-                one = self.topo.ring_time(costs[1].output_bytes, t, False)
+                # the full activation: sequence parallelism's all-gather + reduce-scatter move
+                # what the all-reduce moved, though a stage boundary then sends 1/t of it
+                full = costs[1].output_bytes * (t if sp else 1)
+                one = self.topo.ring_time(full, t, False)
                 ce = 3 * self.topo.ring_time(4.0 * b * s.model.seq_length, t, False)
                 per = {"embedding": (one, 0.0), "transformer": (2 * one, 2 * one),
                        "head": (ce, one)}  # vocab-parallel lookup; cross entropy; input grad
