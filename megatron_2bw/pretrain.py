@@ -96,7 +96,7 @@ def parse(family: str, argv=None) -> Parsed:
             planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
         eod = tokenizer.eod if tokenizer is not None and args.eod_mask_loss else None
         built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner,
-                             eod=eod)
+                             eod=eod, checkpoint=checkpoint_args(args))
         cfg = built.config
         if rank == 0:
             for line in built.notes:
@@ -132,6 +132,19 @@ def parse(family: str, argv=None) -> Parsed:
         return Parsed(cfg, data, rank, world_size, local_rank, built.lr_schedule)
 
     return exit_on_config_error(build)
+
+
+def checkpoint_args(args):
+    """(where, saved config) of --use-checkpoint-args's checkpoint, or None (flag off, or --load
+    holds none yet: the flags as given, as Megatron does)."""
+    if not args.use_checkpoint_args:
+        return None
+    if not args.load:
+        raise ConfigError("--use-checkpoint-args reads the model's settings from --load DIR: "
+                          "give --load")
+    from megatron_2bw.checkpoint.resume import saved_config
+    saved = saved_config(args.load)
+    return None if saved is None else (f"{args.load} iteration {saved[0]}", saved[1])
 
 
 def main(family: str, argv=None, hooks: FaultHooks = NO_FAULTS) -> int:

@@ -46,6 +46,23 @@ def _saved(load: str, it: int) -> tuple[str, dict, int]:
                      }, payload["consumed_samples"]
 
 
+def saved_config(load: str) -> tuple[int, dict] | None:
+    """(iteration, the Config.to_dict() it was saved with) of the newest checkpoint in `load`, in
+    either format; None when it holds none (--use-checkpoint-args)."""
+    it = latest_iteration(load) if os.path.isdir(load) else None
+    if it is None:
+        return None
+    directory = iteration_dir(load, it)
+    if is_dist_checkpoint(directory):
+        return it, dict(read_common(directory).get("config") or {})
+    path = first_stage_file(load, it)
+    problem = record_problem(path)
+    if problem:
+        raise CheckpointError(f"--load {load}: {problem}")
+    payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return it, dict(payload.get("config") or {})
+
+
 def _describe(p: dict) -> str:
     w = p.get("data")
     ranks = f" on {p['world']} ranks" if p.get("world") else ""

@@ -77,12 +77,13 @@ def fixed_by_flags(args, typed) -> tuple[Fixed, ...]:
 
 def build_config(args, family: str, world_size: int, typed=(), vocab_size: int | None = None,
                  planner: Callable[[Config], Config] | None = None,
-                 eod: int | None = None) -> BuiltConfig:
+                 eod: int | None = None, checkpoint=None) -> BuiltConfig:
     """The validated Config of a pretrain run (see the module docstring for the steps). `args`:
     the parsed flags (`pretrain.build_parser`); `typed`: the flags given on the command line
     (`ds_json.explicit_flags(argv)`); `vocab_size`: the tokenizer's padded vocabulary (None:
     --vocab-size); `planner`: --auto-plan's Config -> Config; `eod`: the tokenizer's
-    end-of-document id (--eod-mask-loss). Raises ConfigError (one line)."""
+    end-of-document id (--eod-mask-loss); `checkpoint`: (where, its saved Config.to_dict()) for
+    --use-checkpoint-args. Raises ConfigError (one line)."""
     typed = set(typed)
     _check_sample_mode(args)
     cfg = config_from_args(args, family)
@@ -102,6 +103,9 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
         cfg = cfg.replace(model={"vocab_size": vocab_size})
     if eod is not None and cfg.model.eod_mask_loss:  # the tokenizer's end of document
         cfg = cfg.replace(model={"eod_token": int(eod)})
+    if checkpoint is not None:
+        cfg, line = _checkpoint_model(cfg, *checkpoint)
+        notes.append(line)
     if planner is not None:
         cfg = planner(cfg)
     cfg = cfg.resolved(world_size)
@@ -116,6 +120,29 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
             raise ConfigError(f"--train-samples must be >= 1, got {samples}")
         cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
     return BuiltConfig(cfg.validate(world_size), deepspeed, tuple(notes))
+
+
+# the model settings --use-checkpoint-args takes from a checkpoint (Megatron's list, in our names)
+CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                   "seq_length", "max_position_embeddings", "vocab_size",
+                   "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+                   "layernorm_epsilon", "swiglu", "group_query_attention", "num_query_groups",
+                   "num_kv_channels", "add_bias_linear", "openai_gelu",
+                   "untie_embeddings_and_output_weights", "apply_layernorm_1p", "qk_layernorm")
+
+
+def _checkpoint_model(cfg: Config, where: str, saved: dict) -> tuple[Config, str]:
+    """--use-checkpoint-args: cfg with the checkpoint's model settings, and the log line."""
+    from megatron_2bw.config import ConfigError
+    model = saved.get("model") or {}
+    if model.get("family", cfg.model.family) != cfg.model.family:
+        raise ConfigError(f"--use-checkpoint-args: {where} holds a {model['family']} model, "
+                          f"this script trains a {cfg.model.family}")
+    taken = {k: model[k] for k in CHECKPOINT_ARGS if k in model}
+    changed = {k: v for k, v in taken.items() if getattr(cfg.model, k) != v}
+    shown = ", ".join(f"{k} {v}" for k, v in changed.items()) or "the same as the flags"
+    return (cfg.replace(model=taken),
+            f"megatron-2bw: --use-checkpoint-args: the model's settings from {where}: {shown}")
 
 
 def _check_sample_mode(args) -> None:

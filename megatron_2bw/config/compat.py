@@ -148,8 +148,6 @@ NEUTRAL = {
                              "position ids restarting after each end-of-document token"),
     "--reset-attention-mask": (dict(action="store_true", default=False), False,
                                "attention masks that stop at end-of-document tokens"),
-    "--use-checkpoint-args": (dict(action="store_true", default=False), False,
-                              "reading the model's flags from the checkpoint"),
     "--log-num-zeros-in-grad": (dict(action="store_true", default=False), False,
                                 "logging the gradient's zeros"),
     "--dataloader-type": (dict(choices=("single", "cyclic", "external"), default=None),

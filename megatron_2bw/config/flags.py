@@ -230,6 +230,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", dest="load_rng", action="store_false",
                    help="on resume keep this process's RNG state (from --seed), not the "
                         "checkpoint's")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape and architecture from the newest checkpoint in "
+                        "--load (Megatron's: they override the flags; said in one line)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop with one line when it holds no checkpoint, instead "
                         "of starting from scratch (also when --load equals --save)")

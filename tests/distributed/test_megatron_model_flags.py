@@ -92,3 +92,27 @@ def test_no_load_rng_keeps_this_processes_random_state(tmp_path):
         torch.set_rng_state(ours)
         assert load_checkpoint(str(tmp_path), fresh, cfg, grid, load_rng=load_rng) == 1
         assert torch.equal(torch.get_rng_state(), saved if load_rng else ours), load_rng
+
+
+def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path, capsys):
+    from megatron_2bw.checkpoint.api import save_checkpoint
+    from megatron_2bw.pretrain import parse
+    from megatron_2bw.training.build import mock_batches
+    from test_ckpt_async import _one_rank
+    engine, cfg, grid = _one_rank(["--save", str(tmp_path), "--kv-channels", "8"])
+    engine.train_batch(mock_batches(cfg, 1, 0))
+    save_checkpoint(str(tmp_path), engine, cfg, grid)
+    argv = ["--mock-data", "--load", str(tmp_path), "--train-iters", "20", "--micro-batch-size",
+            "2", "--global-batch-size", "4", "--use-checkpoint-args", "--num-layers", "4",
+            "--hidden-size", "64"]
+    got = parse("gpt", argv).cfg.model
+    assert (got.num_layers, got.hidden_size, got.num_attention_heads, got.kv_channels,
+            got.seq_length) == (2, 32, 2, 8, 16)
+    out = capsys.readouterr().out
+    assert (f"megatron-2bw: --use-checkpoint-args: the model's settings from {tmp_path} "
+            "iteration 1: num_layers 2, hidden_size 32, num_attention_heads 2, seq_length 16"
+            in out), out
+    with pytest.raises(SystemExit):
+        parse("gpt", ["--mock-data", "--use-checkpoint-args"])
+    assert "--use-checkpoint-args reads the model's settings from --load DIR" in \
+        capsys.readouterr().err
