@@ -333,3 +333,10 @@ def test_eod_mask_loss_leaves_end_of_document_positions_out(capsys):
         built(["--eod-mask-loss"])
     (line,) = refused(["--eod-mask-loss", "--calculate-per-token-loss"], capsys)
     assert "--calculate-per-token-loss with --eod-mask-loss" in line
+
+
+def test_wandb_runs_in_the_mode_wandb_mode_says_offline_when_unset():
+    from megatron_2bw.training.observe.writers import wandb_mode
+    assert wandb_mode({}) == "offline" and wandb_mode({"WANDB_MODE": ""}) == "offline"
+    assert wandb_mode({"WANDB_MODE": "online"}) == "online"
+    assert wandb_mode({"WANDB_MODE": "disabled"}) == "disabled"
