@@ -6,7 +6,7 @@
 
 `tools/plan.py` is the command line; `plan` (Config -> Config) serves `pretrain_gpt.py --auto-plan`.
 
-Owns: per-layer profiles (profile.py), the machine (topology.py), the cost of a layout
+Owns: per-layer profiles (profile.py; GEMM efficiency by microbatch size: curve.py), the machine (topology.py), the cost of a layout
 (cost_model.py: durations, memory per stage), timing by replaying the engine's own schedule
 tables (simulate.py), the search (search.py), --auto-plan (auto.py), the pre-start memory check
 (memory_check.py) and tools/plan.py (cli.py).

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in TOPO:
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
     g.add_argument("--topology", default=None, help="JSON file with the fields above")
+    g.add_argument("--device", default=None, choices=("v100", "a100", "h100", "h200"),
+                   help="built-in analytic profile with its GEMM-efficiency curve by microbatch "
+                        "size (planner/curve.py); --device-tflops/--device-efficiency override")
     g.add_argument("--device-tflops", type=float, default=None, help="peak TFLOP/s (analytic)")
     g.add_argument("--device-efficiency", type=float, default=None,
                    help="achievable fraction of the peak (analytic)")
@@ -180,9 +183,10 @@ def run(argv=None, out=sys.stdout) -> int:
     if a.profile:
         profile = load_profile(a.profile)
     else:
-        profile = AnalyticProfile(**{k: v for k, v in (("device_tflops", a.device_tflops),
-                                                       ("efficiency", a.device_efficiency))
-                                     if v is not None}).validate()
+        given = {k: v for k, v in (("device_tflops", a.device_tflops),
+                                   ("efficiency", a.device_efficiency)) if v is not None}
+        profile = AnalyticProfile.for_device(a.device, **given) if a.device else \
+            AnalyticProfile(**given).validate()
     recompute = {"auto": RECOMPUTE, "on": (True,), "full": (True,), "off": (False,),
                  "selective": ("selective",)}[a.recompute]
     choice = {"auto": (False, True), "on": (True,), "off": (False,)}

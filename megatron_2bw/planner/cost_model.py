@@ -261,7 +261,8 @@ class LayerTimes:
         if key not in self._cache:
             s = self.setup
             costs = layer_costs(s.model, b, t, s.dtype, s.arch, s.flash, sequence_parallel=sp)
-            times = [self.profile.layer_times(c, b, t) for c in costs]
+            rows = b * s.model.seq_length  # the GEMMs' M (the efficiency curve's matrix size)
+            times = [self.profile.layer_times(c, b, t, tokens=rows) for c in costs]
             tp = [(0.0, 0.0)] * len(costs)
             if t > 1:  # tensor-parallel all-reduces (node-local): (forward, backward) per layer
                 # the full activation: sequence parallelism's all-gather + reduce-scatter move

@@ -20,8 +20,14 @@ engine, where a forward follows another microbatch's backward), and times the pr
 batch iterator on synthetic data of the model's shape for `data_s_per_sample`.
 
 A measured profile holds one entry per micro-batch size it timed; other sizes are interpolated
-linearly (and scaled proportionally outside the measured range). Tensor parallelism divides the
-measured single-rank times by t (the all-reduces are costed separately by the cost model).
+linearly, and outside the measured range follow the GEMM-efficiency curve fitted to its own points
+(`fit_gemm_curve`: t(b) = alpha + beta*b, i.e. efficiency M / (M + M_half) in the M = b*s rows of
+the layer's GEMMs; alpha = 0, proportional scaling, when the points say so). Tensor parallelism
+divides the measured single-rank times by t (the all-reduces are costed separately).
+
+An analytic profile's compute rate is `device_tflops * efficiency * M / (M + gemm_half_tokens)`
+for GEMMs of M = b*s rows (0: one efficiency for every b). `AnalyticProfile.for_device(name)`
+gives the built-in V100, A100, H100 and H200 curves (`DEVICES`, each with its source).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.models.flops import LayerCost
+from megatron_2bw.planner.curve import DEVICES, fit_gemm_curve, gemm_efficiency
 from megatron_2bw.planner.topology import PlanError
 
 KINDS = ("embedding", "transformer", "head")
@@ -44,10 +51,31 @@ SHAPE_FIELDS = ("family", "hidden_size", "num_attention_heads", "ffn_size", "seq
 @dataclass
 class AnalyticProfile:
     device_tflops: float = 312.0          # peak dense TFLOP/s of one accelerator (A100 bf16)
-    efficiency: float = 0.5               # achievable fraction of the peak
+    efficiency: float = 0.5               # achievable fraction of the peak (the plateau)
     memory_bandwidth_gb_per_s: float = 2000.0
     step_bytes_per_param: float = 36.0    # memory traffic of scale + norm + Adam step, per param
     source: str = "analytic"
+    gemm_half_tokens: float = 0.0         # GEMM rows at half the plateau (0: no curve)
+    device: str = ""                      # a DEVICES name when built from one
+
+    @classmethod
+    def for_device(cls, name: str, **changes) -> "AnalyticProfile":
+        key = name.lower()
+        if key not in DEVICES:
+            raise PlanError(f"unknown device {name!r}: use one of {', '.join(DEVICES)} (or "
+                            "--device-tflops/--device-efficiency, or a measured --profile)")
+        return cls(**dict(DEVICES[key], device=key, **changes)).validate()
+
+    @classmethod
+    def from_measured(cls, measured: "MeasuredProfile", model, **changes) -> "AnalyticProfile":
+        """The analytic profile whose curve is the measured profile's own fit: the plateau rate
+        and M_half from its transformer layer's (forward + backward) times."""
+        from megatron_2bw.models.flops import layer_costs
+        table = measured.layers["transformer"]
+        alpha, beta = fit_gemm_curve([(b, f + g) for b, (f, g) in table.items()])
+        per_sample = 3.0 * layer_costs(model, 1)[1].fwd_flops  # forward + backward FLOPs
+        return cls(device_tflops=per_sample / beta / 1e12, efficiency=1.0,
+                   gemm_half_tokens=alpha / beta * model.seq_length, **changes).validate()
 
     def validate(self) -> "AnalyticProfile":
         if not self.device_tflops > 0:
@@ -57,13 +85,18 @@ class AnalyticProfile:
         if not self.memory_bandwidth_gb_per_s > 0:
             raise PlanError("memory_bandwidth_gb_per_s must be > 0, got "
                             f"{self.memory_bandwidth_gb_per_s}")
+        if not self.gemm_half_tokens >= 0:
+            raise PlanError(f"gemm_half_tokens must be >= 0, got {self.gemm_half_tokens}")
         return self
 
     def check_model(self, model, dtype: str) -> None:
         """Any model: times come from its FLOPs."""
 
-    def layer_times(self, cost: LayerCost, micro_batch: int, tensor: int = 1) -> tuple:
-        flops = self.device_tflops * 1e12 * self.efficiency
+    def layer_times(self, cost: LayerCost, micro_batch: int, tensor: int = 1,
+                    tokens: float = 0.0) -> tuple:
+        """`tokens`: the rows of the layer's GEMMs (b*s); 0 (unknown) runs at the plateau."""
+        flops = self.device_tflops * 1e12 * self.efficiency * \
+            gemm_efficiency(tokens, self.gemm_half_tokens)
         bw = self.memory_bandwidth_gb_per_s * 1e9 * self.efficiency
         fwd = max(cost.fwd_flops / flops, cost.fwd_bytes / bw)
         bwd = max(cost.bwd_flops / flops, 2.0 * cost.fwd_bytes / bw)
@@ -120,9 +153,16 @@ class MeasuredProfile:
             raise PlanError(f"{where} was measured in {self.dtype}, not {dtype}: re-measure with "
                             f"the same precision flag")
 
-    def layer_times(self, cost: LayerCost, micro_batch: int, tensor: int = 1) -> tuple:
+    def layer_times(self, cost: LayerCost, micro_batch: int, tensor: int = 1,
+                    tokens: float = 0.0) -> tuple:
         table = self.layers[cost.name]
         return tuple(_interpolate(table, micro_batch, i) / tensor for i in (0, 1))
+
+    def curve(self, kind: str = "transformer", i: int | None = None) -> tuple:
+        """(alpha, beta) of this profile's own fit t(b) = alpha + beta*b (forward + backward,
+        or the i-th time)."""
+        table = self.layers[kind]
+        return fit_gemm_curve([(b, sum(v) if i is None else v[i]) for b, v in table.items()])
 
     def step_time(self, params: int) -> float:
         return params * self.step_s_per_param
@@ -143,10 +183,10 @@ def _interpolate(table: dict, b: int, i: int) -> float:
     if b in table:
         return table[b][i]
     keys = sorted(table)
-    if b < keys[0]:
-        return table[keys[0]][i] * b / keys[0]
-    if b > keys[-1]:
-        return table[keys[-1]][i] * b / keys[-1]
+    if b < keys[0] or b > keys[-1]:  # the fitted curve, anchored at the nearest measured point
+        end = keys[0] if b < keys[0] else keys[-1]
+        alpha, beta = fit_gemm_curve([(k, table[k][i]) for k in keys])
+        return table[end][i] * (alpha + beta * b) / (alpha + beta * end) if beta > 0 else 0.0
     hi = next(k for k in keys if k > b)
     lo = max(k for k in keys if k < b)
     w = (b - lo) / (hi - lo)

@@ -3,9 +3,10 @@ shared 25 Gbit/s NIC per server): sequence-parallel pricing, the microbatch-size
 curve, GPipe's memory, shared NICs, the search's work."""
 import pytest
 
-from megatron_2bw.models.flops import DTYPE_BYTES, named_model
-from megatron_2bw.planner import AnalyticProfile, Topology
+from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs, named_model
+from megatron_2bw.planner import AnalyticProfile, MeasuredProfile, PlanError, Topology
 from megatron_2bw.planner.cost_model import LayerTimes, Setup
+from megatron_2bw.planner.curve import DEVICES, gemm_efficiency
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -26,3 +27,46 @@ def test_sequence_parallel_collectives_are_priced_at_the_full_activation(sp):
     print(f"sp={sp}: tensor-parallel comm per layer and pass {2 * one * 1e3:.3f} ms")
     assert fwd[1] - compute_f == pytest.approx(2 * one)
     assert bwd[1] - compute_b == pytest.approx(2 * one)
+
+
+def _per_sample(prof, model, b):
+    costs = LayerTimes(Setup(model, "fp16"), prof, Topology()).get(b, 1)[0]
+    f, g = prof.layer_times(costs[1], b, 1, tokens=b * model.seq_length)
+    return (f + g) / b
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_gemm_efficiency_curve_is_monotone_in_the_microbatch(device):
+    model = named_model("gpt-2.2b")
+    prof = AnalyticProfile.for_device(device)
+    per = [_per_sample(prof, model, b) for b in (1, 2, 4, 8, 16, 32, 64)]
+    print(device, "throughput b=16 / b=1:", round(per[0] / per[4], 2))
+    assert all(x > y for x, y in zip(per, per[1:])), per  # time per sample falls with b
+    plateau = 3 * layer_costs(model, 1, 1, "fp16")[1].fwd_flops / (
+        prof.device_tflops * 1e12 * prof.efficiency)
+    assert all(x > plateau for x in per)  # never faster than the plateau
+    if device == "v100":  # the paper's Fig. 12: about 4x from b=1 to b=16
+        assert per[0] / per[4] == pytest.approx(4.0, rel=0.01)
+    assert gemm_efficiency(10 ** 9, prof.gemm_half_tokens) > 0.99
+
+
+def test_measured_profile_fits_its_own_curve():
+    """A measured profile whose times are t(b) = alpha + beta*b: the fit recovers them, the
+    analytic profile built from it reproduces the measured points, and b beyond the measured
+    range follows the curve (not proportional scaling)."""
+    model = named_model("debug")
+    alpha, beta = 3e-3, 1e-3
+    times = {b: (alpha / 3 + beta / 3 * b, 2 * alpha / 3 + 2 * beta / 3 * b) for b in (1, 2, 4)}
+    layers = {k: dict(times) for k in ("embedding", "transformer", "head")}
+    measured = MeasuredProfile({}, layers, 0.0).validate()
+    assert measured.curve() == pytest.approx((alpha, beta))
+    fitted = AnalyticProfile.from_measured(measured, model)
+    assert fitted.gemm_half_tokens == pytest.approx(alpha / beta * model.seq_length)
+    layer = layer_costs(model, 1)[1]
+    for b in (1, 2, 4, 8):
+        f, g = fitted.layer_times(layer_costs(model, b)[1], b, tokens=b * model.seq_length)
+        assert f + g == pytest.approx(alpha + beta * b, rel=1e-6), b
+    assert sum(measured.layer_times(layer, 8)) == pytest.approx(alpha + beta * 8)
+    assert sum(measured.layer_times(layer, 8)) < 2 * sum(times[4])  # not 8/4 x t(4)
+    with pytest.raises(PlanError, match="unknown device 'tpu'"):
+        AnalyticProfile.for_device("tpu")
