@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import megatron_2bw.deepspeed.alias as deepspeed  # noqa: E402  (DeepSpeed: import deepspeed)
 from deepspeed.pipe import PipelineModule  # noqa: E402
-from deepspeed.utils import RepeatingLoader  # noqa: E402,F401
+from deepspeed.utils import RepeatingLoader  # noqa: E402,F401  (as the original imports it)
 
 
 class SyntheticCIFAR(torch.utils.data.Dataset):

@@ -3,10 +3,11 @@
     import megatron_2bw.deepspeed.comm as dist
     dist.all_reduce(t); dist.get_rank(); dist.barrier()
 
-init_distributed, is_initialized, get_rank, get_world_size, get_local_rank, barrier,
-all_reduce (ReduceOp.SUM / AVG / MAX / MIN; async_op runs it at once), broadcast, all_gather, send, recv, and the
-groups of the grid through the engine's `mpu` (engine.grid). Collectives run on the process
-group's device (the rank's GPU under NCCL, the CPU under gloo), with the layer's error lines.
+init_distributed, is_initialized, get_rank, get_world_size, get_local_rank, barrier, all_reduce
+(ReduceOp.SUM / AVG / MAX / MIN; async_op runs it at once), broadcast, all_gather, send, recv,
+and the groups of the grid through the engine's `mpu` (engine.grid). Collectives run on the
+process group's device (the rank's GPU under NCCL, the CPU under gloo), with the layer's error
+lines.
 """
 from __future__ import annotations
 

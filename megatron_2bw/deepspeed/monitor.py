@@ -2,12 +2,13 @@
 
 Events are DeepSpeed's (name, value, step) tuples; the engine writes DeepSpeed's
 `Train/Samples/train_loss` and `Train/Samples/lr` after every batch (not DeepSpeed's fp16
-`Train/Samples/loss_scale`: the engine's surface does not show the scale), at step = global_samples, on global rank 0, as DeepSpeed's pipeline engine
-does. TensorBoard and wandb go through the project's writers (training/observe/writers.py);
-the TensorBoard run is `<output_path>/<job_name>` as in DeepSpeed. csv_monitor writes DeepSpeed's
-files: `<output_path>/<job_name>/<name with '/' and ' ' as '_'>.csv`, a header `step,<last part
-of the name>`, then one `step,value` row per event. comet needs the comet_ml package (one line
-if it is missing, before any process group: config/ds_json/monitors.py).
+`Train/Samples/loss_scale`: the engine's surface does not show the scale), at step =
+global_samples, on global rank 0, as DeepSpeed's pipeline engine does. TensorBoard and wandb go
+through the project's writers (training/observe/writers.py); the TensorBoard run is
+`<output_path>/<job_name>` as in DeepSpeed. csv_monitor writes DeepSpeed's files:
+`<output_path>/<job_name>/<name with '/' and ' ' as '_'>.csv`, a header `step,<last part of the
+name>`, then one `step,value` row per event. comet needs the comet_ml package (one line if it is
+missing, before any process group: config/ds_json/monitors.py).
 """
 from __future__ import annotations
 

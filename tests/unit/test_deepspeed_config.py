@@ -476,6 +476,7 @@ def test_activation_checkpointing_section_and_fp16_auto_cast():
         "number_checkpoints": 0}}, world_size=2, num_stages=2, num_layers=4,
         match="number_checkpoints must be an integer >= 1")
     one_line_error(config_from_deepspeed, {**BASE, "fp16": {"enabled": True, "auto_cast": True}},
-                   world_size=2, num_stages=2, num_layers=4, match="fp16.auto_cast is not supported")
+                   world_size=2, num_stages=2, num_layers=4,
+                   match="fp16.auto_cast is not supported")
     config_from_deepspeed({**BASE, "fp16": {"enabled": True, "auto_cast": False}},
                           world_size=2, num_stages=2, num_layers=4)

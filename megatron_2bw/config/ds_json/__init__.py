@@ -27,8 +27,8 @@ What maps where (DeepSpeed key -> Config field, Megatron flag):
     wandb {enabled, project, group}   train.wandb_project/_exp_name  --wandb-project ...
     pipeline {schedule, activation_checkpoint_interval, stages}
                                       schedule, model.recompute_*  --pipeline-schedule ...
-    zero_optimization {stage}         stage 1: parallel.distributed_optimizer --use-distributed-optimizer
-                                      (sharded over the replicas); 0: none; 2/3: refused with a pipeline
+    zero_optimization {stage}         1: parallel.distributed_optimizer  --use-distributed-optimizer
+                                      (sharded over the replicas); 0: none; 2, 3: refused
 
 Any two of the batch triple imply the third (train_batch = micro x accumulation x data-parallel
 size). Every bad setting is a one-line `ConfigError` naming the JSON key, raised before any

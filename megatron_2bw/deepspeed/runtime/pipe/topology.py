@@ -2,10 +2,10 @@
 
 `PipelineParallelGrid(topology)` is the grid of the running job (the process group must be up):
 the training loop's grid (training/build.py `build_grid`) laid out as the topology says
-(deepspeed/pipe/topology.py `grid_layout`), its groups created through the communication layer, queried with DeepSpeed's `mpu` methods
-(deepspeed/views.py `MPU`: get_stage_id, get_data_parallel_group, stage_to_global, ...).
-Without a topology the world is split as DeepSpeed splits it: its prime factors alternately to
-the pipeline and to data parallelism.
+(deepspeed/pipe/topology.py `grid_layout`), its groups created through the communication layer,
+queried with DeepSpeed's `mpu` methods (deepspeed/views.py `MPU`: get_stage_id,
+get_data_parallel_group, stage_to_global, ...). Without a topology the world is split as
+DeepSpeed splits it: its prime factors alternately to the pipeline and to data parallelism.
 """
 from __future__ import annotations
 
