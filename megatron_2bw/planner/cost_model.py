@@ -35,7 +35,8 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   with a compensation that keeps it: `Method.keeps_grad`); with the distributed optimizer
   every buffer is padded to a multiple of w (`optim/shard_layout.py`) and master weights and
   optimizer state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
-  `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m); full recomputation stashes only
+  `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m, whose last stage also keeps each
+  microbatch's fp32 logits beside their softmax: `stage_memory`); full recomputation stashes only
   each transformer layer's input and needs one layer's full activations while recomputing.
 """
 from __future__ import annotations
@@ -180,14 +181,21 @@ def _kept(cost, recompute: bool, selective: bool = False) -> float:
 def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, stage: int,
                  dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
                  selective: bool = False, shards: int = 1,
-                 compensation: str = NO_COMPENSATION) -> tuple[dict, int]:
+                 compensation: str = NO_COMPENSATION,
+                 logits_bytes: float = 0.0) -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
     "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
-    layout's sequence parallelism; `shards` is w with the distributed optimizer."""
+    layout's sequence parallelism; `shards` is w with the distributed optimizer.
+    `logits_bytes` (one fp32 copy of a microbatch's logits): GPipe as it runs keeps, on its
+    last stage, the fp32 logits and their softmax for each of its m in-flight microbatches
+    until the backward (the head's activations count one fp32 copy, the softmax the loss's
+    backward reads; 1F1B schedules run that backward right after the forward)."""
     kind = schedule_kind(schedule)
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
                       shards, stage_tied(costs, lo, hi, d), compensation)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
+    if kind.name == "gpipe" and hi == len(costs):
+        per_mb += logits_bytes  # the fp32 logits next to the softmax, per in-flight microbatch
     peak = kind.in_flight(d, m, stage)
     mem["activations"] = peak * per_mb + extra
     mem["total"] = sum(mem.values())
@@ -355,6 +363,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     # [norm^2, loss, flags]: over one rank per stage, or the world with the distributed optimizer
     norm_ar = topology.ring_time(8.0, d * shards, mp_inter or (shards > 1 and any(dp_inter)))
     data = times.profile.data_time(b)  # the first and the last stage read each microbatch
+    logits = 4.0 * b * setup.model.seq_length * setup.model.vocab_size / t  # fp32, per rank
     for s in range(d):
         lo, hi = bounds[s], bounds[s + 1]
         f = P["fwd"][hi] - P["fwd"][lo] + (data if s in (0, d - 1) else 0.0)
@@ -365,7 +374,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         params = stage_params(costs, lo, hi, P)
         mem, peak = stage_memory(costs, lo, hi, L.schedule, d, m, s, setup.dtype,
                                  setup.optimizer, L.recompute, P, L.selective, shards,
-                                 setup.compensation)
+                                 setup.compensation, logits)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)

@@ -5,7 +5,8 @@ import pytest
 
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs, named_model
 from megatron_2bw.planner import AnalyticProfile, MeasuredProfile, PlanError, Topology
-from megatron_2bw.planner.cost_model import LayerTimes, Setup
+from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
+from megatron_2bw.planner.search import search
 from megatron_2bw.planner.curve import DEVICES, gemm_efficiency
 
 
@@ -70,3 +71,33 @@ def test_measured_profile_fits_its_own_curve():
     assert sum(measured.layer_times(layer, 8)) < 2 * sum(times[4])  # not 8/4 x t(4)
     with pytest.raises(PlanError, match="unknown device 'tpu'"):
         AnalyticProfile.for_device("tpu")
+
+
+V100_CLUSTER = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, inter_node_bandwidth_gbps=25)
+PAPER_SPACE = dict(tensor_sizes=(1,), distributed_optimizer=(False,), sequence_parallel=(False,),
+                   dtype="fp16")
+
+
+def test_gpipe_on_the_papers_case_is_out_of_memory():
+    """GPT-2.2B on 8 x 8 V100-16GB at B=64: GPipe stashes all m forwards' activations (no
+    recomputation) plus, on its last stage, the fp32 logits and softmax of each microbatch: it
+    does not fit, as in the paper, while flush and 2BW (1F1B: the last stage holds one) do."""
+    model, topo = named_model("gpt-2.2b"), Topology(**V100_CLUSTER)
+    prof = AnalyticProfile.for_device("v100")
+    kw = dict(PAPER_SPACE, recompute=(False, "selective"))
+    with pytest.raises(PlanError, match="does not fit: smallest footprint") as e:
+        search(model, topo, prof, 64, schedules=("gpipe",), **kw)
+    print(e.value)
+    for schedule in ("flush", "2bw"):
+        best = search(model, topo, prof, 64, schedules=(schedule,), **kw).best
+        print(schedule, best.layout.describe(), f"{max(best.memory_gb):.2f} GB")
+        assert max(best.memory_gb) <= topo.usable_memory_gb
+    # the fp32 logits copy is what tips it: one per in-flight microbatch on the last stage
+    setup = Setup(model, "fp16")
+    times = LayerTimes(setup, prof, topo)
+    gp = stage_plan(setup, Layout("gpipe", 1, 8, 8, 1, 8), times, topo)
+    fl = stage_plan(setup, Layout("flush", 1, 8, 8, 1, 8), times, topo)
+    logits = 4.0 * model.seq_length * model.vocab_size
+    assert (gp.peak_in_flight[-1], fl.peak_in_flight[-1]) == (8, 1)
+    assert gp.memory[-1]["activations"] == pytest.approx(
+        8 * (fl.memory[-1]["activations"] + logits), rel=1e-9)
