@@ -56,6 +56,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eod-mask-loss", action="store_true",
                    help="GPT: leave out of the loss the positions whose input token is the "
                         "tokenizer's end of document (Megatron's loss mask)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="GPT with learned positions: position ids restart at 0 after each end "
+                        "of document")
     g.add_argument("--recompute-activations", action="store_true",
                    help="selective recomputation, as in Megatron: recompute core attention "
                         "(softmax and dropout over the scores) in backward, keep the rest. "
@@ -307,6 +310,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         eod_mask_loss=getattr(args, "eod_mask_loss", False),
+        reset_position_ids=getattr(args, "reset_position_ids", False),
         recompute_method=method, recompute_num_layers=num or 0,
         recompute_granularity=granularity)
     model = apply_architecture_args(model, args)

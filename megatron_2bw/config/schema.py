@@ -79,6 +79,7 @@ class ModelConfig:
     qk_layernorm: bool = False                  # a norm over each query and key head
     eod_mask_loss: bool = False                 # GPT: no loss where the input token is eod_token
     eod_token: int | None = None                # the tokenizer's end-of-document id
+    reset_position_ids: bool = False            # learned positions restart after eod_token
 
     def __post_init__(self):
         if self.recompute_method is not None and self.recompute_granularity is None:

@@ -47,12 +47,25 @@ class GPTEmbedding(nn.Module):
                                                       cfg.init_method_std)
         self.position_embeddings = learned_positions(cfg)
         self.dropout = SequenceDropout(cfg.hidden_dropout, tp, tracker)
+        self.reset_after = cfg.eod_token if cfg.reset_position_ids else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            positions = torch.arange(tokens.shape[1], device=tokens.device) \
+                if self.reset_after is None else reset_positions(tokens, self.reset_after)
+            x = x + self.position_embeddings(positions)
         return self.dropout(scatter_to_sequence_parallel_region(x, self.tp))
+
+
+def reset_positions(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """--reset-position-ids: position ids [b, s] that restart at 0 after every `eod` token
+    (Megatron's get_ltor_masks_and_position_ids)."""
+    idx = torch.arange(tokens.shape[1], device=tokens.device)
+    after = torch.where(tokens == eod, idx + 1, torch.zeros_like(idx))  # j + 1 at each eod j
+    start = torch.cummax(after, dim=1).values
+    start = torch.cat([torch.zeros_like(start[:, :1]), start[:, :-1]], dim=1)  # eods before i
+    return idx - start
 
 
 def learned_positions(cfg: ModelConfig, init: bool = True) -> nn.Embedding | None:

@@ -340,3 +340,21 @@ def test_wandb_runs_in_the_mode_wandb_mode_says_offline_when_unset():
     assert wandb_mode({}) == "offline" and wandb_mode({"WANDB_MODE": ""}) == "offline"
     assert wandb_mode({"WANDB_MODE": "online"}) == "online"
     assert wandb_mode({"WANDB_MODE": "disabled"}) == "disabled"
+
+
+def test_reset_position_ids_restart_the_learned_positions_after_each_eod():
+    from megatron_2bw.models.gpt import GPTEmbedding, reset_positions
+    tokens = torch.tensor([[5, 1, 2, 5, 3, 4], [1, 2, 3, 4, 5, 5]])
+    assert reset_positions(tokens, 5).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 0]]
+    cfg = built(["--reset-position-ids", "--vocab-size", "64"], eod=5).config.model
+    emb = GPTEmbedding(cfg)
+    want = emb.word_embeddings(tokens) + emb.position_embeddings(reset_positions(tokens, 5))
+    assert torch.equal(emb(tokens), want)
+    plain = GPTEmbedding(built(["--vocab-size", "64"]).config.model)
+    plain.load_state_dict(emb.state_dict())
+    assert torch.equal(plain(tokens[1:, :5]), emb(tokens[1:, :5]))  # no eod before: the same
+    with pytest.raises(ConfigError, match="--reset-position-ids with --position-embedding-type "
+                                          "rope is not in this engine"):
+        built(["--reset-position-ids", "--position-embedding-type", "rope"], eod=5)
+    with pytest.raises(ConfigError, match="--reset-position-ids needs a GPT and a tokenizer"):
+        built(["--reset-position-ids"])
