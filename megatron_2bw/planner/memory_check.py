@@ -54,9 +54,12 @@ def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
                         cfg.precision.dtype, cfg.model.family,
                         sequence_parallel=cfg.parallel.sequence_parallel)
     shards = resolved.data_parallel_size if cfg.parallel.distributed_optimizer else 1
+    logits = 4.0 * cfg.batch.micro_batch_size * cfg.model.seq_length * cfg.model.vocab_size \
+        / cfg.parallel.tensor  # one fp32 copy (GPipe's last stage keeps it per microbatch)
     return [stage_memory(costs, bounds[s], bounds[s + 1], cfg.schedule, d, m, s,
                          cfg.precision.dtype, cfg.optimizer.name, cfg.model.full_recompute,
-                         None, cfg.model.selective_recompute, shards, cfg.compensation)[0]
+                         None, cfg.model.selective_recompute, shards, cfg.compensation,
+                         logits)[0]
             for s in range(d)]
 
 
