@@ -50,13 +50,11 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # convergence_report sits beside this script (on sys.path already)
 
-from convergence_report import (BASELINE, plot, read_csv, summarize, table,  # noqa: E402
+from megatron_2bw.cli.convergence_report import (BASELINE, plot, read_csv, summarize, table,
                                 wrap, write_csv, write_validation_csv)
 from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
-from megatron_2bw.schedule.kinds import schedule_kind, schedule_names  # noqa: E402
+from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
 
 SCHEDULES = schedule_names()
 DEFAULT_FLAGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",

@@ -8,15 +8,15 @@
 
 Steps, each a subprocess whose output is streamed and kept in WORK/<step>.log:
 
-1. train    torchrun, one process, NCCL: pretrain_gpt.py with GPT-125M (`--model gpt-125m`,
-            seq 1024, vocab 50304), bf16, mock data, 2BW, evaluation every 50 iterations; it stops
-            at --exit-interval 100 and saves a checkpoint (--save);
+1. train    torchrun, one process, NCCL: megatron_2bw.cli.pretrain_gpt (pretrain_gpt.py) with
+            GPT-125M (`--model gpt-125m`, seq 1024, vocab 50304), bf16, mock data, 2BW, evaluation
+            every 50 iterations; it stops at --exit-interval 100 and saves a checkpoint (--save);
 2. resume   the same job resumed with --load to iteration 150 (its log must continue at 110),
             with --wall-clock-breakdown, --trace and a torch.profiler trace (--profile) of two
             iterations: the timers use CUDA events, so its step time should match train's;
-3. verify   with 2+ GPUs: tools/verify_equivalence.py --distributed-backend nccl for every
-            schedule (--quick: 2bw only) at d=2 (every parameter against the single-process
-            reference).
+3. verify   with 2+ GPUs: megatron_2bw.testing.verify (tools/verify_equivalence.py)
+            --distributed-backend nccl for every schedule (--quick: 2bw only) at d=2 (every
+            parameter against the single-process reference).
 --quick: train stops at 30, resume runs to 50, a 115 s limit.
 
 The whole check stops after 470 s (a step gets at most the time left). It prints step time,
@@ -49,12 +49,14 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# the directory megatron_2bw is imported from: the steps import the same copy (a checkout or
+# an installed wheel)
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRETRAIN_GPT, VERIFY = "megatron_2bw.cli.pretrain_gpt", "megatron_2bw.testing.verify"
 
-from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
-from gpu_check_report import (Requirements, failed_requirements, parse_log,  # noqa: E402,F401
-                              profiled_kernels, report, summarize)
+from megatron_2bw.schedule.kinds import schedule_names
+from megatron_2bw.cli.gpu_check_report import (  # noqa: F401 (tests use them from here)
+    Requirements, failed_requirements, parse_log, profiled_kernels, report, summarize)
 
 GPT_125M = ("--model", "gpt-125m", "--seq-length", "1024", "--vocab-size", "50304")
 VERIFY_MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -94,7 +96,7 @@ class Settings:
 @dataclass
 class Step:
     name: str
-    script: str          # repository-relative script
+    module: str          # the Python module it runs (`python -m`, torchrun --module)
     args: list           # its flags
     nproc: int | None    # torchrun processes; None: plain python
     timeout_s: int
@@ -105,7 +107,7 @@ class Step:
         if self.nproc is not None:
             launcher += ["-m", "torch.distributed.run", "--standalone",
                          f"--nproc_per_node={self.nproc}"]
-        return launcher + [self.script] + [str(a) for a in self.args]
+        return launcher + ["-m", self.module] + [str(a) for a in self.args]
 
 
 def plan(s: Settings) -> list[Step]:
@@ -117,16 +119,16 @@ def plan(s: Settings) -> list[Step]:
            "--lr-warmup-iters", "10", "--weight-decay", "0.1", "--clip-grad", "1.0",
            "--adam-beta2", "0.95", "--log-interval", s.log_interval,
            "--eval-interval", s.eval_interval, "--eval-iters", s.eval_iters, "--save", ckpt]
-    steps = [Step("train", "pretrain_gpt.py", job + ["--exit-interval", s.exit_iters], 1,
+    steps = [Step("train", PRETRAIN_GPT, job + ["--exit-interval", s.exit_iters], 1,
                   s.timeouts["train"]),
-             Step("resume", "pretrain_gpt.py",
+             Step("resume", PRETRAIN_GPT,
                   job + ["--load", ckpt, "--wall-clock-breakdown", "--trace", trace,
                          "--profile", "--profile-step-start", s.exit_iters + s.log_interval,
                          "--profile-step-end", s.exit_iters + s.log_interval + 2], 1,
                   s.timeouts["resume"])]
     if s.gpus >= 2:  # every training schedule (a tiny model: seconds each)
         for schedule in s.verify_schedules or schedule_names():
-            steps.append(Step(f"verify-{schedule}", "tools/verify_equivalence.py",
+            steps.append(Step(f"verify-{schedule}", VERIFY,
                               ["--distributed-backend", s.backend, "--schedule", schedule,
                                *VERIFY_MODEL], None, s.timeouts["verify"]))
     return steps
@@ -141,7 +143,7 @@ def parse_step(step: Step):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            if step.script == "pretrain_gpt.py":
+            if step.module == PRETRAIN_GPT:
                 from megatron_2bw.pretrain import parse
                 return parse("gpt", [str(a) for a in step.args])[0]
             from megatron_2bw.testing.verify import parse
@@ -180,9 +182,9 @@ def check_log_parser() -> None:
 def validate(steps: list[Step], s: Settings) -> list[str]:
     """Every problem the plan would run into, one line each (empty: the plan is sound)."""
     problems = []
-    for script in sorted({st.script for st in steps}):
-        if not os.path.isfile(os.path.join(ROOT, script)):
-            problems.append(f"{script}: missing from {ROOT}")
+    for module in sorted({st.module for st in steps}):
+        if importlib.util.find_spec(module) is None:
+            problems.append(f"{module}: not importable: install megatron_2bw (pip install .)")
     if importlib.util.find_spec("torch.distributed.run") is None:
         problems.append("torch.distributed.run (torchrun) is not importable: install torch")
     try:
@@ -214,10 +216,11 @@ def validate(steps: list[Step], s: Settings) -> list[str]:
 
 def run_step(step: Step, log_path: str, echo=print) -> tuple[int, str, float]:
     """Run the step in its own process group (killed whole on timeout); (rc, output, seconds)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    path = PACKAGE_PARENT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPATH=path,
                WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
     start, lines = time.time(), []
-    proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(step.argv, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     timer = threading.Timer(step.timeout_s, _kill_group, (proc,))
     timer.start()

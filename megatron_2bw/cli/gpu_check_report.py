@@ -21,7 +21,6 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # aten ops of F.scaled_dot_product_attention's backends, as the profiler names them
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention": "flash",
@@ -91,8 +90,7 @@ def _steady(rows: list, key: str) -> float | None:
 
 def trace_events(prefix: str) -> int:
     """Events in the resume step's trace as tools/plot_schedule.py --trace reads it (0: none)."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from plot_schedule import traced
+    from megatron_2bw.cli.plot_schedule import traced
     try:
         rows = traced(prefix)[0]
     except SystemExit:

@@ -31,10 +31,8 @@ import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from megatron_2bw.schedule import actions as A  # noqa: E402
+from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind, schedule_names
 
 COLOURS = {("F", 0): "#9ecae1", ("F", 1): "#3182bd", ("B", 0): "#fdae6b", ("B", 1): "#e6550d",

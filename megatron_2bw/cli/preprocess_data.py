@@ -18,12 +18,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_2bw.data.errors import DataError  # noqa: E402
-from megatron_2bw.data.preprocess import preprocess_jsonl  # noqa: E402
-from megatron_2bw.data.flags import add_tokenizer_args  # noqa: E402
-from megatron_2bw.data.tokenizer import tokenizer_options  # noqa: E402
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.preprocess import preprocess_jsonl
+from megatron_2bw.data.flags import add_tokenizer_args
+from megatron_2bw.data.tokenizer import tokenizer_options
 
 
 def parse(argv=None):

@@ -12,11 +12,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_2bw.data.errors import DataError  # noqa: E402
-from megatron_2bw.data.preprocess import document_texts, numbered_lines  # noqa: E402
-from megatron_2bw.data.tokenizer import train_sentencepiece  # noqa: E402
+from megatron_2bw.data.errors import DataError
+from megatron_2bw.data.preprocess import document_texts, numbered_lines
+from megatron_2bw.data.tokenizer import train_sentencepiece
 
 
 def parse(argv=None):

@@ -13,7 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tools"))  # convergence_report
 
 
 def _run(args, timeout=240, env=None):
@@ -253,7 +252,7 @@ def test_compare_convergence_bad_runs_are_one_line_errors(runs, match):
 
 
 def test_convergence_time_to_target_is_the_first_point_at_or_below_gpipe_final():
-    import convergence_report as R
+    from megatron_2bw.cli import convergence_report as R
     validation = {"gpipe": [[10, 6.0, 1.0], [20, 5.5, 2.0], [30, 5.2, 3.0]],
                   "2bw+predict": [[10, 5.9, 0.9], [20, 5.2, 1.8], [30, 5.1, 2.7]],
                   "2bw": [[10, 6.1, 0.9], [20, 5.6, 1.8], [30, 5.3, 2.7]]}

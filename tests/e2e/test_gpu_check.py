@@ -36,13 +36,14 @@ def test_dry_run_validates_the_plan(gpus, quick):
     mode = "quick" if quick else "full"
     assert f"dry run ({mode}): {2 + len(verified)} steps for {gpus} GPU(s), all valid" in out
     assert "--model gpt-125m --seq-length 1024 --vocab-size 50304" in out and "--bf16" in out
-    assert "--distributed-backend nccl" in out and "--nproc_per_node=1 pretrain_gpt.py" in out
+    assert "--distributed-backend nccl" in out
+    assert "--nproc_per_node=1 -m megatron_2bw.cli.pretrain_gpt" in out
     exit_at, end = (30, 50) if quick else (100, 150)
     assert f"--train-iters {end} " in out and f"--exit-interval {exit_at}" in out
     assert "--load" in out and "--trace" in out and "--profile" in out
     for name in schedule_names():
-        assert (f"verify_equivalence.py --distributed-backend nccl --schedule {name}" in out) == \
-            (name in verified)
+        verify = f"-m megatron_2bw.testing.verify --distributed-backend nccl --schedule {name}"
+        assert (verify in out) == (name in verified)
     assert "planner memory model of the train step:" in out
     assert ("requirements: MFU >= 35%, attention flash or cudnn, fused AdamW, TF32 fp32 "
             "matmuls") in out

@@ -178,7 +178,9 @@ DEEPSPEED_API = {"LayerSpec"}  # megatron_2bw.deepspeed.pipe mirrors deepspeed.p
 def test_public_functions_and_classes_have_one_definition_each():
     where = {}
     for path in _sources():
-        if not path.startswith("megatron_2bw"):
+        # the commands (cli/: what tools/ held) each keep their own plan/summarize/parse_args
+        if not path.startswith("megatron_2bw") or path.startswith(os.path.join("megatron_2bw",
+                                                                                "cli")):
             continue
         with open(os.path.join(ROOT, path)) as f:
             for node in ast.parse(f.read()).body:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem,
                                                   SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_2bw.checkpoint.dist.shards import Shard
 from megatron_2bw.checkpoint.files import CheckpointError, file_digest
@@ -230,9 +229,27 @@ def read_metadata(directory: str, sums: dict[str, str] | None = None,
                               f"({type(e).__name__}): load an earlier iteration") from None
 
 
+def _reads(name: str, saved: list, want: ChunkStorageMetadata, index: int) -> list[ReadItem]:
+    """The reads that fill box `want` (target `index`) from the saved chunks it overlaps: what
+    torch's planner_helpers.create_read_items_for_chunk_list does, with public types only."""
+    items = []
+    for k, c in enumerate(saved):
+        lo = [max(a, b) for a, b in zip(want.offsets, c.offsets)]
+        hi = [min(a + m, b + n) for a, m, b, n in zip(want.offsets, want.sizes, c.offsets, c.sizes)]
+        if any(h <= ell for ell, h in zip(lo, hi)):
+            continue  # no overlap (a 0-d tensor has no dimension: it always overlaps)
+        items.append(ReadItem(
+            type=LoadItemType.TENSOR, dest_index=MetadataIndex(name, want.offsets, index),
+            dest_offsets=torch.Size(x - o for x, o in zip(lo, want.offsets)),
+            storage_index=MetadataIndex(name, c.offsets, k),
+            storage_offsets=torch.Size(x - o for x, o in zip(lo, c.offsets)),
+            lengths=torch.Size(h - x for x, h in zip(lo, hi))))
+    return items
+
+
 class ShardLoadPlanner(LoadPlanner):
     """Reads a list of target Shards (views to fill) and named objects from a checkpoint of any
-    layout: DCP's resharding reads (`create_read_items_for_chunk_list`) per box."""
+    layout: DCP's resharding reads per box (`_reads`)."""
 
     def __init__(self, targets: list[Shard], objects: list[str]):
         self.targets = list(targets)  # boxes may overlap (a master piece and the newest)
@@ -251,8 +268,7 @@ class ShardLoadPlanner(LoadPlanner):
                 raise CheckpointError(f"holds {s.name} with shape {tuple(saved.size)}, this "
                                       f"model needs {tuple(s.global_shape)}")
             chunk = ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=s.tensor.size())
-            items += [replace(item, dest_index=MetadataIndex(s.name, s.offsets, i))
-                      for item in create_read_items_for_chunk_list(s.name, saved, [chunk])]
+            items += _reads(s.name, saved.chunks, chunk, i)
         for key in self.wanted:
             if key not in md:
                 raise CheckpointError(f"lacks {key}")

@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""Train a sentencepiece tokenizer on text or JSONL files.
+Code: megatron_2bw/cli/train_tokenizer.py; installed: `m2bw-train-tokenizer`."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# the command's names, for scripts and tests that import this file as a module
+from megatron_2bw.cli.train_tokenizer import *  # noqa: E402,F401,F403
+from megatron_2bw.cli.train_tokenizer import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
