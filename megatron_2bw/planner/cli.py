@@ -34,7 +34,7 @@ SHAPE = (("num_layers", int), ("hidden_size", int), ("num_attention_heads", int)
 TOPO = (("num_nodes", int), ("gpus_per_node", int), ("gpu_memory_gb", float),
         ("intra_node_bandwidth_gbps", float), ("inter_node_bandwidth_gbps", float),
         ("intra_node_latency_us", float), ("inter_node_latency_us", float),
-        ("memory_reserve_fraction", float))
+        ("memory_reserve_fraction", float), ("nics_per_node", int), ("nic_bandwidth_gbps", float))
 
 
 def _ints(text: str) -> tuple:

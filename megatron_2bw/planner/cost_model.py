@@ -47,10 +47,10 @@ from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
 from megatron_2bw.models.partition import partition
 from megatron_2bw.optim.shard_layout import padded_numel
-from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
                                                 keeps_master)
 from megatron_2bw.pipeline.weights import TAIL
+from megatron_2bw.planner.placement import placement
 from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind
 
 OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
@@ -333,21 +333,6 @@ def _selective_time(cost, fwd: float) -> float:
     return fwd * cost.core_attention_flops / cost.fwd_flops
 
 
-def placement(layout: Layout, topology) -> tuple:
-    """Which links the layout's groups use: (inter-node flag per p2p boundary, per stage whether
-    its data-parallel group spans nodes, whether the tied group does, whether the
-    model-parallel (one rank per stage) group does)."""
-    t, d, w = layout.tensor, layout.pipeline, layout.data
-    grid = ProcessGrid(t, d, w, rank_order=layout.rank_order)
-    node = topology.node_of
-    nodes = [[node(grid.rank_of(0, s, j)) for j in range(w)] for s in range(d)]
-    inter = [any(a != b for a, b in zip(nodes[c], nodes[c + 1])) for c in range(d - 1)]
-    dp = [len(set(row)) > 1 for row in nodes]
-    tied = len(set(nodes[0]) | set(nodes[-1])) > 1
-    mp = len({row[0] for row in nodes}) > 1
-    return inter, dp, tied, mp
-
-
 def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                bounds: list | None = None) -> StagePlan:
     """Everything the simulator and the memory check need for one layout."""
@@ -358,7 +343,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     if bounds is None:
         bounds = times.partition(b, t, d, L.recompute, L.selective, sp)
     fwd, bwd, memory, peaks, reduce_, norm, step, ar = [], [], [], [], [], [], [], []
-    inter, dp_inter, tied_inter, mp_inter = times.placement(L)
+    inter, dp_inter, tied_inter, mp_inter, flows = times.placement(L)
+    p2p_flows, dp_flows = flows  # concurrent flows sharing a node's NICs (placement.py)
     w, kind, shards = L.data, L.kind, L.shards
     # [norm^2, loss, flags]: over one rank per stage, or the world with the distributed optimizer
     norm_ar = topology.ring_time(8.0, d * shards, mp_inter or (shards > 1 and any(dp_inter)))
@@ -379,11 +365,11 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
         tied = stage_tied(costs, lo, hi, d)
-        t_ar = topology.ring_time(4.0 * (params + TAIL - tied), w, dp_inter[s])
+        t_ar = topology.ring_time(4.0 * (params + TAIL - tied), w, dp_inter[s], dp_flows)
         gather = 0.0
         if shards > 1:  # reduce-scatter now, all-gather of the new weights after the step
             p_bytes = DTYPE_BYTES[setup.dtype]
-            gather = topology.ring_time(p_bytes * params, w, dp_inter[s]) / 2
+            gather = topology.ring_time(p_bytes * params, w, dp_inter[s], dp_flows) / 2
             t_ar /= 2
         if tied:
             t_ar += topology.ring_time(4.0 * tied, 2 * w, tied_inter)
@@ -396,7 +382,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     act /= t if sp else 1  # sequence parallel: each tensor rank sends its chunk
     if setup.arch == "bert":
         act += b * setup.model.seq_length  # the padding mask travels with the hidden states
-    p2p = [topology.transfer_time(act, x) for x in inter]
+    p2p = [topology.transfer_time(act, x, p2p_flows) for x in inter]
     return StagePlan(L, list(bounds), fwd, bwd, p2p, reduce_, norm, step, ar, memory, peaks,
                      inter)
 

@@ -5,7 +5,13 @@ cluster node), what the environment reveals (SLURM variables, visible CUDA devic
 (`Topology.to_json` writes one), explicit flags.
 
 Bandwidths are in Gbit/s per accelerator and direction (NVLink3: 2400, HDR InfiniBand: 200),
-latencies in microseconds, memory in GB (2^30 bytes). `usable_memory_gb` leaves
+latencies in microseconds, memory in GB (2^30 bytes). Shared links: `nics_per_node` NICs of
+`nic_bandwidth_gbps` each carry all of a node's inter-node traffic, so k concurrent flows leaving
+one node get min(inter_node_bandwidth_gbps, nics x nic_bandwidth / k) each (planner/placement.py
+counts the flows a layout runs at once). The default, 0 NICs, keeps the old meaning: every
+accelerator has `inter_node_bandwidth_gbps` to itself. The paper's AWS p3.16xlarge is
+`--inter-node-bandwidth-gbps 25 --nics-per-node 1 --nic-bandwidth-gbps 25` (one 25 Gbit/s NIC
+shared by 8 V100s). `usable_memory_gb` leaves
 `memory_reserve_fraction` for the runtime (CUDA context, allocator fragmentation, workspaces).
 Ranks are placed on nodes in order: rank r lives on node r // gpus_per_node.
 """
@@ -36,6 +42,8 @@ class Topology:
     intra_node_latency_us: float = 5.0
     inter_node_latency_us: float = 10.0
     memory_reserve_fraction: float = 0.1
+    nics_per_node: int = 0                 # 0: no sharing (inter_node_bandwidth per accelerator)
+    nic_bandwidth_gbps: float = 0.0        # per NIC and direction (used when nics_per_node > 0)
 
     # -- derived ----------------------------------------------------------------------------------
     @property
@@ -49,24 +57,29 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
-    def link(self, inter_node: bool) -> tuple[float, float]:
-        """(bandwidth in bytes/s, latency in s) of an intra- or inter-node link."""
+    def link(self, inter_node: bool, flows: int = 1) -> tuple[float, float]:
+        """(bandwidth in bytes/s, latency in s) of an intra- or inter-node link; `flows`: how many
+        transfers leave the node at once, sharing its NICs (when it has any)."""
         if inter_node:
-            return self.inter_node_bandwidth_gbps * 1e9 / 8, self.inter_node_latency_us * 1e-6
+            gbps = self.inter_node_bandwidth_gbps
+            if self.nics_per_node:
+                gbps = min(gbps, self.nics_per_node * self.nic_bandwidth_gbps / max(flows, 1))
+            return gbps * 1e9 / 8, self.inter_node_latency_us * 1e-6
         return self.intra_node_bandwidth_gbps * 1e9 / 8, self.intra_node_latency_us * 1e-6
 
-    def transfer_time(self, nbytes: float, inter_node: bool) -> float:
-        bw, lat = self.link(inter_node)
+    def transfer_time(self, nbytes: float, inter_node: bool, flows: int = 1) -> float:
+        bw, lat = self.link(inter_node, flows)
         return lat + nbytes / bw
 
     def spans_nodes(self, ranks) -> bool:
         return len({self.node_of(r) for r in ranks}) > 1
 
-    def ring_time(self, nbytes: float, n: int, inter_node: bool) -> float:
-        """Ring all-reduce of `nbytes` over n ranks: 2(n-1)/n of the data over the slowest link."""
+    def ring_time(self, nbytes: float, n: int, inter_node: bool, flows: int = 1) -> float:
+        """Ring all-reduce of `nbytes` over n ranks: 2(n-1)/n of the data over the slowest link
+        (`flows` rings crossing one node at once share its NICs)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        bw, lat = self.link(inter_node)
+        bw, lat = self.link(inter_node, flows)
         return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * lat
 
     def allreduce_time(self, nbytes: float, ranks: list[int]) -> float:
@@ -83,6 +96,15 @@ class Topology:
             if not isinstance(value, (int, float)) or not value > 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be > 0, got {value!r}: give the "
                                 "accelerator's real value")
+        if not isinstance(self.nics_per_node, int) or isinstance(self.nics_per_node, bool) or \
+                self.nics_per_node < 0:
+            raise PlanError(f"--nics-per-node must be an integer >= 0 (0: no shared NICs), got "
+                            f"{self.nics_per_node!r}")
+        if self.nics_per_node and not (isinstance(self.nic_bandwidth_gbps, (int, float))
+                                       and self.nic_bandwidth_gbps > 0):
+            raise PlanError(f"--nic-bandwidth-gbps must be > 0 with --nics-per-node "
+                            f"{self.nics_per_node}, got {self.nic_bandwidth_gbps!r}: give each "
+                            "NIC's Gbit/s")
         for name in ("intra_node_latency_us", "inter_node_latency_us"):
             if getattr(self, name) < 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be >= 0, "

@@ -101,3 +101,42 @@ def test_gpipe_on_the_papers_case_is_out_of_memory():
     assert (gp.peak_in_flight[-1], fl.peak_in_flight[-1]) == (8, 1)
     assert gp.memory[-1]["activations"] == pytest.approx(
         8 * (fl.memory[-1]["activations"] + logits), rel=1e-9)
+
+
+PAPER_NICS = dict(V100_CLUSTER, nics_per_node=1, nic_bandwidth_gbps=25)
+
+
+def test_concurrent_flows_share_a_nodes_nics():
+    shared, alone = Topology(**PAPER_NICS), Topology(**V100_CLUSTER)
+    assert shared.link(True)[0] == alone.link(True)[0] == 25e9 / 8
+    assert shared.link(True, flows=8)[0] == pytest.approx(25e9 / 8 / 8)  # 3.125 Gbit/s each
+    assert alone.link(True, flows=8) == alone.link(True)  # no NICs given: the old meaning
+    assert shared.link(False, flows=8) == alone.link(False)  # NVLink is not shared
+    assert shared.ring_time(1e9, 8, True, 4) == pytest.approx(4 * alone.ring_time(1e9, 8, True),
+                                                              rel=1e-3)
+    for bad, match in (({"nics_per_node": -1}, "--nics-per-node must be an integer >= 0"),
+                       ({"nics_per_node": 1}, "--nic-bandwidth-gbps must be > 0")):
+        with pytest.raises(PlanError, match=match):
+            Topology(**bad).validate()
+
+
+@pytest.mark.parametrize("layout,p2p_flows,dp_flows", [
+    (Layout("2bw", 1, 8, 8, 1, 8, rank_order="tp-dp-pp"), 8, 1),   # a node = one stage's replicas
+    (Layout("2bw", 1, 8, 8, 1, 8, rank_order="tp-pp-dp"), 1, 8),   # a node = one whole pipeline
+    (Layout("2bw", 8, 8, 1, 1, 8), 8, 1),                          # every tensor rank sends
+])
+def test_the_cost_model_prices_shared_nics_by_the_layouts_concurrent_flows(layout, p2p_flows,
+                                                                           dp_flows):
+    model = named_model("gpt-2.2b")
+    setup, prof = Setup(model, "fp16"), AnalyticProfile.for_device("v100")
+    shared, alone = Topology(**PAPER_NICS), Topology(**V100_CLUSTER)
+    a = stage_plan(setup, layout, LayerTimes(setup, prof, alone), alone)
+    b = stage_plan(setup, layout, LayerTimes(setup, prof, shared), shared)
+    assert LayerTimes(setup, prof, shared).placement(layout)[4] == (p2p_flows, dp_flows)
+    for s, inter in enumerate(b.inter_node_p2p):
+        message = 2.0 * model.seq_length * model.hidden_size  # fp16, b=1
+        assert b.p2p[s] == pytest.approx(shared.transfer_time(message, inter, p2p_flows))
+        assert b.p2p[s] >= a.p2p[s]
+    assert b.allreduce[3] >= a.allreduce[3]  # a middle stage: no tied embedding
+    if dp_flows > 1:
+        assert b.allreduce[3] > a.allreduce[3] * (dp_flows - 0.5)
