@@ -138,13 +138,36 @@ def _style(run: str, schedule_delay) -> str:
     return "--" if same else "-"
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def loss_legend_title(n: int) -> str:
+    """What the smoothed curves and the final values are, for runs of `n` iterations."""
+    window, last = max(1, n // 20), max(1, int(round(n * 0.1)))
+    smoothing = (f"moving average over {window} iterations" if window > 1 else
+                 "no moving average (under 40 iterations)")
+    final = "the last iteration" if last == 1 else f"mean of the last {last} iterations"
+    return f"{smoothing}; final = {final}"
+
+
 def plot(path: str, curves: dict, summary: dict, title: str, schedule_delay) -> None:
+    """Write `figure(...)` to `path` (PNG)."""
+    fig = figure(curves, summary, title, schedule_delay)
+    import matplotlib.pyplot as plt
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(curves: dict, summary: dict, title: str, schedule_delay):
     """Training loss (raw and moving average), each run's smoothed relative difference to
     gpipe, and validation loss against seconds with gpipe's final validation loss marked.
-    `schedule_delay(run)` is the delay of the run's schedule (dashed when it equals gpipe's)."""
+    `schedule_delay(run)` is the delay of the run's schedule (dashed when it equals gpipe's).
+    Iteration axes have whole-number ticks."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     colours = dict(zip(curves, PALETTE))
     n = max(len(v) for v in curves.values())
     window = max(1, n // 20)
@@ -155,13 +178,14 @@ def plot(path: str, curves: dict, summary: dict, title: str, schedule_delay) -> 
     ax, bx = axes[0], axes[1]
     for s, ys in curves.items():
         xs = list(range(1, len(ys) + 1))
-        ax.plot(xs, ys, color=colours[s], alpha=0.25, lw=0.8)
+        if window > 1:  # the raw curve under the smoothed one
+            ax.plot(xs, ys, color=colours[s], alpha=0.25, lw=0.8)
         ax.plot(xs, smooth(ys, window), color=colours[s], lw=1.8,
                 ls=_style(s, schedule_delay),
                 label=f"{s}  (final {summary['final_loss'][s]:.4f})")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title(title, fontsize=9)
-    ax.legend(title=f"moving average over {window} iterations; final = mean of last 10%")
+    ax.legend(title=loss_legend_title(n))
     ax.grid(alpha=0.3)
     if BASELINE in curves:
         ref = smooth(curves[BASELINE], window)
@@ -177,6 +201,8 @@ def plot(path: str, curves: dict, summary: dict, title: str, schedule_delay) -> 
         bx.legend(fontsize=8, loc="upper right")
     bx.set_xlabel("iteration")
     bx.grid(alpha=0.3)
+    for axis in (ax, bx):
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     if rows == 3:
         cx = axes[2]
         for s, pts in validation.items():
@@ -191,8 +217,7 @@ def plot(path: str, curves: dict, summary: dict, title: str, schedule_delay) -> 
         cx.legend(fontsize=8, loc="upper right")
         cx.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def wrap(text: str, width: int) -> str:

@@ -77,13 +77,37 @@ def simulated(args):
     rows = []
     for s, tl in enumerate(res.timeline):
         rows.append((f"stage {s}", [(a0 * scale, a1 * scale, [a]) for a0, a1, a in tl]))
+    rows = _merge_comm(rows)
     title = (f"{args.schedule}  d={args.pipeline_stages}  m={args.num_microbatches}  "
              f"batches={args.batches}  |  makespan {res.makespan * scale:.4g} {unit.split()[0]}, "
-             f"bubble {100 * res.bubble:.1f}%, peak in flight {res.peak_in_flight}\n"
+             f"{bubble_text(rows, res.bubble)}, peak in flight {res.peak_in_flight}\n"
              f"simulated with {what}")
     if args.print:
         print(res.grid())
-    return _merge_comm(rows), unit, title
+    return rows, unit, title
+
+
+def steady_bubble(rows) -> float | None:
+    """The steady-state bubble: 1 - busy / period, where the period is the mean time between
+    the last row's consecutive optimizer steps (the last stage never waits for a drain) and busy
+    is a row's compute, step and reduction time per batch (mean over rows); None with fewer
+    than two batches (no steady state to measure). Fill and drain are not in it."""
+    steps = sorted(a1 for _, a1, acts in rows[-1][1] if acts[0].kind == A.STEP)
+    if len(steps) < 2 or steps[-1] <= steps[0]:
+        return None
+    period = (steps[-1] - steps[0]) / (len(steps) - 1)
+    busy = [sum(a1 - a0 for a0, a1, acts in ev if not acts[0].is_comm)
+            / max(1, sum(acts[0].kind == A.STEP for _, _, acts in ev)) for _, ev in rows]
+    return max(0.0, 1.0 - sum(busy) / len(busy) / period)
+
+
+def bubble_text(rows, idle: float | None = None) -> str:
+    """The title's words: the steady-state bubble, and the whole run's idle time (fill and
+    drain included) when known."""
+    steady = steady_bubble(rows)
+    text = ("steady-state bubble n/a (one batch: use --batches 2+)" if steady is None else
+            f"steady-state bubble {100 * steady:.1f}%")
+    return text + ("" if idle is None else f" (idle {100 * idle:.1f}% with fill and drain)")
 
 
 def cost_model_durations(args):
@@ -154,7 +178,7 @@ def traced(path: str, skip_windows: int = 0):
     sched = traces[0].get("schedule", "?")
     title = (f"engine trace {os.path.basename(path)}: {sched}, {len(traces)} ranks, "
              f"{end:.1f} ms" + (f" after the first {skip_windows} batches" if skip_windows
-                                else ""))
+                                else "") + f", {bubble_text(rows)}")
     return rows, "ms", title
 
 
@@ -176,7 +200,44 @@ def block_style(acts):
     return COLOURS[a.kind], f"{a.kind}{a.batch}"
 
 
+MAX_BATCHES = 3  # more batches than this: an automatic window of two steady-state batches
+
+
+def auto_window(rows) -> tuple | None:
+    """(start, end, first, last, batches) of two steady-state batches (the 2nd and 3rd optimizer
+    steps of the last row) when the rows hold more than MAX_BATCHES batches, else None."""
+    steps = sorted(a1 for _, a1, acts in rows[-1][1] if acts[0].kind == A.STEP)
+    if len(steps) <= MAX_BATCHES:
+        return None
+    return steps[0], steps[2], 2, 3, len(steps)
+
+
 def draw(rows, unit: str, title: str, out: str, window: tuple | None = None) -> str:
+    """Write `figure(...)` to `out` (PNG); returns `out`."""
+    fig = figure(rows, unit, title, window)
+    import matplotlib.pyplot as plt
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def legend_entries(drawn) -> list:
+    """(colour key, label) for what the drawn actions hold, and only that: a weight version
+    that never occurs (v1 under flush and gpipe) has no entry."""
+    keys = set()
+    for acts in drawn:
+        a = acts[0]
+        keys.add("p2p" if a.is_comm else (a.kind, min(a.version, 1)) if a.is_compute else a.kind)
+    names = [(("F", 0), "forward v0"), (("F", 1), "forward v1"), (("B", 0), "backward v0"),
+             (("B", 1), "backward v1"), ("S", "optimizer step S<batch>"),
+             ("R", "reduce R<batch>"), ("N", "norm/all-reduce N<batch>"),
+             ("p2p", "blocked in p2p")]
+    return [(k, label) for k, label in names if k in keys]
+
+
+def figure(rows, unit: str, title: str, window: tuple | None = None):
+    """The timeline as a matplotlib figure. With no `window` and more than MAX_BATCHES
+    batches it shows two steady-state batches (`auto_window`) and says so in the title."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -185,17 +246,23 @@ def draw(rows, unit: str, title: str, out: str, window: tuple | None = None) -> 
     events = [e for _, ev in rows for e in ev]
     start = min(e[0] for e in events)
     end = max(e[1] for e in events)
-    if window:
+    auto = None if window else auto_window(rows)
+    if auto:
+        start, end, first, last, batches = auto
+        title += (f"\nshowing batches {first}-{last} of {batches} (steady state; "
+                  f"--window START:END for another range)")
+    elif window:
         start, end = window
     span = max(end - start, 1e-9)
     computes = [e for e in events if e[2][0].is_compute and e[1] > e[0]]
     shortest = min((e[1] - e[0] for e in computes), default=span / 40)
     # wide enough that the shortest compute block can hold a two-digit label, within reason
     width = min(max(10.0, 0.3 * span / shortest + 2), 26.0)
-    height = 1.2 + 0.55 * len(rows)
+    height = max(1.2 + 0.55 * len(rows), 2.4)
     fig, ax = plt.subplots(figsize=(width, height))
     inch_per_unit = (width * 0.86) / span
     fontsize = 7
+    drawn = []
     for y, (_, ev) in enumerate(rows):
         for a0, a1, acts in ev:
             if a1 < start or a0 > end:
@@ -203,10 +270,12 @@ def draw(rows, unit: str, title: str, out: str, window: tuple | None = None) -> 
             colour, text = block_style(acts)
             a = acts[0]
             if a.is_comm:
-                if a1 - a0 > 0:
+                if a1 - a0 > 0:  # time blocked in p2p (none: nothing drawn, no legend entry)
+                    drawn.append(acts)
                     ax.broken_barh([(a0, a1 - a0)], (y + 0.30, 0.10), facecolors=colour,
                                    edgecolor="none")
                 continue
+            drawn.append(acts)
             w = a1 - a0
             if w <= 0:  # a zero-length action (R/N/S at duration 0): a thin marker
                 w = span / 500
@@ -228,20 +297,11 @@ def draw(rows, unit: str, title: str, out: str, window: tuple | None = None) -> 
     ax.set_xlabel(unit)
     ax.set_title(title, fontsize=9, loc="left")
     ax.grid(axis="x", alpha=0.25)
-    legend = [Patch(color=COLOURS[("F", 0)], label="forward v0"),
-              Patch(color=COLOURS[("F", 1)], label="forward v1"),
-              Patch(color=COLOURS[("B", 0)], label="backward v0"),
-              Patch(color=COLOURS[("B", 1)], label="backward v1"),
-              Patch(color=COLOURS["S"], label="optimizer step S<batch>"),
-              Patch(color=COLOURS["R"], label="reduce R<batch>"),
-              Patch(color=COLOURS["N"], label="norm/all-reduce N<batch>"),
-              Patch(color=COLOURS["p2p"], label="blocked in p2p")]
+    legend = [Patch(color=COLOURS[k], label=label) for k, label in legend_entries(drawn)]
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(0, -0.9 / height - 0.02),
               ncol=8, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return fig
 
 
 def _dark(acts) -> bool:
