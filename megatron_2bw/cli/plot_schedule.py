@@ -235,9 +235,11 @@ def legend_entries(drawn) -> list:
     return [(k, label) for k, label in names if k in keys]
 
 
-def figure(rows, unit: str, title: str, window: tuple | None = None):
+def figure(rows, unit: str, title: str, window: tuple | None = None, ax=None, xlim=None):
     """The timeline as a matplotlib figure. With no `window` and more than MAX_BATCHES
-    batches it shows two steady-state batches (`auto_window`) and says so in the title."""
+    batches it shows two steady-state batches (`auto_window`) and says so in the title.
+    `ax`: draw into this axes of an existing figure (its legend under it), `xlim`: the x range
+    (a shared time scale; default: the drawn range)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -259,8 +261,13 @@ def figure(rows, unit: str, title: str, window: tuple | None = None):
     # wide enough that the shortest compute block can hold a two-digit label, within reason
     width = min(max(10.0, 0.3 * span / shortest + 2), 26.0)
     height = max(1.2 + 0.55 * len(rows), 2.4)
-    fig, ax = plt.subplots(figsize=(width, height))
-    inch_per_unit = (width * 0.86) / span
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(width, height))
+    else:
+        fig = ax.figure
+        width, height = fig.get_size_inches()[0], ax.get_position().height * \
+            fig.get_size_inches()[1]
+    inch_per_unit = (width * 0.86) / ((xlim[1] - xlim[0]) if xlim else span)
     fontsize = 7
     drawn = []
     for y, (_, ev) in enumerate(rows):
@@ -293,7 +300,7 @@ def figure(rows, unit: str, title: str, window: tuple | None = None):
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([name for name, _ in rows])
     ax.set_ylim(len(rows) - 0.45, -0.6)
-    ax.set_xlim(start, end)
+    ax.set_xlim(*(xlim or (start, end)))
     ax.set_xlabel(unit)
     ax.set_title(title, fontsize=9, loc="left")
     ax.grid(axis="x", alpha=0.25)
