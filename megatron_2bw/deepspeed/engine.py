@@ -95,7 +95,8 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
         self._sync_initial_weights(grid)
         self._compute_loss, self._capture = True, None
         self._engine = PipelineEngine(cfg, grid, module.engine_specs(), self._loss, module.parts,
-                                      self.device, lr_schedule=self._lr_schedule())
+                                      self.device, lr_schedule=self._lr_schedule(),
+                                      dynamic_shape=module.dynamic_shape)
         module.attach_engine(self.grid, lambda: self._engine.module)
         self.num_stages, self.stage_id = grid.pipeline, grid.stage
         self.micro_batch_size = cfg.batch.micro_batch_size

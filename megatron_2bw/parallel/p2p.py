@@ -34,8 +34,22 @@ batches no receive allocates. The engine returns a buffer with `release` once it
 handed out again only when no send still in flight shares its storage (a stage whose output
 aliases its input sends the very buffer it received).
 
-A one-time shape/dtype handshake per run (`ensure_meta_sent` / `ensure_meta_received`, on the
-activation direction, before the first activation) lets receivers allocate buffers.
+Shapes. A shape/dtype handshake at the start of every run (`ensure_meta_sent` /
+`ensure_meta_received`, a blocking send/recv on the activation direction before the first
+activation) lets receivers allocate buffers. After that a receiver posts every activation receive
+with the last shapes its sender announced, so a sender whose output changes must say so without
+an extra message on the unchanged path and before the receiver posts anything sized by the old
+shapes. The engine names "header" microbatches (the first of every batch after the run's first;
+every microbatch under `dynamic_shape`): their first tensor travels with a tail of META_LEN int64
+(the sender's current shapes) in the same message, both sides knowing from the schedule alone
+which messages have it. While a header receive is unchecked nothing later is posted on that
+direction (`unverified`); the receiver checks the tail right before the forward (`verify`, the
+one host read per batch). Unchanged: the message was the data. Changed: that message, sized by
+the old shapes, was a notice, and the data follows in the new shapes in the same post; the
+receiver posts it and waits (the only extra message, and only when the shape changes). Gradients
+need nothing: a stage receives them with the shapes of its own outputs. A change at a microbatch
+without a header (within a batch, no `dynamic_shape`) cannot be announced: the sender refuses it
+in one line (`ShapeChangeError`) before posting anything, and its neighbours exit on its exit.
 """
 from __future__ import annotations
 
@@ -69,6 +83,41 @@ def decode_meta(meta: torch.Tensor) -> list[tuple[torch.Size, torch.dtype, bool]
     return out
 
 
+class ShapeChangeError(ValueError):
+    """A change of a stage's output that its receiver cannot be told about (one line)."""
+
+
+def signature(tensors) -> list:
+    """What the handshake and the headers describe: [(shape, dtype, requires_grad)] per tensor
+    (`decode_meta`'s form)."""
+    return [(t.shape, t.dtype, t.requires_grad) for t in tensors]
+
+
+def _tail(dtype: torch.dtype) -> int:
+    """Elements of `dtype` a header's META_LEN int64 take at the end of a first tensor."""
+    return META_LEN * 8 // torch.empty((), dtype=dtype).element_size()
+
+
+def with_header(t: torch.Tensor, header: torch.Tensor) -> torch.Tensor:
+    """`t` flattened, followed by `header`'s bytes (a copy: once per batch)."""
+    n = t.numel()
+    flat = torch.empty(n + _tail(t.dtype), dtype=t.dtype, device=t.device)
+    flat[:n].copy_(t.reshape(-1))
+    flat[n:].view(torch.uint8).copy_(header.view(torch.uint8))
+    return flat
+
+
+def read_header(flat: torch.Tensor, n: int) -> list:
+    """The shapes a header carries (`decode_meta`'s form) after the first `n` elements of `flat`
+    (a host read)."""
+    raw = flat[n:].view(torch.uint8).to("cpu", copy=True).view(torch.int64)
+    try:
+        return decode_meta(raw)
+    except (IndexError, ValueError) as e:
+        raise ShapeChangeError("the previous stage sent an activation header that is not one "
+                               f"({e}): both stages must run the same megatron_2bw") from None
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -84,15 +133,51 @@ class P2P:
 
     def reset(self) -> None:
         """Start of a run (training segment or evaluation): the handshake happens again."""
-        self.meta_sent = False
+        self.sent_meta: list | None = None  # what the next stage expects (signature's form)
+        self._header = None                 # encode_meta of sent_meta (made once per change)
         self.recv_meta: list | None = None
+        self.unverified = None              # the key of a header receive not checked yet
 
-    # -- handshake --------------------------------------------------------------------------------
+    @property
+    def shape_state(self) -> tuple:
+        """What `reset` clears (saved around an evaluation by the engine)."""
+        return self.sent_meta, self._header, self.recv_meta, self.unverified
+
+    @shape_state.setter
+    def shape_state(self, state: tuple) -> None:
+        self.sent_meta, self._header, self.recv_meta, self.unverified = state
+
+    # -- handshake and headers --------------------------------------------------------------------
     def ensure_meta_sent(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        if not self.meta_sent:
+        if self.sent_meta is None:
             self.comm.send(encode_meta(tensors, self.device), self.next,
                            self._group(self.next, gradients=False))
-            self.meta_sent = True
+            self.sent_meta = signature(tensors)
+
+    def activation_sends(self, tensors: tuple, outputs: tuple, header: bool, mb: int) -> list:
+        """The tensors that carry activation `tensors` (of graph `outputs`) to the next stage:
+        after the handshake the same ones; on a `header` microbatch the first with its tail, or,
+        if the shapes changed, a notice in the old shapes and then the tensors themselves."""
+        self.ensure_meta_sent(outputs)
+        sig = signature(outputs)
+        if sig == self.sent_meta:
+            if not header:
+                return [t.contiguous() for t in tensors]
+            if self._header is None:
+                self._header = encode_meta(outputs, self.device)
+            return [with_header(tensors[0], self._header)] + [t.contiguous() for t in tensors[1:]]
+        if not header:
+            raise ShapeChangeError(
+                f"stage output of microbatch {mb} changed within a batch, "
+                f"{[tuple(s) for s, _, _ in self.sent_meta]} -> {[tuple(t.shape) for t in outputs]}"
+                ": keep shapes constant within a batch, or pass dynamic_shape=True "
+                "(PipelineModule / PipelineEngine) to announce a change at every microbatch")
+        self._header = encode_meta(outputs, self.device)
+        old = [torch.empty(s, dtype=d, device=self.device) for s, d, _ in self.sent_meta]
+        self.sent_meta = sig
+        self._free.clear()  # buffers of the old shapes
+        notice = [with_header(old[0], self._header)] + old[1:]
+        return notice + [t.contiguous() for t in tensors]
 
     def ensure_meta_received(self) -> list:
         if self.recv_meta is None:
@@ -112,6 +197,32 @@ class P2P:
         engine sets it after the receive)."""
         return self._acquire(tuple((s, d) for s, d, _ in self.recv_meta))
 
+    def post_header_recv(self, key, peer: int) -> tuple[torch.Tensor, ...]:
+        """Post the receive of a header microbatch (the first tensor with its tail); returns the
+        activation's buffers (the first a view). `verify(key, ...)` waits for it."""
+        (s0, d0, _), rest = self.recv_meta[0], self.recv_meta[1:]
+        n = s0.numel()
+        posted = self._acquire((((n + _tail(d0),), d0),) + tuple((s, d) for s, d, _ in rest))
+        self.unverified = key
+        self.post_recv(key, posted, peer)
+        return (posted[0][:n].view(s0),) + posted[1:]  # (a view: `release` pools its base)
+
+    def verify(self, key, bufs: tuple) -> tuple:
+        """Wait for header receive `key` (posted into `bufs`) and check its shapes: the same,
+        `bufs`; changed, the receive of the data in the new shapes (posted and waited here)."""
+        self.unverified = None
+        self.wait_recv(key)
+        first = bufs[0]
+        meta = read_header(first._base if first._base is not None else first, first.numel())
+        if meta == self.recv_meta:
+            return bufs
+        self.recv_meta = meta
+        self._free.clear()  # buffers of the old shapes
+        bufs = self.activation_buffers()
+        self.post_recv(key, bufs, self.prev)
+        self.wait_recv(key)
+        return bufs
+
     def gradient_buffers(self, like: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Buffers for the gradients of `like` (this stage's outputs that require grad)."""
         return self._acquire(tuple((t.shape, t.dtype) for t in like))
@@ -130,6 +241,8 @@ class P2P:
         for t in buffers:
             t.grad = None
             t.requires_grad_(False)
+        if buffers and buffers[0]._base is not None:  # a header receive's (post_header_recv)
+            buffers = (buffers[0]._base,) + tuple(buffers[1:])
         key = tuple((t.shape, t.dtype) for t in buffers)
         self._free.setdefault(key, []).append(buffers)
 

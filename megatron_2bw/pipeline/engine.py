@@ -47,9 +47,11 @@ UNBOUNDED = 10 ** 9  # batches in a segment when the caller does not say how man
 class PipelineEngine(Interpreter):
     def __init__(self, cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
                  loss_fn: Callable, partition: list[int], device,
-                 lr_schedule: Callable[[int], float] | None = None):
+                 lr_schedule: Callable[[int], float] | None = None, *,
+                 dynamic_shape: bool = False):
         """`lr_schedule(iteration)` is the lr of that batch's step (default: the Config's
-        Megatron schedule, `optim.LRSchedule`)."""
+        Megatron schedule, `optim.LRSchedule`). Shapes may change between batches; with
+        `dynamic_shape` at any microbatch (parallel/p2p.py "Shapes")."""
         self.cfg, self.grid, self.loss_fn, self.device = cfg, grid, loss_fn, torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for the stash at every batch (host_memory.py)
@@ -78,15 +80,14 @@ class PipelineEngine(Interpreter):
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
         self._seeded = module.draws_random  # no dropout on this stage: no seeding at all
-        self.iteration = 0            # optimizer steps done == index of the next batch
-        self.schedule = None
+        self.iteration, self.schedule = 0, None  # optimizer steps done == the next batch
         self._plain_handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
                                 A.REDUCE: self._reduce, A.NORM: self._norm, A.STEP: self._step}
         self._handlers = self._plain_handlers
         self._clear_stash()
         self._clock = ActionClock(self.device)  # no host syncs: CUDA events on a GPU
-        self._timed = cfg.train.times_actions
-        self._comm_layout = comm_layout(cfg, grid, specs)
+        self._timed, self.dynamic_shape = cfg.train.times_actions, bool(dynamic_shape)
+        self._comm_layout = comm_layout(cfg, grid, specs, self.dynamic_shape)
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
@@ -121,7 +122,7 @@ class PipelineEngine(Interpreter):
         check_schedule(schedule)
         actions = schedule.window(self.stage, 0)
         saved = (self.inputs, self.outputs, self.act_out, self.grad_in, self.grad_out,
-                 self.p2p.meta_sent, self.p2p.recv_meta, self._early_receives)
+                 self.p2p.shape_state, self._early_receives, self._headers)
         self._plan_receives(schedule)
         self._clear_stash()
         self.p2p.reset()
@@ -134,7 +135,7 @@ class PipelineEngine(Interpreter):
         finally:
             module.train()
             (self.inputs, self.outputs, self.act_out, self.grad_in, self.grad_out,
-             self.p2p.meta_sent, self.p2p.recv_meta, self._early_receives) = saved
+             self.p2p.shape_state, self._early_receives, self._headers) = saved
             self._data = None
         return self.stepper.share_loss(self._eval[1])
 

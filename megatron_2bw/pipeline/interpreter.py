@@ -4,11 +4,13 @@ of F/B/R/N/S; the communication layer underneath is `parallel/p2p.py`.
 
 A communication group of the table (consecutive ra/sa/rg/sg) is run as:
 
-    1. its sends are posted (after the one-time shape handshake) and left to complete;
+    1. its sends are posted (after the run's shape handshake; a header microbatch's first tensor
+       with its tail, parallel/p2p.py "Shapes") and left to complete;
     2. its receives not yet posted are posted, in table order, into pooled buffers;
     3. the receives of the NEXT group of the window are posted too (early), in table order, as
        far as their shapes are known (activations: after the handshake; gradients: after the
-       microbatch's forward): they arrive while this stage computes. Only where the NCCL-order
+       microbatch's forward; none after a header receive not checked yet): they arrive while
+       this stage computes. Only where the NCCL-order
        validator proved it safe for this schedule and layout (`schedule/nccl_order.py`,
        `early_receives_safe`, asked once per schedule shape by `_plan_receives`); otherwise each
        receive is posted at its own group;
@@ -36,7 +38,8 @@ _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-red
                 A.NORM: "all-reduce", A.STEP: "optimizer"}
 
 
-def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec]) -> CommLayout:
+def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
+                dynamic_shape: bool = False) -> CommLayout:
     """What the NCCL-order validator replays for this run, the same on every rank: one tensor
     rank and at most 2 replicas (the tensor ranks of a stage, and its replicas, run the same
     program, so their collectives complete together: more of them can neither make nor break a
@@ -47,7 +50,8 @@ def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec]) -> CommL
         tied=grid.pipeline > 1 and any(sp.tied_key is not None for sp in specs),
         distributed_optimizer=cfg.parallel.distributed_optimizer,
         sequence_parallel=cfg.parallel.sequence_parallel and grid.tensor > 1,
-        compensation=compensation_method(cfg.compensation).predicts, views=True)
+        compensation=compensation_method(cfg.compensation).predicts, views=True,
+        dynamic_shape=dynamic_shape)
 
 
 class Interpreter:
@@ -57,12 +61,22 @@ class Interpreter:
     _idle_work = None  # a callable doing one piece of pending work; False when none is left
     _early_receives = True  # post the next group's receives early (`_plan_receives`)
     _comm_layout = None     # schedule.nccl_order.CommLayout of this run (the engine's)
+    dynamic_shape = False   # a shape header on every microbatch (not only at batch starts)
+    _headers = (1, 0)       # (period, first microbatch of the run): `_is_header`
 
     def _plan_receives(self, schedule) -> None:
         """Before running `schedule`: post receives early only if the NCCL-order validator
-        proved it safe on this layout (cached per schedule shape and layout: a dict lookup)."""
+        proved it safe on this layout (cached per schedule shape and layout: a dict lookup);
+        which microbatches carry a shape header (the first of every batch after the run's first,
+        or every one after the first under `dynamic_shape`)."""
         if self._comm_layout is not None:
             self._early_receives = early_receives_safe(schedule, self._comm_layout)
+        m = schedule.num_microbatches
+        self._headers = (1 if self.dynamic_shape else m, schedule.first_batch * m)
+
+    def _is_header(self, mb: int) -> bool:
+        period, first = self._headers
+        return mb % period == 0 and mb != first
 
     def _clear_stash(self) -> None:
         self.inputs: dict[int, tuple] = {}      # received activations (pooled buffers)
@@ -96,6 +110,8 @@ class Interpreter:
             i += 1
         if not self.p2p.idle:  # the window ends with nothing in flight
             token = clock.start() if clock is not None else None
+            if self.p2p.unverified is not None:
+                self._verify()
             self.p2p.drain()
             if clock is not None and groups:
                 lo, hi = groups[-1]
@@ -112,7 +128,10 @@ class Interpreter:
         if idle is not None:
             while not self.p2p.arrived(key) and idle():
                 pass
-        self.p2p.wait_recv(key)
+        if key == self.p2p.unverified:
+            self._verify()
+        else:
+            self.p2p.wait_recv(key)
         if clock is not None:
             clock.stop(token, "p2p", [A.Action(kind, mb=a.mb)] if clock.tracing else None)
 
@@ -120,9 +139,9 @@ class Interpreter:
         sends = []
         for a in group:
             if a.kind == A.SEND_ACT:
-                tensors = self.act_out.pop(a.mb)
-                self.p2p.ensure_meta_sent(self.outputs[a.mb])
-                sends += [(t.contiguous(), self.grid.next_rank) for t in tensors]
+                tensors = self.p2p.activation_sends(self.act_out.pop(a.mb), self.outputs[a.mb],
+                                                    self._is_header(a.mb), a.mb)
+                sends += [(t, self.grid.next_rank) for t in tensors]
             elif a.kind == A.SEND_GRAD:
                 sends += [(t.contiguous(), self.grid.prev_rank) for t in self.grad_out.pop(a.mb)]
         self.p2p.send(sends)  # first: a buffer that a send reads is not handed out below
@@ -140,11 +159,19 @@ class Interpreter:
         if a.kind == A.RECV_ACT:
             if a.mb in self.inputs:
                 return True
-            if self.p2p.recv_meta is None:
+            p2p, peer = self.p2p, self.grid.prev_rank
+            if p2p.recv_meta is None:
                 if early:
                     return False
-                self.p2p.ensure_meta_received()
-            bufs, peer = self.p2p.activation_buffers(), self.grid.prev_rank
+                p2p.ensure_meta_received()
+            if p2p.unverified is not None:  # its shapes decide this one's
+                if early:
+                    return False
+                self._verify()
+            if self._is_header(a.mb):
+                self.inputs[a.mb] = p2p.post_header_recv((a.kind, a.mb), peer)
+                return True
+            bufs = p2p.activation_buffers()
             self.inputs[a.mb] = bufs
         else:
             if a.mb in self.grad_in:
@@ -156,6 +183,11 @@ class Interpreter:
             self.grad_in[a.mb] = bufs
         self.p2p.post_recv((a.kind, a.mb), bufs, peer)
         return True
+
+    def _verify(self) -> None:
+        """Wait for the header receive not checked yet and take the shapes it carries."""
+        key = self.p2p.unverified
+        self.inputs[key[1]] = self.p2p.verify(key, self.inputs[key[1]])
 
     def _received_inputs(self, mb: int) -> tuple:
         """The activation of microbatch `mb`, its leaves requiring grad as the handshake said."""

@@ -7,10 +7,11 @@ action(s) the engine runs when it posts or waits. It mirrors, step for step:
     pipeline/interpreter.py  `_run` (a communication group; the wait for a receive right before
                              the forward/backward that consumes it; `drain` at the window's end),
                              `_communicate` (sends first, one batch per peer in rank order, the
-                             one-time shape handshake as a blocking send/recv; the group's
+                             run's shape handshake as a blocking send/recv; the group's
                              receives; the next group's receives early, in table order, while
                              their shapes are known; then the wait for all but the newest send)
-                             and `_post_recv` (one batch per receive);
+                             and `_post_recv` (one batch per receive; none on act-in after a
+                             header receive before its wait: p2p.py "Shapes", unchanged);
     parallel/p2p.py          activations on the pair's activation group (s -> s+1), gradients on
                              its gradient group (s+1 -> s): one group each under NCCL
                              (`split_pairs`), one shared group under gloo's layout;
@@ -61,6 +62,7 @@ class CommLayout:
     early_receives: bool = True         # post the next group's receives early
     lazy_p2p_init: bool = True          # a pair communicator's first post blocks both ranks
                                         # until both reach it (NCCL may create p2p lazily)
+    dynamic_shape: bool = False         # a shape header on every microbatch, not per batch
 
     def __post_init__(self):
         for name in ("tensor", "data"):
@@ -203,6 +205,9 @@ class _Rank:
     def new_segment(self):
         """`start()` / `eval_batch`: p2p.reset() and a clear stash."""
         self.meta_sent = self.meta_received = False
+        m = self.sched.num_microbatches  # header microbatches: Interpreter._is_header
+        self.headers = (1 if self.L.dynamic_shape else m, self.sched.first_batch * m)
+        self.unverified = None  # a header receive posted and not waited for
         self.inputs, self.grad_in, self.outputs = set(), set(), set()
         self.pending, self.sends = {}, []
         self.reductions, self.gathers, self.showing = {}, {}, False
@@ -225,11 +230,16 @@ class _Rank:
             if a.is_compute and self.pending:
                 key = (RECV_ACT if a.kind == FORWARD else RECV_GRAD, a.mb)
                 if key in self.pending:
+                    if key == self.unverified:
+                        self.unverified = None
                     self.wait([self.pending.pop(key)])
             self.handle(a, forward_only)
             i += 1
         if self.pending or self.sends:  # drain
             self.label = f"end of window ({actions[-1].label(self.s)})" if actions else "end"
+            if self.unverified in self.pending:  # Interpreter._verify first
+                self.wait([self.pending.pop(self.unverified)])
+            self.unverified = None
             for key in list(self.pending):
                 self.wait([self.pending.pop(key)])
             self.wait_sends(0)
@@ -270,6 +280,12 @@ class _Rank:
                 self.blocking("act-in", [("recv", self.prev, ("meta", -1))],
                               "shape handshake (recv)")
                 self.meta_received = True
+            if self.unverified is not None:  # Interpreter._verify
+                if early:
+                    return False
+                self.wait([self.pending.pop(self.unverified)])
+            period, first = self.headers
+            self.unverified = (a.kind, a.mb) if a.mb % period == 0 and a.mb != first else None
             self.inputs.add(a.mb)
             key, peer = "act-in", self.prev
         else:
