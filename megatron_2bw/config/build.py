@@ -25,8 +25,9 @@ from typing import Callable, NamedTuple
 
 from megatron_2bw.config import Config, Fixed
 from megatron_2bw.config.compat import notes as compat_notes
-from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.config.flags import config_from_args, schedule_given
 from megatron_2bw.config.ramps import resolve_ramp
+from megatron_2bw.schedule.kinds import default_schedule, one_stage_note, schedule_kind
 
 # typed flag -> the Config path it fixes (what --auto-plan keeps as given)
 FLAG_FIXES = {
@@ -106,9 +107,13 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
     if checkpoint is not None:
         cfg, line = _checkpoint_model(cfg, *checkpoint)
         notes.append(line)
+    explicit = schedule_given(args) or any(f.path == "schedule" for f in cfg.fixed)
+    if not explicit:  # the stage count may come from the DeepSpeed JSON
+        cfg = cfg.replace(schedule=default_schedule(cfg.parallel.pipeline))
     if planner is not None:
         cfg = planner(cfg)
     cfg = cfg.resolved(world_size)
+    notes += _one_stage_lines(cfg, explicit, planned=planner is not None)
     if cfg.parallel.sequence_parallel and cfg.parallel.tensor == 1:  # Megatron's behaviour
         notes.append("megatron-2bw: warning: --sequence-parallel needs "
                      "--tensor-model-parallel-size > 1: turned off (t = 1)")
@@ -120,6 +125,18 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
             raise ConfigError(f"--train-samples must be >= 1, got {samples}")
         cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
     return BuiltConfig(cfg.validate(world_size), deepspeed, tuple(notes))
+
+
+def _one_stage_lines(cfg: Config, explicit: bool, planned: bool) -> list[str]:
+    """With one pipeline stage: the line saying the default schedule is synchronous, or the
+    kind's warning when a schedule that delays the gradient was asked for."""
+    d = cfg.parallel.pipeline
+    if explicit:
+        warning = schedule_kind(cfg.schedule).one_stage_warning(d)
+        return [warning] if warning else []
+    if d == 1 and not planned:
+        return [one_stage_note(d)]
+    return []
 
 
 # the model settings --use-checkpoint-args takes from a checkpoint (Megatron's list, in our names)

@@ -11,10 +11,11 @@ from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK
                                  PrecisionConfig, TrainConfig)
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.config.compat import refusals
+from megatron_2bw.config.log_flags import add_observability_args
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
-from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, default_schedule
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -140,7 +141,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="default: world size / (tensor x pipeline), as Megatron derives it")
-    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
+                   help=f"default: {default_schedule(1)} at one pipeline stage (a delayed "
+                        f"gradient gains nothing there), else {DEFAULT_SCHEDULE}")
     g.add_argument("--2bw-compensation", dest="compensation", choices=method_names(),
                    default=NO_COMPENSATION,
                    help="2BW staleness compensation: predict = each batch runs forward and "
@@ -181,6 +184,12 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "writes the 2BW compensation's prediction in the step's pass)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="Megatron's: a separate lr for the input embedding and the output layer "
+                        "(both copies of a tied word embedding), on the same warmup and decay")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="the minimum of --decoupled-lr's decay (default: --min-lr; without "
+                        "--decoupled-lr it has no effect, as in Megatron)")
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
@@ -252,41 +261,6 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     add_observability_args(p)
 
 
-def add_observability_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("logging, profiling and numerics (Megatron's flags)")
-    g.add_argument("--tensorboard-dir", default=None,
-                   help="write the logged scalars as TensorBoard events here (last stage)")
-    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
-    g.add_argument("--tensorboard-log-interval", type=int, default=1,
-                   help="write the per-iteration scalars (lm loss, learning-rate, batch-size) "
-                        "every N iterations (Megatron's)")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="add the per-action wall-clock breakdown to TensorBoard")
-    g.add_argument("--profile", action="store_true",
-                   help="torch.profiler trace (Chrome/Perfetto JSON) of the iterations after "
-                        "--profile-step-start up to --profile-step-end, per rank of "
-                        "--profile-ranks, into {tensorboard-dir or save or .}/profile")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="accepted for Megatron scripts: --profile always uses torch.profiler")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
-    g.add_argument("--log-params-norm", action="store_true",
-                   help="add the L2 norm of all weights to each log line (`params norm`) and "
-                        "TensorBoard (`params-norm`): one all-reduce per log interval")
-    g.add_argument("--log-straggler", action="store_true",
-                   help="report every rank's compute and wait time per log interval and name "
-                        "the slowest rank when above --straggler-threshold")
-    g.add_argument("--straggler-threshold", type=float, default=20.0, metavar="PERCENT",
-                   help="name a rank whose compute time is this many percent above the median")
-    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_true", default=True,
-                   help="(default) stop at a non-finite loss or gradient norm (fp32/bf16; fp16 "
-                        "skips such steps), naming the iteration and the stages")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false")
-
-
 def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     """The typed config of parsed flags, as typed (not validated, not resolved for a world: the
     config pipeline, `config_pipeline.build_config`, does both)."""
@@ -331,7 +305,9 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         lr_decay_style=args.lr_decay_style, impl=getattr(args, "optimizer_impl", "auto"),
         lr_warmup_fraction=getattr(args, "lr_warmup_fraction", None),
         lr_warmup_samples=getattr(args, "lr_warmup_samples", 0),
-        lr_decay_samples=getattr(args, "lr_decay_samples", None))
+        lr_decay_samples=getattr(args, "lr_decay_samples", None),
+        decoupled_lr=getattr(args, "decoupled_lr", None),
+        decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
     precision = PrecisionConfig(
         dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
@@ -358,8 +334,20 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         log_params_norm=getattr(args, "log_params_norm", False),
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
-                  precision=precision, train=train, schedule=args.pipeline_schedule,
+                  precision=precision, train=train, schedule=schedule_of_args(args),
                   compensation=getattr(args, "compensation", NO_COMPENSATION))
+
+
+def schedule_given(args) -> bool:
+    """Whether the flags ask for a schedule (--2bw-compensation asks for 2BW)."""
+    return (getattr(args, "pipeline_schedule", None) is not None
+            or getattr(args, "compensation", NO_COMPENSATION) != NO_COMPENSATION)
+
+
+def schedule_of_args(args) -> str:
+    if not schedule_given(args):
+        return default_schedule(args.pipeline_model_parallel_size)
+    return args.pipeline_schedule or DEFAULT_SCHEDULE
 
 
 def recompute_from_args(args) -> tuple:

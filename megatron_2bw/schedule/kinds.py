@@ -116,6 +116,17 @@ class ScheduleKind:
     def in_flight(self, d: int, m: int, s: int) -> int:
         raise NotImplementedError
 
+    # ---- one pipeline stage ----
+    def one_stage_warning(self, d: int) -> str | None:
+        """A one-line warning when this kind, asked for explicitly, gains nothing with d stages:
+        a delayed (stale) gradient hides the pipeline's bubble, and one stage has none."""
+        if d != 1 or self.synchronous:
+            return None
+        return (f"megatron-2bw: warning: --pipeline-schedule {self.name} with one pipeline stage "
+                f"delays the gradient by {self.delay} step{'s' * (self.delay != 1)} for nothing (one stage has no "
+                f"pipeline bubble to hide): use --pipeline-schedule {default_schedule(1)} for "
+                "exact gradients at the same speed")
+
 
 class GPipe(ScheduleKind):
     name = "gpipe"
@@ -189,6 +200,19 @@ def schedule_kind(name) -> ScheduleKind:
     return kind
 
 
+def default_schedule(num_stages: int) -> str:
+    """The schedule when none is asked for: with one pipeline stage the synchronous flush (1F1B;
+    a stale gradient would buy nothing), else PipeDream-2BW."""
+    return Flush.name if num_stages == 1 else DEFAULT_SCHEDULE
+
+
+def one_stage_note(num_stages: int) -> str:
+    """The log line saying that the default schedule at one stage is synchronous."""
+    return (f"megatron-2bw: one pipeline stage: schedule {default_schedule(num_stages)} "
+            f"(synchronous, exact gradients; {DEFAULT_SCHEDULE} would only delay the gradient); "
+            "--pipeline-schedule chooses another")
+
+
 def kind_with_slots(num_slots: int) -> ScheduleKind:
     """The first training kind holding `num_slots` versions (bare tables: `Schedule.from_table`)."""
     for kind in _KINDS.values():
@@ -204,4 +228,5 @@ FORWARD_ONLY = ForwardOnly.name
 
 __all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "ForwardOnly", "register_kind",
            "schedule_names", "schedule_kind", "kind_with_slots", "DEFAULT_SCHEDULE",
+           "default_schedule", "one_stage_note",
            "FORWARD_ONLY", "DEFAULT_FIX"]
