@@ -46,7 +46,8 @@ which messages have it. While a header receive is unchecked nothing later is pos
 direction (`unverified`); the receiver checks the tail right before the forward (`verify`, the
 one host read per batch). Unchanged: the message was the data. Changed: that message, sized by
 the old shapes, was a notice, and the data follows in the new shapes in the same post; the
-receiver posts it and waits (the only extra message, and only when the shape changes). Gradients
+receiver posts it and waits (the only extra message, and only when the shape changes; the sender
+posted both together, so that wait needs nothing more from it and adds no cycle). Gradients
 need nothing: a stage receives them with the shapes of its own outputs. A change at a microbatch
 without a header (within a batch, no `dynamic_shape`) cannot be announced: the sender refuses it
 in one line (`ShapeChangeError`) before posting anything, and its neighbours exit on its exit.
@@ -111,11 +112,19 @@ def read_header(flat: torch.Tensor, n: int) -> list:
     """The shapes a header carries (`decode_meta`'s form) after the first `n` elements of `flat`
     (a host read)."""
     raw = flat[n:].view(torch.uint8).to("cpu", copy=True).view(torch.int64)
-    try:
-        return decode_meta(raw)
-    except (IndexError, ValueError) as e:
-        raise ShapeChangeError("the previous stage sent an activation header that is not one "
-                               f"({e}): both stages must run the same megatron_2bw") from None
+    v, i = raw.tolist(), 1
+    ok = 1 <= v[0] <= META_LEN // 3
+    for _ in range(v[0] if ok else 0):
+        end = i + 3 + v[i + 2] if i + 3 <= META_LEN and 0 <= v[i + 2] <= META_LEN else -1
+        ok = 0 < end <= META_LEN and 0 <= v[i] < len(_DTYPES) and v[i + 1] in (0, 1) \
+            and min(v[i + 3:end], default=0) >= 0
+        if not ok:
+            break
+        i = end
+    if not ok:
+        raise ShapeChangeError(f"the previous stage sent an activation header that is not one "
+                               f"({v[:8]}...): both stages must run the same megatron_2bw")
+    return decode_meta(raw)
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -47,9 +47,8 @@ import torch
 from torch import nn
 
 from megatron_2bw.optim.shard_layout import ShardLayout
-from megatron_2bw.pipeline.flags import FLAGS
+from megatron_2bw.pipeline.flag_names import TAIL  # loss, then one slot per control flag
 
-TAIL = 1 + len(FLAGS)  # loss, then one slot per control flag
 
 def _group(p: nn.Parameter, tied: dict) -> int:
     """Position class in the flat layout (see the module docstring)."""
