@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_2bw.config import ConfigError
+
 META_LEN = 64
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -84,8 +86,9 @@ def decode_meta(meta: torch.Tensor) -> list[tuple[torch.Size, torch.dtype, bool]
     return out
 
 
-class ShapeChangeError(ValueError):
-    """A change of a stage's output that its receiver cannot be told about (one line)."""
+class ShapeChangeError(ConfigError):
+    """A change of a stage's output that its receiver cannot be told about: one line naming the
+    setting that allows it (a ConfigError: the entry points print it without a traceback)."""
 
 
 def signature(tensors) -> list:
