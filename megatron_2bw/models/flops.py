@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.models.norms import norm_params, norm_stats_bytes
+from megatron_2bw.models.norm_sizes import norm_params, norm_stats_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ARCHS = ("gpt", "bert")

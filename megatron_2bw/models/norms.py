@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.norm_sizes import norm_params, norm_stats_bytes  # noqa: F401
 
 
 def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,14 +74,3 @@ def build_norm(cfg: ModelConfig, hidden_size: int | None = None) -> nn.Module:
     if cfg.apply_layernorm_1p:
         return LayerNorm1P(h, eps=cfg.layernorm_epsilon)
     return nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
-
-
-def norm_params(cfg: ModelConfig) -> int:
-    """Parameters of one normalization layer (models/flops.py counts with it)."""
-    return cfg.hidden_size * (1 if cfg.normalization == "RMSNorm" else 2)
-
-
-def norm_stats_bytes(cfg: ModelConfig, tokens: int) -> int:
-    """fp32 statistics one normalization layer keeps for the backward: LayerNorm's mean and
-    1/std, RMSNorm's 1/rms (the input is counted by the caller)."""
-    return tokens * (4 if cfg.normalization == "RMSNorm" else 8)

@@ -8,8 +8,17 @@ scaling (loss_scale.py) and Megatron's lr schedule (lr.py).
 Must not import: schedule, pipeline, models, tensor_parallel, parallel, data, checkpoint, training,
 planner, deepspeed, testing, pretrain, generate.
 """
-from megatron_2bw.optim.loss_scale import make_loss_scaler
-from megatron_2bw.optim.lr import LRSchedule
-from megatron_2bw.optim.optimizer import make_optimizer
+import importlib
+
+_EXPORTS = {"make_loss_scaler": "loss_scale", "LRSchedule": "lr", "make_optimizer": "optimizer"}
+
+
+def __getattr__(name: str):
+    """Load the torch-backed modules on first use (`optim.shard_layout` stays torch-free for the
+    planner)."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"megatron_2bw.optim.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'megatron_2bw.optim' has no attribute {name!r}")
+
 
 __all__ = ["LRSchedule", "make_loss_scaler", "make_optimizer"]

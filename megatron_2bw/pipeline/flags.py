@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-FLAGS = ("preempt", "exit_duration", "save_busy")
+from megatron_2bw.pipeline.flag_names import FLAGS  # noqa: F401 (torch-free, for the planner)
 
 
 class ControlFlags:

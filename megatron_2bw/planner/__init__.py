@@ -6,8 +6,9 @@
 
 `tools/plan.py` is the command line; `plan` (Config -> Config) serves `pretrain_gpt.py --auto-plan`.
 
-Owns: per-layer profiles (profile.py; GEMM efficiency by microbatch size: curve.py), the machine (topology.py), the cost of a layout
-(cost_model.py: durations, memory per stage), timing by replaying the engine's own schedule
+Owns: per-layer profiles (profile.py; GEMM efficiency by microbatch size: curve.py), the
+machine (topology.py; which links and how many flows a layout uses: placement.py), the cost of
+a layout (cost_model.py: durations; memory.py: memory per stage), timing by replaying the engine's own schedule
 tables (simulate.py), the search (search.py), --auto-plan (auto.py), the pre-start memory check
 (memory_check.py) and tools/plan.py (cli.py).
 Must not import: tensor_parallel, data, checkpoint, deepspeed, testing, pretrain, generate.

@@ -197,13 +197,26 @@ def run(argv=None, out=sys.stdout) -> int:
                   tensor_sizes=a.tensor_sizes, micro_batches=a.micro_batch_sizes,
                   exhaustive=a.exhaustive, arch=getattr(model, "family", "gpt"),
                   sequence_parallel=choice[a.sequence_parallel])
+    # one search: the best layout overall and the best of each distributed-optimizer choice
+    # (what the explanation compares with), when both are allowed
+    both = a.distributed_optimizer == "auto"
     result = search(model, topo, profile, a.global_batch_size, top_k=a.top,
-                    distributed_optimizer=choice[a.distributed_optimizer], **kwargs)
+                    distributed_optimizer=choice[a.distributed_optimizer],
+                    group=(lambda L: L.distributed_optimizer) if both else None, **kwargs)
     best = result.best
     flags = layout_flags(best.layout)
-    why = explain_distributed_optimizer(
-        best, lambda flag: search(model, topo, profile, a.global_batch_size, top_k=1,
-                                  distributed_optimizer=(flag,), **kwargs).best)
+
+    def best_with(flag: bool):
+        if both:
+            if flag in result.best_by:
+                return result.best_by[flag]
+            if flag not in result.smallest_by:
+                raise PlanError(f"no valid layout {'with' if flag else 'without'} it")
+            raise PlanError(f"does not fit: smallest footprint {result.smallest_by[flag]:.2f} GB "
+                            f"> {topo.usable_memory_gb:.2f} GB usable per GPU")
+        return search(model, topo, profile, a.global_batch_size, top_k=1,
+                      distributed_optimizer=(flag,), **kwargs).best
+    why = explain_distributed_optimizer(best, best_with)
     if a.json:
         json.dump({"chosen": best.to_dict(), "flags": flags, "distributed_optimizer": why,
                    "candidates": [e.to_dict() for e in result.ranked[:a.top]],

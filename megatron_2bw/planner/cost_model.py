@@ -46,14 +46,13 @@ from dataclasses import dataclass, field
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
 from megatron_2bw.models.partition import partition
-from megatron_2bw.optim.shard_layout import padded_numel
-from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
-                                                keeps_master)
-from megatron_2bw.pipeline.weights import TAIL
+from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
+from megatron_2bw.pipeline.flag_names import TAIL
+from megatron_2bw.planner.memory import (OPTIMIZER_COPIES, _kept, _recomputed,  # noqa: F401
+                                         activation_bytes, stage_memory, stage_params,
+                                         stage_tied, state_bytes)
 from megatron_2bw.planner.placement import placement
 from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind
-
-OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
 
 
 @dataclass(frozen=True)
@@ -110,98 +109,6 @@ class Setup:
     compensation: str = NO_COMPENSATION  # --2bw-compensation (memory: `state_bytes`)
 
 
-# ---- memory ----------------------------------------------------------------------------------
-
-
-def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam",
-                shards: int = 1, tied: int = 0, compensation: str = NO_COMPENSATION) -> dict:
-    """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
-    the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
-    which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
-    hold predictions keeps an fp32 master in fp32 runs too, sharded like the bf16/fp16 one; one
-    that keeps the latest gradient adds one fp32 copy to the optimizer state, sharded like it)."""
-    p = DTYPE_BYTES[dtype]
-    mixed = dtype != "fp32"
-    n = padded_numel(params, tied, shards) if shards > 1 else params
-    shard = n // shards
-    return {"weights": num_slots * n * p,
-            "master": shard * 4 if keeps_master(dtype, compensation) else 0,
-            "grads": num_slots * (n + TAIL) * 4,   # + loss and control flags
-            "model_grad": n * p if mixed else 0,
-            "optimizer": (OPTIMIZER_COPIES[optimizer]
-                          + compensation_method(compensation).keeps_grad) * shard * 4}
-
-
-def stage_tied(costs: list, lo: int, hi: int, d: int) -> int:
-    """Parameters of a cross-stage tied weight that stage [lo, hi) holds (0 when d == 1)."""
-    if d == 1:
-        return 0
-    return (costs[lo].tied_params if lo == 0 else 0) + \
-        (costs[-1].tied_params if hi == len(costs) else 0)
-
-
-def stage_params(costs: list, lo: int, hi: int, prefix: dict | None = None) -> int:
-    """Parameters of layers [lo, hi): a tied weight counted once when both users are here."""
-    n = prefix["params"][hi] - prefix["params"][lo] if prefix else \
-        sum(c.params for c in costs[lo:hi])
-    if lo == 0 and hi == len(costs):
-        n -= costs[-1].tied_params
-    return n
-
-
-def _recomputed(cost) -> bool:
-    """Megatron's full recomputation (and the engine's) covers the transformer layers only."""
-    return cost.name == "transformer"
-
-
-def activation_bytes(costs: list, lo: int, hi: int, recompute: bool, last: bool,
-                     prefix: dict | None = None, selective: bool = False) -> tuple:
-    """(bytes stashed per in-flight microbatch, extra working bytes once) for layers [lo, hi);
-    `recompute` full, `selective` core-attention recomputation."""
-    out = 0.0 if last else costs[hi - 1].output_bytes  # the stage output kept for the backward
-    col = "keep_rc" if recompute else ("keep_sel" if selective else "act")
-    if prefix:
-        kept = prefix[col][hi] - prefix[col][lo]
-    else:
-        kept = sum(_kept(c, recompute, selective) for c in costs[lo:hi])
-    working = "act_bytes" if recompute else "core_attention_bytes"
-    extra = max((getattr(c, working) for c in costs[lo:hi] if _recomputed(c)), default=0.0) \
-        if (recompute or selective) else 0.0
-    return kept + out, extra
-
-
-def _kept(cost, recompute: bool, selective: bool = False) -> float:
-    if recompute and _recomputed(cost):
-        return cost.input_bytes
-    if selective and _recomputed(cost):
-        return cost.act_bytes - cost.core_attention_bytes
-    return cost.act_bytes
-
-
-def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, stage: int,
-                 dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
-                 selective: bool = False, shards: int = 1,
-                 compensation: str = NO_COMPENSATION,
-                 logits_bytes: float = 0.0) -> tuple[dict, int]:
-    """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
-    "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
-    layout's sequence parallelism; `shards` is w with the distributed optimizer.
-    `logits_bytes` (one fp32 copy of a microbatch's logits): GPipe as it runs keeps, on its
-    last stage, the fp32 logits and their softmax for each of its m in-flight microbatches
-    until the backward (the head's activations count one fp32 copy, the softmax the loss's
-    backward reads; 1F1B schedules run that backward right after the forward)."""
-    kind = schedule_kind(schedule)
-    mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
-                      shards, stage_tied(costs, lo, hi, d), compensation)
-    per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
-    if kind.name == "gpipe" and hi == len(costs):
-        per_mb += logits_bytes  # the fp32 logits next to the softmax, per in-flight microbatch
-    peak = kind.in_flight(d, m, stage)
-    mem["activations"] = peak * per_mb + extra
-    mem["total"] = sum(mem.values())
-    return mem, peak
-
-
 # ---- the plan of one layout ------------------------------------------------------------------
 
 
@@ -229,10 +136,18 @@ class StagePlan:
         return (m * (self.fwd[stage] + self.bwd[stage]) + self.reduce[stage] + self.norm[stage]
                 + self.step[stage])
 
+    def comm_floor(self, stage: int) -> float:
+        """Time the stage is blocked in p2p per batch at least: each of its m microbatches needs
+        an activation received (stage > 0) and a gradient (stage < d - 1), a comm group holds at
+        most one of each and blocks the stage for its slowest op, so >= m x the slower link."""
+        d, s = self.layout.pipeline, stage
+        links = ([self.p2p[s - 1]] if s > 0 else []) + ([self.p2p[s]] if s < d - 1 else [])
+        return self.layout.num_microbatches * max(links, default=0.0)
+
     def lower_bound(self) -> float:
         """A time per batch no schedule run can beat (the prediction is never below it)."""
         d, m = self.layout.pipeline, self.layout.num_microbatches
-        bound = max(self.busy(s) for s in range(d))
+        bound = max(self.busy(s) + self.comm_floor(s) for s in range(d))
         if not self.layout.kind.flushes:
             return bound
         chain = 0.0  # flush/gpipe: the batch drains, so the first microbatch's round trip counts
@@ -296,7 +211,12 @@ class LayerTimes:
                     "keep_sel": [_kept(c, False, True) for c in costs],
                     "rc_fwd": [f if _recomputed(c) else 0.0 for c, f in zip(costs, fwd)],
                     "sel_fwd": [_selective_time(c, f) for c, f in zip(costs, fwd)]}
+            cols["n_rc"] = [1 if _recomputed(c) else 0 for c in costs]
             out = {}
+            layers = {(c.act_bytes, c.core_attention_bytes) for c in costs if _recomputed(c)}
+            if len(layers) == 1:  # one transformer spec: the working bytes of any range
+                a, core = layers.pop()
+                out["rc_max"] = {"act_bytes": a, "core_attention_bytes": core}
             for name, col in cols.items():
                 acc = [0]
                 for x in col:
@@ -350,6 +270,9 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     norm_ar = topology.ring_time(8.0, d * shards, mp_inter or (shards > 1 and any(dp_inter)))
     data = times.profile.data_time(b)  # the first and the last stage read each microbatch
     logits = 4.0 * b * setup.model.seq_length * setup.model.vocab_size / t  # fp32, per rank
+    # memory depends on neither the rank order nor the links: computed once for the others
+    mkey = ("mem", b, t, sp, L.schedule, d, m, L.recompute, L.selective, shards, tuple(bounds))
+    cached = times._cache.get(mkey)
     for s in range(d):
         lo, hi = bounds[s], bounds[s + 1]
         f = P["fwd"][hi] - P["fwd"][lo] + (data if s in (0, d - 1) else 0.0)
@@ -358,9 +281,9 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         rc += P["sel_fwd"][hi] - P["sel_fwd"][lo] if L.selective else 0.0
         bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)
         params = stage_params(costs, lo, hi, P)
-        mem, peak = stage_memory(costs, lo, hi, L.schedule, d, m, s, setup.dtype,
-                                 setup.optimizer, L.recompute, P, L.selective, shards,
-                                 setup.compensation, logits)
+        mem, peak = cached[s] if cached else stage_memory(
+            costs, lo, hi, L.schedule, d, m, s, setup.dtype, setup.optimizer, L.recompute, P,
+            L.selective, shards, setup.compensation, logits)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
@@ -378,6 +301,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         reduce_.append(0.0)
         norm.append(max(0.0, t_ar - overlap))
         step.append(times.profile.step_time(-(-params // shards)) + norm_ar + gather)
+    if not cached:
+        times._cache[mkey] = list(zip(memory, peaks))
     act = DTYPE_BYTES[setup.dtype] * b * setup.model.seq_length * setup.model.hidden_size
     act /= t if sp else 1  # sequence parallel: each tensor rank sends its chunk
     if setup.arch == "bert":

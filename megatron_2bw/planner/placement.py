@@ -15,14 +15,18 @@ have a member on one node (a ring leaves a node once per direction). On a topolo
 """
 from __future__ import annotations
 
-from megatron_2bw.parallel.grid import ProcessGrid
+
+
+def rank_of(tp: int, pp: int, dp: int, t: int, d: int, w: int, order: str) -> int:
+    """`parallel.grid.ProcessGrid.rank_of` without loading torch (a test compares the two)."""
+    return tp + t * (dp + w * pp) if order == "tp-dp-pp" else tp + t * (pp + d * dp)
 
 
 def placement(layout, topology) -> tuple:
-    t, d, w = layout.tensor, layout.pipeline, layout.data
-    grid = ProcessGrid(t, d, w, rank_order=layout.rank_order)
+    t, d, w, order = layout.tensor, layout.pipeline, layout.data, layout.rank_order
     node = topology.node_of
-    ranks = [[[grid.rank_of(i, s, j) for j in range(w)] for s in range(d)] for i in range(t)]
+    ranks = [[[rank_of(i, s, j, t, d, w, order) for j in range(w)] for s in range(d)]
+             for i in range(t)]
     nodes = [[node(r) for r in row] for row in ranks[0]]
     inter = [any(a != b for a, b in zip(nodes[c], nodes[c + 1])) for c in range(d - 1)]
     dp = [len(set(row)) > 1 for row in nodes]

@@ -46,6 +46,8 @@ class SearchResult:
     smallest_footprint_gb: float
     seconds: float
     topology: Topology = field(repr=False, default=None)
+    best_by: dict = field(default_factory=dict)       # group(layout) -> best Estimate
+    smallest_by: dict = field(default_factory=dict)   # group(layout) -> smallest footprint, GB
 
     @property
     def best(self) -> Estimate:
@@ -141,7 +143,11 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            rank_orders=RANK_ORDERS, top_k: int = 5, exhaustive: bool = False,
            arch: str = "gpt", pipeline_sizes=None, data_sizes=None,
            num_microbatches=None, distributed_optimizer=(False, True),
-           sequence_parallel=(False, True), compensation: str = NO_COMPENSATION) -> SearchResult:
+           sequence_parallel=(False, True), compensation: str = NO_COMPENSATION,
+           group=None) -> SearchResult:
+    """`group(layout) -> key`, when given, also finds the best layout of every group (in
+    `best_by`, as a search restricted to that group would; `smallest_by` for the footprints)
+    within the same branch and bound: no second search."""
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
@@ -149,7 +155,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     setup = Setup(model, dtype, optimizer, arch, compensation=compensation)
     times = LayerTimes(setup, profile, topology)
     usable = topology.usable_memory_gb * GB
-    considered, smallest, cands = 0, float("inf"), []
+    considered, smallest, cands, smallest_by, left = 0, float("inf"), [], {}, {}
     for layout in enumerate_layouts(model, topology, global_batch, schedules, recompute,
                                     tensor_sizes, micro_batches, rank_orders, pipeline_sizes,
                                     data_sizes, num_microbatches, distributed_optimizer,
@@ -157,8 +163,12 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
         considered += 1
         plan = stage_plan(setup, layout, times, topology)
         smallest = min(smallest, plan.max_memory)
+        g = group(layout) if group else None
+        if group:
+            smallest_by[g] = min(smallest_by.get(g, float("inf")), plan.max_memory / GB)
         if plan.max_memory <= usable:
             cands.append((plan.lower_bound(), len(cands), plan))
+            left[g] = left.get(g, 0) + 1
     if not considered:
         raise PlanError(f"no valid layout for {topology.num_gpus} GPUs, global batch "
                         f"{global_batch} "
@@ -172,18 +182,29 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
                         f"{topology.gpu_memory_gb:g} GB): add GPUs or memory, use bf16, "
                         "recomputation, the distributed optimizer or a smaller model")
     cands.sort(key=lambda c: (c[0], c[1]))
-    ranked, simulated = [], 0
+    ranked, simulated, best_by = [], 0, {}
+
+    def done(bound: float) -> bool:
+        if len(ranked) < top_k or bound <= ranked[top_k - 1].time_per_batch * (1 + 2 * TIE):
+            return False
+        return all(g in best_by and bound > best_by[g].time_per_batch * (1 + 2 * TIE)
+                   for g, n in left.items() if n and group)
     for bound, _, plan in cands:
-        if not exhaustive and len(ranked) >= top_k and \
-                bound > ranked[top_k - 1].time_per_batch * (1 + 2 * TIE):
+        if not exhaustive and done(bound):
             break
-        ranked.append(predict(plan))
+        est = predict(plan)
+        ranked.append(est)
         simulated += 1
         ranked.sort(key=_key)
+        if group:
+            g = group(plan.layout)
+            left[g] -= 1
+            if g not in best_by or _key(est) < _key(best_by[g]):
+                best_by[g] = est
     if not exhaustive:
         ranked = ranked[:top_k]
     return SearchResult(ranked, considered, len(cands), simulated, smallest / GB,
-                        time.perf_counter() - start, topology)
+                        time.perf_counter() - start, topology, best_by, smallest_by)
 
 
 __all__ = ["SCHEDULES", "RECOMPUTE", "SearchResult", "search", "enumerate_layouts", "divisors"]

@@ -65,11 +65,23 @@ class Estimate:
                 "peak_in_flight": self.plan.peak_in_flight, "source": self.source}
 
 
+_SCHEDULES: dict = {}  # (schedule, d, m, batches) -> Schedule: its table is generated once
+
+
+def _schedule(name: str, d: int, m: int, num_batches: int):
+    key = (name, d, m, num_batches)
+    if key not in _SCHEDULES:
+        if len(_SCHEDULES) > 256:
+            _SCHEDULES.clear()
+        _SCHEDULES[key] = make_schedule(name, d, m, num_batches)
+    return _SCHEDULES[key]
+
+
 def run_segment(plan: StagePlan, num_batches: int, m: int | None = None) -> SimResult:
     """Simulate `num_batches` batches of the layout's schedule with its durations."""
     L = plan.layout
     dur, comm = plan.durations()
-    sched = make_schedule(L.schedule, L.pipeline, m or L.num_microbatches, num_batches)
+    sched = _schedule(L.schedule, L.pipeline, m or L.num_microbatches, num_batches)
     return simulate(sched, dur, comm)
 
 

@@ -167,7 +167,10 @@ def detect_from_env(env=None) -> dict:
            or _first_int(env.get("SLURM_NTASKS_PER_NODE")))
     if gpn is None and env.get("CUDA_VISIBLE_DEVICES"):
         gpn = len([d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
-    if gpn is None and env is os.environ:
+    # torch (seconds to import) only where an NVIDIA driver is loaded: nothing to find elsewhere
+    cuda = env is os.environ and (os.path.exists("/proc/driver/nvidia/version")
+                                  or os.path.exists("/dev/nvidiactl"))
+    if gpn is None and cuda:
         try:
             import torch
             if torch.cuda.is_available():
@@ -176,7 +179,7 @@ def detect_from_env(env=None) -> dict:
             gpn = None
     if gpn:
         found["gpus_per_node"] = gpn
-    if env is os.environ:
+    if cuda:
         try:
             import torch
             if torch.cuda.is_available():

@@ -140,3 +140,61 @@ def test_the_cost_model_prices_shared_nics_by_the_layouts_concurrent_flows(layou
     assert b.allreduce[3] >= a.allreduce[3]  # a middle stage: no tied embedding
     if dp_flows > 1:
         assert b.allreduce[3] > a.allreduce[3] * (dp_flows - 0.5)
+
+
+PLAN_64 = ("--model gpt-3.8b --num-nodes 8 --gpus-per-node 8 --gpu-memory-gb 16 "
+           "--inter-node-bandwidth-gbps 25 --global-batch-size 512 --fp16 --top 1 --json")
+PLAN_4096 = ("--model gpt-13b --num-nodes 512 --gpus-per-node 8 --gpu-memory-gb 80 "
+             "--global-batch-size 4096 --bf16 --top 1 --json")
+
+
+@pytest.mark.parametrize("argv", [PLAN_64, PLAN_4096], ids=["64", "4096"])
+def test_plan_is_one_search_with_few_simulations(argv, monkeypatch):
+    """tools/plan.py's distributed-optimizer explanation comes out of the same search (one
+    call), and branch and bound simulates a handful of the thousands of layouts that fit; the
+    CPU time is printed, not asserted."""
+    import io
+    import json
+    import time
+
+    from megatron_2bw.planner import cli
+    calls = []
+
+    def counting(*a, **kw):
+        calls.append(kw.get("group") is not None)
+        return search(*a, **kw)
+    monkeypatch.setattr(cli, "search", counting)
+    t0, out = time.process_time(), io.StringIO()
+    assert cli.run(argv.split(), out) == 0
+    cpu = time.process_time() - t0
+    data = json.loads(out.getvalue())
+    print(f"{argv.split()[3]} nodes: {cpu:.2f} s CPU, {data['considered']} layouts, "
+          f"{data['fitting']} fit, {data['simulated']} simulated")
+    assert calls == [True]  # one search, grouped by the distributed optimizer
+    assert data["fitting"] > 1000 and data["simulated"] <= 40
+    assert data["distributed_optimizer"].startswith("distributed optimizer: ")
+
+
+def test_the_p2p_floor_prunes_a_slow_link():
+    """At 3.125 Gbit/s per GPU (the paper's NIC shared 8 ways) the lower bound counts each
+    microbatch's blocking receives: the search simulates far fewer layouts than fit, and its
+    choice equals the exhaustive one."""
+    model, topo = named_model("gpt-2.2b"), Topology(**dict(V100_CLUSTER,
+                                                           inter_node_bandwidth_gbps=3.125))
+    kw = dict(dtype="fp16", tensor_sizes=(1,), distributed_optimizer=(False,),
+              sequence_parallel=(False,), schedules=("2bw", "flush"), pipeline_sizes=(4, 8, 16),
+              micro_batches=(1, 2, 4))
+    fast = search(model, topo, AnalyticProfile(), 512, top_k=1, **kw)
+    print(f"{fast.fitting} fit, {fast.simulated} simulated")
+    assert fast.simulated < fast.fitting / 2  # without the p2p floor: 37 of 56
+    every = search(model, topo, AnalyticProfile(), 512, exhaustive=True, **kw)
+    assert every.best.layout == fast.best.layout
+
+
+def test_placement_rank_arithmetic_is_the_grids():
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.planner.placement import rank_of
+    for order in ("tp-dp-pp", "tp-pp-dp"):
+        grid = ProcessGrid(2, 3, 4, rank_order=order)
+        assert all(rank_of(i, s, j, 2, 3, 4, order) == grid.rank_of(i, s, j)
+                   for i in range(2) for s in range(3) for j in range(4))

@@ -1,0 +1,115 @@
+"""The memory of one pipeline stage: the engine's weight, gradient and optimizer buffers
+(`state_bytes`) and the activations its schedule keeps in flight (`stage_memory`); the cost
+model (cost_model.py) and the pre-start memory check (memory_check.py) both use it. The module
+docstring of cost_model.py says what is counted.
+"""
+from __future__ import annotations
+
+from megatron_2bw.models.flops import DTYPE_BYTES
+from megatron_2bw.optim.shard_layout import padded_numel
+from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
+                                                keeps_master)
+from megatron_2bw.pipeline.flag_names import TAIL
+from megatron_2bw.schedule.kinds import schedule_kind
+
+OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
+
+
+def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam",
+                shards: int = 1, tied: int = 0, compensation: str = NO_COMPENSATION) -> dict:
+    """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
+    the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
+    which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
+    hold predictions keeps an fp32 master in fp32 runs too, sharded like the bf16/fp16 one; one
+    that keeps the latest gradient adds one fp32 copy to the optimizer state, sharded like it)."""
+    p = DTYPE_BYTES[dtype]
+    mixed = dtype != "fp32"
+    n = padded_numel(params, tied, shards) if shards > 1 else params
+    shard = n // shards
+    return {"weights": num_slots * n * p,
+            "master": shard * 4 if keeps_master(dtype, compensation) else 0,
+            "grads": num_slots * (n + TAIL) * 4,   # + loss and control flags
+            "model_grad": n * p if mixed else 0,
+            "optimizer": (OPTIMIZER_COPIES[optimizer]
+                          + compensation_method(compensation).keeps_grad) * shard * 4}
+
+
+def stage_tied(costs: list, lo: int, hi: int, d: int) -> int:
+    """Parameters of a cross-stage tied weight that stage [lo, hi) holds (0 when d == 1)."""
+    if d == 1:
+        return 0
+    return (costs[lo].tied_params if lo == 0 else 0) + \
+        (costs[-1].tied_params if hi == len(costs) else 0)
+
+
+def stage_params(costs: list, lo: int, hi: int, prefix: dict | None = None) -> int:
+    """Parameters of layers [lo, hi): a tied weight counted once when both users are here."""
+    n = prefix["params"][hi] - prefix["params"][lo] if prefix else \
+        sum(c.params for c in costs[lo:hi])
+    if lo == 0 and hi == len(costs):
+        n -= costs[-1].tied_params
+    return n
+
+
+def _recomputed(cost) -> bool:
+    """Megatron's full recomputation (and the engine's) covers the transformer layers only."""
+    return cost.name == "transformer"
+
+
+def activation_bytes(costs: list, lo: int, hi: int, recompute: bool, last: bool,
+                     prefix: dict | None = None, selective: bool = False) -> tuple:
+    """(bytes stashed per in-flight microbatch, extra working bytes once) for layers [lo, hi);
+    `recompute` full, `selective` core-attention recomputation."""
+    out = 0.0 if last else costs[hi - 1].output_bytes  # the stage output kept for the backward
+    col = "keep_rc" if recompute else ("keep_sel" if selective else "act")
+    if prefix:
+        kept = prefix[col][hi] - prefix[col][lo]
+    else:
+        kept = sum(_kept(c, recompute, selective) for c in costs[lo:hi])
+    extra = 0.0
+    if recompute or selective:
+        working = "act_bytes" if recompute else "core_attention_bytes"
+        if prefix and "n_rc" in prefix and prefix["n_rc"][hi] == prefix["n_rc"][lo]:
+            pass  # no transformer layer here (the prefix counts them)
+        elif prefix and "rc_max" in prefix:
+            extra = prefix["rc_max"][working]  # every transformer layer is the same spec
+        else:
+            extra = max((getattr(c, working) for c in costs[lo:hi] if _recomputed(c)),
+                        default=0.0)
+    return kept + out, extra
+
+
+def _kept(cost, recompute: bool, selective: bool = False) -> float:
+    if recompute and _recomputed(cost):
+        return cost.input_bytes
+    if selective and _recomputed(cost):
+        return cost.act_bytes - cost.core_attention_bytes
+    return cost.act_bytes
+
+
+def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, stage: int,
+                 dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
+                 selective: bool = False, shards: int = 1,
+                 compensation: str = NO_COMPENSATION,
+                 logits_bytes: float = 0.0) -> tuple[dict, int]:
+    """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
+    "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
+    layout's sequence parallelism; `shards` is w with the distributed optimizer.
+    `logits_bytes` (one fp32 copy of a microbatch's logits): GPipe as it runs keeps, on its
+    last stage, the fp32 logits and their softmax for each of its m in-flight microbatches
+    until the backward (the head's activations count one fp32 copy, the softmax the loss's
+    backward reads; 1F1B schedules run that backward right after the forward)."""
+    kind = schedule_kind(schedule)
+    mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
+                      shards, stage_tied(costs, lo, hi, d), compensation)
+    per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
+    if kind.name == "gpipe" and hi == len(costs):
+        per_mb += logits_bytes  # the fp32 logits next to the softmax, per in-flight microbatch
+    peak = kind.in_flight(d, m, stage)
+    mem["activations"] = peak * per_mb + extra
+    mem["total"] = sum(mem.values())
+    return mem, peak
+
+
+__all__ = ["OPTIMIZER_COPIES", "state_bytes", "stage_tied", "stage_params", "activation_bytes",
+           "stage_memory"]
