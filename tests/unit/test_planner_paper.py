@@ -198,3 +198,23 @@ def test_placement_rank_arithmetic_is_the_grids():
         grid = ProcessGrid(2, 3, 4, rank_order=order)
         assert all(rank_of(i, s, j, 2, 3, 4, order) == grid.rank_of(i, s, j)
                    for i in range(2) for s in range(3) for j in range(4))
+
+
+def test_a_comm_group_holds_at_most_one_receive_of_each_kind():
+    """What `StagePlan.comm_floor` relies on, for every generated table."""
+    from megatron_2bw.schedule.tables import make_schedule
+    groups = 0
+    for name in ("2bw", "flush", "gpipe"):
+        for d in (2, 3, 4, 8):
+            for m in (d, d + 1, 2 * d):
+                sched = make_schedule(name, d, m, 4)
+                for s in range(d):
+                    run = []
+                    for a in sched.actions(s) + [None]:
+                        if a is not None and a.is_comm:
+                            run.append(a.kind)
+                        elif run:
+                            groups += 1
+                            assert run.count("ra") <= 1 and run.count("rg") <= 1, (name, d, m, s)
+                            run = []
+    assert groups > 1000
