@@ -172,9 +172,11 @@ def run(argv=None, out=sys.stdout) -> int:
         prof = measure_profile(model, a.profile_micro_batches, dtype, threads=a.profile_threads)
         save_profile(prof, a.profile_out)
         fwd = prof.layers["transformer"][a.profile_micro_batches[-1]][0]
+        alpha, beta = prof.curve()  # its own GEMM-efficiency curve: t(b) = alpha + beta*b
+        half = alpha / beta * model.seq_length if beta > 0 else 0.0
         print(f"wrote {a.profile_out}: {prof.device}, micro batches "
-              f"{list(a.profile_micro_batches)}, transformer layer forward {fwd * 1e3:.3g} ms",
-              file=out)
+              f"{list(a.profile_micro_batches)}, transformer layer forward {fwd * 1e3:.3g} ms; "
+              f"fitted curve: half efficiency at {half:.0f} tokens per microbatch", file=out)
         return 0
     if a.global_batch_size is None:
         raise PlanError("--global-batch-size is required: the planner keeps it fixed")

@@ -174,8 +174,10 @@ def test_cli_table_and_json():
 def test_cli_measured_profile_round_trip(tmp_path):
     path = str(tmp_path / "cpu.json")
     shape = "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 8 --vocab-size 64"
+    said = io.StringIO()
     assert plan_run(f"{shape} --profile-out {path} --profile-micro-batches 1,2".split(),
-                    io.StringIO()) == 0
+                    said) == 0
+    assert "fitted curve: half efficiency at" in said.getvalue()
     out = io.StringIO()
     assert plan_run(f"{shape} --profile {path} --num-gpus 2 --gpu-memory-gb 1 "
                     "--global-batch-size 8 --json".split(), out) == 0
