@@ -48,10 +48,10 @@ class PipelineEngine(Interpreter):
     def __init__(self, cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
                  loss_fn: Callable, partition: list[int], device,
                  lr_schedule: Callable[[int], float] | None = None, *,
-                 dynamic_shape: bool = False):
+                 dynamic_shape: bool | str = False):
         """`lr_schedule(iteration)` is the lr of that batch's step (default: the Config's
         Megatron schedule, `optim.LRSchedule`). Shapes may change between batches; with
-        `dynamic_shape` at any microbatch (parallel/p2p.py "Shapes")."""
+        `dynamic_shape` at any microbatch; "fixed": never (schedule.actions.SHAPE_MODES)."""
         self.cfg, self.grid, self.loss_fn, self.device = cfg, grid, loss_fn, torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for the stash at every batch (host_memory.py)
@@ -86,8 +86,8 @@ class PipelineEngine(Interpreter):
         self._handlers = self._plain_handlers
         self._clear_stash()
         self._clock = ActionClock(self.device)  # no host syncs: CUDA events on a GPU
-        self._timed, self.dynamic_shape = cfg.train.times_actions, bool(dynamic_shape)
-        self._comm_layout = comm_layout(cfg, grid, specs, self.dynamic_shape)
+        self._timed, self.shapes = cfg.train.times_actions, A.shape_mode(dynamic_shape)
+        self._comm_layout = comm_layout(cfg, grid, specs, self.shapes)
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:

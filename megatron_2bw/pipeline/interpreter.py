@@ -39,7 +39,7 @@ _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-red
 
 
 def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
-                dynamic_shape: bool = False) -> CommLayout:
+                shapes: str = "batch") -> CommLayout:
     """What the NCCL-order validator replays for this run, the same on every rank: one tensor
     rank and at most 2 replicas (the tensor ranks of a stage, and its replicas, run the same
     program, so their collectives complete together: more of them can neither make nor break a
@@ -51,7 +51,7 @@ def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
         distributed_optimizer=cfg.parallel.distributed_optimizer,
         sequence_parallel=cfg.parallel.sequence_parallel and grid.tensor > 1,
         compensation=compensation_method(cfg.compensation).predicts, views=True,
-        dynamic_shape=dynamic_shape)
+        shapes=shapes)
 
 
 class Interpreter:
@@ -61,22 +61,20 @@ class Interpreter:
     _idle_work = None  # a callable doing one piece of pending work; False when none is left
     _early_receives = True  # post the next group's receives early (`_plan_receives`)
     _comm_layout = None     # schedule.nccl_order.CommLayout of this run (the engine's)
-    dynamic_shape = False   # a shape header on every microbatch (not only at batch starts)
+    shapes = "batch"        # schedule.actions.SHAPE_MODES: which microbatches carry a header
     _headers = (1, 0)       # (period, first microbatch of the run): `_is_header`
 
     def _plan_receives(self, schedule) -> None:
         """Before running `schedule`: post receives early only if the NCCL-order validator
         proved it safe on this layout (cached per schedule shape and layout: a dict lookup);
-        which microbatches carry a shape header (the first of every batch after the run's first,
-        or every one after the first under `dynamic_shape`)."""
+        which microbatches carry a shape header (`shapes`: schedule.actions.header_period)."""
         if self._comm_layout is not None:
             self._early_receives = early_receives_safe(schedule, self._comm_layout)
         m = schedule.num_microbatches
-        self._headers = (1 if self.dynamic_shape else m, schedule.first_batch * m)
+        self._headers = (A.header_period(self.shapes, m), schedule.first_batch * m)
 
     def _is_header(self, mb: int) -> bool:
-        period, first = self._headers
-        return mb % period == 0 and mb != first
+        return A.is_header(*self._headers, mb)
 
     def _clear_stash(self) -> None:
         self.inputs: dict[int, tuple] = {}      # received activations (pooled buffers)

@@ -112,6 +112,33 @@ def S(batch: int) -> Action:
     return Action(STEP, batch=batch)
 
 
+# Which activation messages carry a shape header (parallel/p2p.py "Shapes"), by how a run's
+# shapes may change: "fixed" never (the pretrain scripts: every batch is [b, --seq-length]; no
+# header, a change is refused in one line), "batch" between batches (DeepSpeed's default: the
+# first microbatch of every batch after the run's first), "microbatch" at any microbatch
+# (DeepSpeed's dynamic_shape=True: every one after the run's first).
+SHAPE_MODES = ("fixed", "batch", "microbatch")
+
+
+def shape_mode(dynamic_shape) -> str:
+    """A SHAPE_MODES name from DeepSpeed's dynamic_shape (True/False) or a mode's name."""
+    if isinstance(dynamic_shape, str):
+        if dynamic_shape not in SHAPE_MODES:
+            raise ValueError(f"unknown shape mode {dynamic_shape!r}: use one of {SHAPE_MODES}")
+        return dynamic_shape
+    return "microbatch" if dynamic_shape else "batch"
+
+
+def header_period(mode: str, m: int) -> int:
+    """Microbatches between two headers for `mode` at m microbatches per batch (0: none)."""
+    return {"fixed": 0, "batch": m, "microbatch": 1}[mode]
+
+
+def is_header(period: int, first: int, mb: int) -> bool:
+    """Whether microbatch `mb` carries a header (`first`: the run's first microbatch)."""
+    return bool(period) and mb % period == 0 and mb != first
+
+
 def parse(text: str) -> Action:
     """Inverse of str(action): 'F3v0', 'ra3', 'S2'."""
     for kind in sorted(ALL_KINDS, key=len, reverse=True):

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_2bw.schedule.actions import (BACKWARD, FORWARD, NORM, RECV_ACT, RECV_GRAD, REDUCE,
-                                           SEND_ACT, SEND_GRAD, STEP)
+                                           SEND_ACT, SEND_GRAD, STEP, header_period, is_header)
 
 POST, WAIT = "post", "wait"
 INIT = "communicator init"  # what the first use of a pair communicator is (lazy_p2p_init)
@@ -62,7 +62,7 @@ class CommLayout:
     early_receives: bool = True         # post the next group's receives early
     lazy_p2p_init: bool = True          # a pair communicator's first post blocks both ranks
                                         # until both reach it (NCCL may create p2p lazily)
-    dynamic_shape: bool = False         # a shape header on every microbatch, not per batch
+    shapes: str = "batch"               # which microbatches carry a header (actions.SHAPE_MODES)
 
     def __post_init__(self):
         for name in ("tensor", "data"):
@@ -206,7 +206,7 @@ class _Rank:
         """`start()` / `eval_batch`: p2p.reset() and a clear stash."""
         self.meta_sent = self.meta_received = False
         m = self.sched.num_microbatches  # header microbatches: Interpreter._is_header
-        self.headers = (1 if self.L.dynamic_shape else m, self.sched.first_batch * m)
+        self.headers = (header_period(self.L.shapes, m), self.sched.first_batch * m)
         self.unverified = None  # a header receive posted and not waited for
         self.inputs, self.grad_in, self.outputs = set(), set(), set()
         self.pending, self.sends = {}, []
@@ -284,8 +284,7 @@ class _Rank:
                 if early:
                     return False
                 self.wait([self.pending.pop(self.unverified)])
-            period, first = self.headers
-            self.unverified = (a.kind, a.mb) if a.mb % period == 0 and a.mb != first else None
+            self.unverified = (a.kind, a.mb) if is_header(*self.headers, a.mb) else None
             self.inputs.add(a.mb)
             key, peer = "act-in", self.prev
         else:

@@ -42,7 +42,8 @@ def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEn
     """The configured model's stage on this rank, run by `engine_class` (a PipelineEngine);
     `lr_schedule` (iteration -> lr) replaces the Config's Megatron schedule when given."""
     specs, loss_fn, partition = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
-    return engine_class(cfg, grid, specs, loss_fn, partition, device, lr_schedule=lr_schedule)
+    return engine_class(cfg, grid, specs, loss_fn, partition, device, lr_schedule=lr_schedule,
+                        dynamic_shape="fixed")  # every batch [b, seq]: no shape headers
 
 
 def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_batch: int = 0):

@@ -149,7 +149,8 @@ def test_the_engine_posts_and_waits_as_the_validator_replays(schedule, extra, tm
     rep = run(cfg, timeout_minutes=2, engine_class=RecordingEngine)
     assert rep.passed(1e-5) and not rep.problems, rep
     layout = CommLayout(data=w, distributed_optimizer="--use-distributed-optimizer" in extra,
-                        compensation="--2bw-compensation" in extra)
+                        compensation="--2bw-compensation" in extra,
+                        shapes="fixed")  # build_engine's: every batch [b, seq], no headers
     grid = ProcessGrid(1, d, w)
     for r in range(d * w):
         rank, want = _model(cfg, grid.coords(r), layout)
