@@ -39,8 +39,10 @@ Shapes. A shape/dtype handshake at the start of every run (`ensure_meta_sent` /
 activation) lets receivers allocate buffers. After that a receiver posts every activation receive
 with the last shapes its sender announced, so a sender whose output changes must say so without
 an extra message on the unchanged path and before the receiver posts anything sized by the old
-shapes. The engine names "header" microbatches (the first of every batch after the run's first;
-every microbatch under `dynamic_shape`): their first tensor travels with a tail of META_LEN int64
+shapes. The engine names "header" microbatches (schedule.actions.SHAPE_MODES: none for the
+pretrain scripts, whose batches all have one shape; the first of every batch after the run's
+first, DeepSpeed's default; every microbatch under `dynamic_shape`): their first tensor travels
+with a tail of META_LEN int64
 (the sender's current shapes) in the same message, both sides knowing from the schedule alone
 which messages have it. While a header receive is unchecked nothing later is posted on that
 direction (`unverified`); the receiver checks the tail right before the forward (`verify`, the
