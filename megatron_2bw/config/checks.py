@@ -160,6 +160,10 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(error)
     if o.lr < 0 or o.min_lr < 0:
         _fail(f"learning rates must be >= 0, got --lr {o.lr} --min-lr {o.min_lr}")
+    for flag, value in (("--decoupled-lr", o.decoupled_lr),
+                        ("--decoupled-min-lr", o.decoupled_min_lr)):
+        if value is not None and value < 0:
+            _fail(f"{flag} must be >= 0, got {value}")
     if o.clip_grad < 0:
         _fail(f"--clip-grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     if o.weight_decay < 0:

@@ -130,10 +130,6 @@ NEUTRAL = {
                                                 "the interleaved (virtual pipeline) schedule"),
     "--virtual-pipeline-model-parallel-size": (dict(type=int, default=None), None,
                                                "the interleaved (virtual pipeline) schedule"),
-    "--decoupled-lr": (dict(type=float, default=None), None,
-                       "a separate learning rate for the embedding and output layer"),
-    "--decoupled-min-lr": (dict(type=float, default=None), None,
-                           "a separate learning rate for the embedding and output layer"),
     "--fp8-format": (dict(choices=("e4m3", "hybrid"), default=None), None, "fp8 training"),
     "--fp8-recipe": (dict(default=None), None, "fp8 training"),
     "--fp8-margin": (dict(type=int, default=0), 0, "fp8 training"),
@@ -176,8 +172,6 @@ INSTEAD = {
     "context parallelism": "use --context-parallel-size 1 (shorter sequences per rank need "
                            "tensor or pipeline parallelism here)",
     "the interleaved (virtual pipeline) schedule": "use --pipeline-schedule 2bw, flush or gpipe",
-    "a separate learning rate for the embedding and output layer":
-        "drop --decoupled-lr/--decoupled-min-lr (every parameter steps at --lr)",
 }
 
 

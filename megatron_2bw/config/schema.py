@@ -166,6 +166,11 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = None
     lr_warmup_samples: int = 0
     lr_decay_samples: int | None = None
+    # Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding and the output layer
+    # step at their own lr, between these bounds on the same warmup and decay (optim/lr.py);
+    # None: --lr (the min: --min-lr)
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
 
 
 @dataclass(frozen=True)

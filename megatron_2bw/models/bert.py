@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
-from megatron_2bw.models.gpt import TIED_KEY, gpt_partition, learned_positions, tied_init
+from megatron_2bw.models.gpt import (TIED_KEY, gpt_partition, learned_positions,
+                                     mark_embedding_or_output, tied_init)
 from megatron_2bw.models.norms import build_norm
 from megatron_2bw.models.stage import LayerSpec
 from megatron_2bw.models.transformer import (SequenceDropout, TransformerLayer,
@@ -32,6 +33,7 @@ class BertEmbedding(nn.Module):
         self.tp = tp
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, std)
+        mark_embedding_or_output(self.word_embeddings.weight)
         self.position_embeddings = learned_positions(cfg, init=False)
         self.tokentype_embeddings = nn.Embedding(cfg.num_tokentypes, cfg.hidden_size)
         for emb in (self.position_embeddings, self.tokentype_embeddings):
@@ -64,7 +66,7 @@ class BertHeads(nn.Module):
         mark_sequence_parallel(self.final_layernorm)
         self.lm_dense = nn.Linear(h, h)
         self.lm_layernorm = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
-        self.weight = sharded_normal((cfg.vocab_size, h), std, 0, tp)
+        self.weight = mark_embedding_or_output(sharded_normal((cfg.vocab_size, h), std, 0, tp))
         self.lm_bias = set_partition_attrs(nn.Parameter(torch.zeros(cfg.vocab_size // tp.size)), 0)
         if self.binary:
             self.pooler = nn.Linear(h, h)

@@ -29,6 +29,13 @@ from megatron_2bw.tensor_parallel.layers import sharded_normal
 TIED_KEY = "word_embeddings"
 
 
+def mark_embedding_or_output(param: nn.Parameter) -> nn.Parameter:
+    """Megatron's `is_embedding_or_output_parameter`: the input word embedding and the output
+    layer, which --decoupled-lr steps at their own lr (optim/lr.py)."""
+    param.is_embedding_or_output_parameter = True
+    return param
+
+
 def tied_init(cfg: ModelConfig, tp: TPGroup):
     """Re-initialize a (sharded) tied embedding from the current RNG, identically on every stage."""
     def init(param: torch.Tensor) -> None:
@@ -45,6 +52,7 @@ class GPTEmbedding(nn.Module):
         self.tp = tp
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp,
                                                       cfg.init_method_std)
+        mark_embedding_or_output(self.word_embeddings.weight)
         self.position_embeddings = learned_positions(cfg)
         self.dropout = SequenceDropout(cfg.hidden_dropout, tp, tracker)
         self.reset_after = cfg.eod_token if cfg.reset_position_ids else None
@@ -87,7 +95,8 @@ class GPTHead(nn.Module):
         self.tp = tp
         self.final_layernorm = build_norm(cfg)
         mark_sequence_parallel(self.final_layernorm)
-        self.weight = sharded_normal((cfg.vocab_size, cfg.hidden_size), cfg.init_method_std, 0, tp)
+        self.weight = mark_embedding_or_output(
+            sharded_normal((cfg.vocab_size, cfg.hidden_size), cfg.init_method_std, 0, tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gather_linear(self.final_layernorm(x), self.weight, None, self.tp)

@@ -5,7 +5,9 @@ only, 1/w of the stage.
 A sharding layer over the flat optimizers of optimizer.py: one inner optimizer per piece of this
 rank's shard (`optim/shard_layout.py`: at most two contiguous ranges of the flat buffers), each
 stepped through the same `step(src, grad, dst, lr)` on views of its piece, so the update
-arithmetic is optimizer.py's alone (so is 2BW compensation's `predict`, per piece).
+arithmetic is optimizer.py's alone (so is 2BW compensation's `predict`, per piece; so are the
+lr classes of --decoupled-lr: each piece's optimizer gets the part of the decoupled ranges inside
+it, and every lr argument passes through unchanged).
 The engine (`pipeline/batch_step.py`) reduce-scatters the gradients so each rank holds its
 shard's sum, calls `step`, and all-gathers the new weights (or their prediction) into the
 version slot the schedule names.
@@ -36,19 +38,26 @@ import torch
 
 from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.optim.optimizer import OPTIONAL_STATE, make_optimizer
+from megatron_2bw.optim.segments import within
 
 
 class DistributedOptimizer:
     """Steps this rank's shard of a stage's flat weights (`weights`: a sharded VersionedWeights)."""
 
-    def __init__(self, cfg: OptimizerConfig, weights, device, keep_grad: bool = False):
+    def __init__(self, cfg: OptimizerConfig, weights, device, keep_grad: bool = False,
+                 decoupled=()):
+        """`decoupled`: the padded (lo, hi) ranges of the flat layout at lr class 1
+        (optimizer.py), each piece's inner optimizer gets their part of it."""
         self.weights = weights
         self.pieces = weights.pieces
         self.count = weights.layout.count
         self.rank = weights.shard_rank
         self.numel = weights.layout.real_numel
         self.inner = [make_optimizer(cfg, p.size, min(max(weights.decay_end - p.lo, 0), p.size),
-                                     device, keep_grad=keep_grad) for p in self.pieces]
+                                     device, keep_grad=keep_grad,
+                                     decoupled=[(a - p.lo, b - p.lo)
+                                                for a, b in within(decoupled, p.lo, p.hi)])
+                      for p in self.pieces]
 
     @property
     def impl(self) -> str:

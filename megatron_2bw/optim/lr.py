@@ -2,7 +2,15 @@
 
 The engine takes any callable iteration -> lr (`PipelineEngine(lr_schedule=...)`); this is the
 default, built from the config. DeepSpeed's schedulers live with the DeepSpeed front door
-(`ds_config.DeepSpeedLR`)."""
+(`ds_config.DeepSpeedLR`).
+
+Decoupled lr (Megatron's --decoupled-lr / --decoupled-min-lr): the input embedding and the output
+layer (the parameters a model marks `is_embedding_or_output_parameter`, both copies of a tied
+word embedding) follow the same warmup and decay between their own maximum (--decoupled-lr) and
+minimum (--decoupled-min-lr, else --min-lr), as Megatron's param group with max_lr/min_lr does.
+`rates(iteration)` is what the optimizer steps with: the lr, or the pair (lr, decoupled lr), the
+optimizer's two lr classes (optim/optimizer.py). Like the rest of the schedule it is a function
+of the iteration and the config (which checkpoints save): a resumed run continues it."""
 from __future__ import annotations
 
 import math
@@ -31,17 +39,39 @@ class LRSchedule:
 
     def __call__(self, iteration: int) -> float:
         """lr used by the optimizer step of batch `iteration` (0-based)."""
+        return self.at(iteration, self.cfg.lr, self.cfg.min_lr)
+
+    def decoupled(self, iteration: int) -> float:
+        """The decoupled lr of that step (--decoupled-lr; the lr without it)."""
         c = self.cfg
+        if c.decoupled_lr is None:
+            return self(iteration)
+        low = c.decoupled_min_lr if c.decoupled_min_lr is not None else c.min_lr
+        return self.at(iteration, c.decoupled_lr, low)
+
+    def rates(self, iteration: int) -> float | tuple[float, float]:
+        """What the optimizer steps with at that step: the lr, or (lr, decoupled lr) with
+        --decoupled-lr (optim/optimizer.py's lr classes 0 and 1)."""
+        if self.cfg.decoupled_lr is None:
+            return self(iteration)
+        return self(iteration), self.decoupled(iteration)
+
+    def at(self, iteration: int, max_lr: float, min_lr: float) -> float:
+        """The schedule's value at `iteration` between `max_lr` and `min_lr` (warmup from 0)."""
         step = iteration + 1
         warmup = self.warmup_iters
         if warmup and step <= warmup:
-            return c.lr * step / warmup
-        if c.lr_decay_style == "constant":
-            return c.lr
+            return max_lr * step / warmup
+        style = self.cfg.lr_decay_style
+        if style == "constant":
+            return max_lr
         span = self.decay_iters - warmup
         frac = min(max(step - warmup, 0) / span, 1.0) if span > 0 else 1.0
-        if c.lr_decay_style == "linear":
-            coeff = 1.0 - frac
-        else:
-            coeff = 0.5 * (math.cos(math.pi * frac) + 1.0)
-        return c.min_lr + coeff * (c.lr - c.min_lr)
+        coeff = 1.0 - frac if style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
+        return min_lr + coeff * (max_lr - min_lr)
+
+
+def rate_of(lr, k: int) -> float:
+    """Lr class `k` of an optimizer's `lr` argument: a float (every class) or a tuple (one lr
+    per class: 0 the rest, 1 the decoupled embedding and output parameters)."""
+    return lr[k] if isinstance(lr, tuple) else lr

@@ -25,14 +25,21 @@ being the same parameter element (pipeline/weights.py owns the order):
     [0, decay_end)        parameters with weight decay (matrices, embeddings)
     [decay_end, numel)    parameters without (biases, norms)
 
+Decoupled lr (--decoupled-lr, optim/lr.py): `decoupled`, a few (lo, hi) ranges inside the layout
+(the embedding and output parameters, pipeline/weights.py `decoupled`), step at lr class 1. Every
+lr argument (`step`'s lr, `predict`'s, the spike's) is then a float (one lr for all) or a pair
+(lr, decoupled lr). The optimizer cuts the layout once, at construction, into `segments` (lo, hi,
+weight decay, lr class): a step is one kernel call per segment (at most four), never per
+parameter.
+
 Nothing else (no per-parameter boundary, no alignment) matters to the arithmetic: every kernel is
 elementwise, and `steps` is the only shared scalar. So a shard is just a contiguous range
 [lo, hi) of the flat buffers: an optimizer made with `make_optimizer(cfg, hi - lo,
-clamp(decay_end - lo, 0, hi - lo), device)` and stepped on the views `buf[lo:hi]` updates those
-elements as the unsharded optimizer would (its state is the slice [lo, hi) of the unsharded
-state): bit for bit with the unfused kernel; torch's fused kernels round the few elements of a
-vector tail at a cut differently (1 ulp). tests/unit/test_fused_optim.py checks a split step against
-the whole one.
+clamp(decay_end - lo, 0, hi - lo), device, decoupled=the ranges clamped and shifted by -lo)` and
+stepped on the views `buf[lo:hi]` updates those elements as the unsharded optimizer would (its
+state is the slice [lo, hi) of the unsharded state): bit for bit with the unfused kernel; torch's
+fused kernels round the few elements of a vector tail at a cut differently (1 ulp).
+tests/unit/test_fused_optim.py checks a split step against the whole one.
 
 One pure function of the state serves 2BW's staleness compensation (pipeline/compensation.py):
 it changes none of the optimizer's state, and a fused `step` must keep the state's meaning for it.
@@ -55,12 +62,20 @@ from megatron_2bw.config import OptimizerConfig
 from megatron_2bw.optim import native
 from megatron_2bw.optim.kernels import (IMPLS, _apex_adam, _torch_fused_works,  # noqa: F401
         resolve_impl)
+from megatron_2bw.optim.lr import rate_of
+from megatron_2bw.optim.segments import lr_runs, segments, within
 OPTIONAL_STATE = ("last_grad",)  # state keys a loaded state may lack (see the docstring)
 
 
 class _Ranges:
-    """The decayed and the not-decayed range of the flat layout, as (lo, hi, weight decay); the
+    """The segments of the flat layout (`segments`: weight decay and lr class); the
     compensation's `predict` of either optimizer."""
+
+    def _cut(self, numel: int, decay_end: int, cfg: OptimizerConfig, decoupled) -> None:
+        self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
+        self.decoupled = tuple(tuple(r) for r in decoupled)
+        self.segments = segments(numel, decay_end, cfg.weight_decay, self.decoupled)
+        self.lr_runs = lr_runs(self.segments)
 
     def predict(self, src: torch.Tensor, dst: torch.Tensor, lr: float, nesterov: bool = False,
                 spike: tuple | None = None) -> None:
@@ -72,16 +87,12 @@ class _Ranges:
         """Whether `step(..., predict=)` writes a prediction of `dtype` in the step's pass."""
         return False
 
-    def ranges(self, numel: int, weight_decay: float) -> list[tuple[int, int, float]]:
-        cut = self.decay_end if weight_decay else 0
-        return [(lo, hi, wd) for lo, hi, wd in ((0, cut, weight_decay), (cut, numel, 0.0))
-                if hi > lo]
 
 
 class FlatAdamW(_Ranges):
     def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig,
-                 impl: str | None = None, keep_grad: bool = False):
-        self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
+                 impl: str | None = None, keep_grad: bool = False, decoupled=()):
+        self._cut(numel, decay_end, cfg, decoupled)
         self.impl = resolve_impl(impl or cfg.impl, "adam", device)
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -120,19 +131,19 @@ class FlatAdamW(_Ranges):
         c = self.cfg
         if self.impl == "torch-fused":
             self._step_t.fill_(self.steps)  # a device fill, no host sync
-        for lo, hi, wd in self.ranges(self.numel, c.weight_decay):
-            p, g = dst[lo:hi], grad[lo:hi]
+        for lo, hi, wd, k in self.segments:
+            p, g, rate = dst[lo:hi], grad[lo:hi], rate_of(lr, k)
             m, v = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi]
             if self.impl == "torch-fused":
-                torch._fused_adamw_([p], [g], [m], [v], [], [self._step_t], lr=lr,
+                torch._fused_adamw_([p], [g], [m], [v], [], [self._step_t], lr=rate,
                                     beta1=c.adam_beta1, beta2=c.adam_beta2, weight_decay=wd,
                                     eps=c.adam_eps, amsgrad=False, maximize=False)
             elif self.impl == "apex":
                 applier, kernel = self._apex
-                applier(kernel, self._overflow, [[g], [p], [m], [v]], lr, c.adam_beta1,
+                applier(kernel, self._overflow, [[g], [p], [m], [v]], rate, c.adam_beta1,
                         c.adam_beta2, c.adam_eps, self.steps, 1, 1, wd)  # AdamW mode, bias corr.
             else:
-                self._unfused(p, g, m, v, lr, wd, lo, hi)
+                self._unfused(p, g, m, v, rate, wd, lo, hi)
 
     def _native_step(self, src, grad, dst, lr: float, keep_grad: bool, predict) -> None:
         c = self.cfg
@@ -141,9 +152,10 @@ class FlatAdamW(_Ranges):
             raise ValueError("predict(nesterov=True) reads the latest gradient: make the "
                              "optimizer with keep_grad=True")
         keep = self.last_grad if keep_grad else None
-        for lo, hi, wd in self.ranges(self.numel, c.weight_decay):
-            k = native.coefficients(c.adam_beta1, c.adam_beta2, c.adam_eps, self.steps, lr, wd,
-                                    pred_lr, lr if spike else 0.0)
+        for lo, hi, wd, j in self.segments:
+            rate = rate_of(lr, j)
+            k = native.coefficients(c.adam_beta1, c.adam_beta2, c.adam_eps, self.steps, rate, wd,
+                                    rate_of(pred_lr, j), rate if spike else 0.0)
             native.adamw_step(native.library(), src[lo:hi], dst[lo:hi], grad[lo:hi],
                               self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], k,
                               keep[lo:hi] if keep is not None else None,
@@ -205,7 +217,7 @@ class FlatAdamW(_Ranges):
         c = self.cfg
         b1 = c.adam_beta1
         scale = math.sqrt(1 - c.adam_beta2 ** self.steps) / (1 - b1 ** self.steps)
-        coef = -lr * scale  # times m_hat / scaled denominator (`_denom(scaled=True)`)
+        # -lr * scale times m_hat / scaled denominator (`_denom(scaled=True)`), per lr class
         decay_end = self.decay_end if c.weight_decay else 0
         fp32_dst = dst.dtype == torch.float32
         own = fp32_dst and dst.data_ptr() != src.data_ptr()  # dst can hold an fp32 term
@@ -220,7 +232,7 @@ class FlatAdamW(_Ranges):
             if lib is not None:  # the same pass as a fused step's (native.py)
                 if fresh_grad is not None:
                     self.last_grad[lo:hi].copy_(fresh_grad[lo:hi])
-                self._native_predict(lib, src, dst, lr, nesterov, spike, lo, hi, decay_end)
+                self._native_predict(lib, src, dst, lr, nesterov, spike, lo, hi)
                 yield lo, hi
                 continue
             d = self._denom(lo, hi, out=self._chunk_scratch[:n], scaled=True)
@@ -228,28 +240,34 @@ class FlatAdamW(_Ranges):
             s, m = src[lo:hi], self.exp_avg[lo:hi]
             if fresh_grad is not None:
                 self.last_grad[lo:hi].copy_(fresh_grad[lo:hi])
+            runs = [(a - lo, b - lo, k) for a, b, k in within(self.lr_runs, lo, hi)]
             if spike is not None:
                 grad, lr_step = spike
-                s.addcdiv_(torch.sub(grad[lo:hi], m, out=term), d,
-                           value=-lr_step * (1 - b1) * scale)
+                diff = torch.sub(grad[lo:hi], m, out=term)
+                for a, b, k in runs:
+                    s[a:b].addcdiv_(diff[a:b], d[a:b],
+                                    value=-rate_of(lr_step, k) * (1 - b1) * scale)
             if nesterov:  # b1 * m + (1 - b1) * g, in dst when that does not overwrite src
                 m = torch.lerp(m, self.last_grad[lo:hi], 1 - b1, out=dst[lo:hi] if own else term)
-            cut = min(hi, decay_end) - lo  # this chunk's elements with weight decay
-            # fp32 dst, or nothing to add after: straight into dst (fp32 arithmetic, rounded once)
-            out = torch.addcdiv(s, m, d, value=coef, out=dst[lo:hi] if fp32_dst or cut <= 0 else d)
-            if cut > 0:
-                out[:cut].add_(s[:cut], alpha=-lr * c.weight_decay)
-                if not fp32_dst:
-                    dst[lo:hi].copy_(out)
+            for a, b, k in runs:
+                rate, part = rate_of(lr, k), dst[lo + a:lo + b]
+                cut = min(b, decay_end - lo) - a  # this part's elements with weight decay
+                # fp32 dst, or nothing to add after: straight into dst (fp32, rounded once)
+                out = torch.addcdiv(s[a:b], m[a:b], d[a:b], value=-rate * scale,
+                                    out=part if fp32_dst or cut <= 0 else d[a:b])
+                if cut > 0:
+                    out[:cut].add_(s[a:a + cut], alpha=-rate * c.weight_decay)
+                    if not fp32_dst:
+                        part.copy_(out)
             yield lo, hi
 
-    def _native_predict(self, lib, src, dst, lr, nesterov, spike, lo, hi, decay_end) -> None:
+    def _native_predict(self, lib, src, dst, lr, nesterov, spike, lo, hi) -> None:
         c = self.cfg
         grad, lr_step = spike if spike is not None else (None, 0.0)
-        for a, b, wd in ((lo, min(hi, decay_end), c.weight_decay), (max(lo, decay_end), hi, 0.0)):
+        for a, b, wd, j in within(self.segments, lo, hi):
             if b > a:
                 k = native.coefficients(c.adam_beta1, c.adam_beta2, c.adam_eps, self.steps, 0.0,
-                                        wd, lr, lr_step)
+                                        wd, rate_of(lr, j), rate_of(lr_step, j))
                 native.adamw_predict(lib, src[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b],
                                      dst[a:b], k, grad[a:b] if grad is not None else None,
                                      self.last_grad[a:b] if nesterov else None)
@@ -275,8 +293,8 @@ class FlatSGD(_Ranges):
     gradient."""
 
     def __init__(self, numel: int, decay_end: int, device, cfg: OptimizerConfig,
-                 impl: str | None = None):
-        self.decay_end, self.cfg, self.numel = decay_end, cfg, numel
+                 impl: str | None = None, decoupled=()):
+        self._cut(numel, decay_end, cfg, decoupled)
         self.impl = resolve_impl(impl or cfg.impl, "sgd", device)
         self.momentum = torch.zeros(numel, dtype=torch.float32, device=device)
         self.steps = 0
@@ -285,11 +303,11 @@ class FlatSGD(_Ranges):
         if dst is not src:
             dst.copy_(src)
         c = self.cfg
-        for lo, hi, wd in self.ranges(self.numel, c.weight_decay):
-            p, g, mom = dst[lo:hi], grad[lo:hi], self.momentum[lo:hi]
+        for lo, hi, wd, k in self.segments:
+            p, g, mom, rate = dst[lo:hi], grad[lo:hi], self.momentum[lo:hi], rate_of(lr, k)
             if self.impl == "torch-fused":
                 torch._fused_sgd_([p], [g], [mom] if c.sgd_momentum else [], weight_decay=wd,
-                                  momentum=c.sgd_momentum, lr=lr, dampening=0.0, nesterov=False,
+                                  momentum=c.sgd_momentum, lr=rate, dampening=0.0, nesterov=False,
                                   maximize=False, is_first_step=self.steps == 0)
                 continue
             if wd:
@@ -301,7 +319,7 @@ class FlatSGD(_Ranges):
                 else:
                     mom.mul_(c.sgd_momentum).add_(g)
                 update = mom
-            p.add_(update, alpha=-lr)
+            p.add_(update, alpha=-rate)
         self.steps += 1
 
     def predict_chunks(self, src: torch.Tensor, dst: torch.Tensor, lr: float,
@@ -318,7 +336,8 @@ class FlatSGD(_Ranges):
         size = chunk_elements(src.device, self.numel)
         for lo in range(0, self.numel, size):
             hi = min(lo + size, self.numel)
-            torch.add(src[lo:hi], self.momentum[lo:hi], alpha=-lr, out=dst[lo:hi])  # rounded once
+            for a, b, k in within(self.lr_runs, lo, hi):  # rounded once
+                torch.add(src[a:b], self.momentum[a:b], alpha=-rate_of(lr, k), out=dst[a:b])
             yield lo, hi
 
     def state_dict(self) -> dict:
@@ -340,24 +359,35 @@ def chunk_elements(device, numel: int) -> int:
 
 
 def make_optimizer(cfg: OptimizerConfig, numel: int, decay_end: int, device,
-                   impl: str | None = None, keep_grad: bool = False):
+                   impl: str | None = None, keep_grad: bool = False, decoupled=()):
     """The flat optimizer of `cfg.name` with kernel `impl`, else `cfg.impl` (kernels.py);
-    `keep_grad`: Adam keeps its latest gradient (the module docstring)."""
+    `keep_grad`: Adam keeps its latest gradient; `decoupled`: the (lo, hi) ranges at lr class 1
+    (the module docstring)."""
     if cfg.name == "adam":
-        return FlatAdamW(numel, decay_end, device, cfg, impl, keep_grad=keep_grad)
+        return FlatAdamW(numel, decay_end, device, cfg, impl, keep_grad=keep_grad,
+                         decoupled=decoupled)
     if keep_grad:
         raise ValueError(f"keep_grad is defined for --optimizer adam, not {cfg.name}")
-    return FlatSGD(numel, decay_end, device, cfg, impl)
+    return FlatSGD(numel, decay_end, device, cfg, impl, decoupled=decoupled)
 
 
 def torch_reference_optimizer(cfg: OptimizerConfig, named_params):
     """The torch.optim equivalent (used by the single-process reference): matrices decay,
-    vectors (biases, norms) do not."""
+    vectors (biases, norms) do not; with --decoupled-lr the embedding and output parameters
+    (`is_embedding_or_output_parameter`) are a group of their own, marked "decoupled" (Megatron's
+    is_decoupled_lr), whose lr the caller sets."""
     params = [p for _, p in named_params]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    split = cfg.decoupled_lr is not None
+    own = [p for p in params if split and getattr(p, "is_embedding_or_output_parameter", False)]
+    rest = [p for p in params if all(p is not q for q in own)]
+    groups = [{"params": [p for p in rest if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0}]
+    if own:
+        groups += [{"params": [p for p in own if p.ndim >= 2], "weight_decay": cfg.weight_decay,
+                    "decoupled": True},
+                   {"params": [p for p in own if p.ndim < 2], "weight_decay": 0.0,
+                    "decoupled": True}]
+        groups = [g for g in groups if g["params"]]
     if cfg.name == "adam":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                  eps=cfg.adam_eps, foreach=False)

@@ -22,7 +22,10 @@ S(t)  wait for everything, hand [loss, *flags, *stage bits] to the host without 
       into the slot it names (through the master when there is one), let the 2BW compensation
       write what the slot's next batch runs on (compensation.py; on a CPU a prediction is left
       pending and done in chunks while the engine waits, the reductions' waits here included),
-      zero the buffer (or the part a pending prediction does not read yet). Distributed:
+      zero the buffer (or the part a pending prediction does not read yet). With
+      --decoupled-lr the lr of a step (and of a prediction) is the pair (lr, decoupled lr) of
+      the schedule's `rates`, which the optimizer applies per segment (optim/segments.py).
+      Distributed:
       step this rank's shard (and compensate it) and start the all-gather of the new weights (or
       their prediction) into that slot; the engine waits for it (`wait_weights`) right before
       the first forward that reads the slot (or anything else that reads weights: eval,
@@ -64,9 +67,12 @@ class BatchStepper:
         self.dp_size = grid.data
         self.sharded = weights.sharded
         keep_grad = compensation_method(cfg.compensation).keeps_grad
-        self.optimizer = DistributedOptimizer(cfg.optimizer, weights, device, keep_grad) \
+        # --decoupled-lr: the embedding and output parameters' ranges step at lr class 1
+        decoupled = weights.decoupled if cfg.optimizer.decoupled_lr is not None else ()
+        self.optimizer = DistributedOptimizer(cfg.optimizer, weights, device, keep_grad,
+                                              decoupled) \
             if self.sharded else make_optimizer(cfg.optimizer, weights.numel, weights.decay_end,
-                                                device, keep_grad=keep_grad)
+                                                device, keep_grad=keep_grad, decoupled=decoupled)
         self.gathers: dict[int, list] = {}  # slot -> all-gathers still writing its weights
         sp_lo, sp_hi = weights.sequence_parallel_range
         self.sequence_parallel = (cfg.parallel.sequence_parallel and grid.group("tp") is not None
@@ -74,7 +80,14 @@ class BatchStepper:
         self.scaler = make_loss_scaler(cfg.precision)
         self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters,
                                             cfg.global_batch_size)
-        self.compensation = Compensator(cfg.compensation, self.optimizer, weights, self.lr,
+        # what the optimizer steps with: the lr, or (lr, decoupled lr) (optim/lr.py `rates`)
+        self.rates = self.lr
+        if cfg.optimizer.decoupled_lr is not None:
+            self.rates = getattr(self.lr, "rates", None)
+            if self.rates is None:
+                raise ValueError("--decoupled-lr follows Megatron's lr schedule (optim/lr.py), "
+                                 "not the lr schedule given to the engine: drop one of them")
+        self.compensation = Compensator(cfg.compensation, self.optimizer, weights, self.rates,
                                         self._gather, self.wait_weights,
                                         defer=torch.device(device).type == "cpu")
         self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
@@ -85,6 +98,7 @@ class BatchStepper:
         self.last_loss = torch.zeros((), device=device)
         self.last_grad_norm = torch.zeros((), device=device)
         self.last_lr = 0.0
+        self.last_decoupled_lr = None  # --decoupled-lr: the embedding and output layer's lr
 
     # -- R --------------------------------------------------------------------------------------
     def reduce(self, batch: int, slot: int) -> None:
@@ -180,7 +194,8 @@ class BatchStepper:
         norm_sq, loss = stats[0], stats[1]
         grad_norm = norm_sq.sqrt() / scale
         self.last_loss, self.last_grad_norm = loss, grad_norm
-        self.last_lr = lr = self.lr(batch)
+        lr = self.rates(batch)  # a float, or (lr, decoupled lr)
+        self.last_lr, self.last_decoupled_lr = lr if isinstance(lr, tuple) else (lr, None)
         w = self.w
         if self.cfg.precision.dtype == "fp16":
             found_inf = not bool(torch.isfinite(norm_sq))  # the one host sync, fp16 only

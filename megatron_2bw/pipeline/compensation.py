@@ -175,7 +175,9 @@ def compensation_error(name: str, schedule: str, optimizer: str, sgd_momentum: f
 
 class Compensator:
     """The engine's side: called by BatchStepper after every step, and by the engine around
-    views of the newest weights. `lr(t)` is the lr of S(t); `gather(slot)` starts the all-gather
+    views of the newest weights. `lr(t)` is the lr of S(t) (with --decoupled-lr the pair (lr,
+    decoupled lr) of the schedule's `rates`: the prediction and the spike move the embedding and
+    output parameters at theirs, as the steps do); `gather(slot)` starts the all-gather
     of every data-parallel rank's pieces into `slot` and `wait(slot)` waits for it (sharded
     weights only: the distributed optimizer). `defer` (the engine passes it on a CPU): a
     prediction is left pending after the step and done in chunks by `work`, which the engine

@@ -14,6 +14,13 @@ The tail of a gradient buffer carries the batch's loss and the control flags (fl
 the same reductions (data-parallel average, then model-parallel sum), so no extra collective is
 needed to give every rank the loss or to agree on stopping.
 
+Decoupled lr (--decoupled-lr, optim/lr.py): `decoupled` lists the (lo, hi) ranges of the
+parameters a model marks `is_embedding_or_output_parameter` (Megatron's attribute: the input word
+embedding and the output layer, so both copies of a tied word embedding), adjacent ones merged.
+They are matrices at the edges of the decayed range: the tied weight first, an untied embedding
+first and an untied output layer last of the split matrices (the order of `named_parameters`), so
+there are at most two ranges; the optimizer steps them at their own lr (optim/segments.py).
+
 Version slots: 2BW keeps exactly two (`slots[0]`, `slots[1]`); gpipe/flush keep one. Each slot has
 its own replica of the stage module whose parameters are views into that slot (`modules[k]`), so
 switching versions is choosing a module: nothing is copied per microbatch. The two replicas share
@@ -47,7 +54,9 @@ import torch
 from torch import nn
 
 from megatron_2bw.optim.shard_layout import ShardLayout
-from megatron_2bw.pipeline.flag_names import TAIL  # loss, then one slot per control flag
+from megatron_2bw.pipeline.flags import FLAGS
+
+TAIL = 1 + len(FLAGS)  # loss, then one slot per control flag
 
 
 def _group(p: nn.Parameter, tied: dict) -> int:
@@ -63,6 +72,16 @@ def _group(p: nn.Parameter, tied: dict) -> int:
     if p.ndim >= 2:
         return 1 if split else 2
     return 5 if split else 4
+
+
+def _merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,6 +103,8 @@ class VersionedWeights:
         self.shapes = [p.shape for p in params]
         self.partition_dims = [getattr(p, "partition_dim", None) for p in params]
         self.sequence_parallel = [getattr(p, "sequence_parallel", False) for p in params]
+        self.decoupled_flags = [getattr(p, "is_embedding_or_output_parameter", False)
+                                for p in params]
         groups = [_group(p, tied or {}) for p in params]
         real = [sum(p.numel() for p, g in zip(params, groups) if g <= k) for k in range(6)]
         lengths = [real[0], real[5] - real[0]] if (split_tied and real[0]) else [real[5]]
@@ -99,6 +120,8 @@ class VersionedWeights:
         self.tied_end, self.decay_end = ends[0], ends[2]
         self.replicated = (ends[1], ends[4])  # identical on every tensor rank
         self.sequence_parallel_range = (ends[2], ends[3])
+        self.decoupled = _merged([(o, o + p.numel()) for p, o in zip(params, self.offsets)
+                                  if getattr(p, "is_embedding_or_output_parameter", False)])
 
         init = torch.zeros(self.numel, device=self.device)
         if params:
@@ -137,6 +160,7 @@ class VersionedWeights:
         p.partition_dim = self.partition_dims[i]
         p.sequence_parallel = self.sequence_parallel[i]
         p.tensor_model_parallel = p.partition_dim is not None
+        p.is_embedding_or_output_parameter = self.decoupled_flags[i]
         return p
 
     @staticmethod

@@ -21,6 +21,11 @@ schedule kind's `weight_of_batch(t)` (schedule/kinds.py).
              gradient (each parameter's .grad as AdamW's step k used it, clipped; it is still
              there when V(t) is made, before batch t's gradient reaches the model).
 The predictions and the spike are computed here from torch.optim's state, not by the engine's code.
+
+--decoupled-lr: the embedding and output parameters (`is_embedding_or_output_parameter`, the tied
+word embedding once) are torch.optim param groups of their own (Megatron's is_decoupled_lr
+groups) whose lr each step is the schedule between --decoupled-lr and --decoupled-min-lr (else
+--min-lr); every other group steps at the lr. The predictions and the spike use each group's lr.
 """
 from __future__ import annotations
 
@@ -84,7 +89,7 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
                 total += loss.item() / (m * w)
         losses.append(total)
         if delayed:
-            versions[t] = (_predicted(model, optimizer, lr_at(t), method.nesterov)
+            versions[t] = (_predicted(model, optimizer, _rates(lr_at, t), method.nesterov)
                            if method.predicts  # from W(t), before step t
                            else copy.deepcopy(model.state_dict()))
             for (_, p), (_, q) in zip(params, grad_model.named_parameters()):
@@ -92,10 +97,10 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
         if cfg.optimizer.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.optimizer.clip_grad)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(t)
+            group["lr"] = _group_lr(group, _rates(lr_at, t))
         optimizer.step()
         if method.spikes:
-            _spike(optimizer, lr_at(t))
+            _spike(optimizer, _rates(lr_at, t))
         if delayed:
             k = kind.weight_of_batch(t + 1)
             grad_model.load_state_dict(versions[k])
@@ -103,6 +108,20 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
         if eval_interval and (t + 1) % eval_interval == 0:
             eval_losses.append(_evaluate(model, loss_fn, eval_streams, m))
     return {name: p.detach().clone() for name, p in params}, losses, eval_losses
+
+
+def _rates(lr_at: LRSchedule, t: int) -> tuple[float, float]:
+    """(lr, decoupled lr) of step t, the second by Megatron's rule written out here: the same
+    warmup and decay between --decoupled-lr and --decoupled-min-lr (else --min-lr)."""
+    c = lr_at.cfg
+    if c.decoupled_lr is None:
+        return lr_at(t), lr_at(t)
+    low = c.min_lr if c.decoupled_min_lr is None else c.decoupled_min_lr
+    return lr_at(t), lr_at.at(t, c.decoupled_lr, low)
+
+
+def _group_lr(group: dict, rates: tuple[float, float]) -> float:
+    return rates[1] if group.get("decoupled") else rates[0]
 
 
 def _resume(model, grad_model, optimizer, start: dict, versions: dict, kind) -> int:
@@ -132,13 +151,16 @@ def _resume(model, grad_model, optimizer, start: dict, versions: dict, kind) -> 
     return t0
 
 
-def _predicted(model, optimizer, lr: float, nesterov: bool = False) -> dict:
+def _predicted(model, optimizer, rates, nesterov: bool = False) -> dict:
     """model's state dict with every parameter moved by the update torch.optim's state implies
-    at `lr` (see the module docstring; `nesterov`: with each parameter's .grad, the latest
-    gradient, in the momentum term); unchanged before the first step."""
+    at `rates` (lr, decoupled lr; a float: both; see the module docstring; `nesterov`: with each
+    parameter's .grad, the latest gradient, in the momentum term); unchanged before the first
+    step."""
     moved = {}
+    rates = rates if isinstance(rates, tuple) else (rates, rates)
     with torch.no_grad():
         for group in optimizer.param_groups:
+            lr = _group_lr(group, rates)
             for p in group["params"]:
                 st = optimizer.state.get(p)
                 if not st:
@@ -156,11 +178,14 @@ def _predicted(model, optimizer, lr: float, nesterov: bool = False) -> dict:
             for name, v in model.state_dict(keep_vars=True).items()}
 
 
-def _spike(optimizer, lr: float) -> None:
-    """After AdamW's step: each parameter moves by -lr (1 - b1) / bias1 (grad - m) / denom."""
+def _spike(optimizer, rates) -> None:
+    """After AdamW's step: each parameter moves by -lr (1 - b1) / bias1 (grad - m) / denom, lr
+    its group's of `rates` (lr, decoupled lr; a float: both)."""
+    rates = rates if isinstance(rates, tuple) else (rates, rates)
     with torch.no_grad():
         for group in optimizer.param_groups:
             b1, b2 = group["betas"]
+            lr = _group_lr(group, rates)
             for p in group["params"]:
                 st = optimizer.state[p]
                 k = float(st["step"])

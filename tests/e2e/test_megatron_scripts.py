@@ -45,10 +45,10 @@ LLAMA_FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
              "--fp8-amax-compute-algo", "max", "--fp8-param-gather"]
 
 
-def llama3_8b(ckpt, tb, cache, fp8=False, decoupled=True):
+def llama3_8b(ckpt, tb, cache, fp8=False):
     """The script's arrays (DTYPE fp8, MOCK data); changed: sizes (layers, hidden, ffn, heads,
     query groups, kv channels, sequence, vocabulary), --train-samples, the paths, and the fp8
-    flags left out unless `fp8` (and --decoupled-lr/--decoupled-min-lr unless `decoupled`). The
+    flags left out unless `fp8`. The
     script's "--split '99,1,0'" reaches Megatron with the quotes
     (bash word splitting of an unquoted array); it is given here as the user means it."""
     model = ["--use-mcore-models", "--num-layers", "2", "--hidden-size", "64",
@@ -63,8 +63,7 @@ def llama3_8b(ckpt, tb, cache, fp8=False, decoupled=True):
     training = ["--micro-batch-size", "1", "--global-batch-size", "128",
                 "--train-samples", "128", "--lr-decay-samples", "1949218748",
                 "--lr-warmup-samples", "3906252", "--lr", "0.00015", "--min-lr", "0.00001",
-                *(["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"] if decoupled
-                  else []),
+                "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
                 "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
                 "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16",
                 "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc",
@@ -133,31 +132,32 @@ def test_gpt3_175b_script_flags_train_to_completion(tmp_path):
     assert "run summary | iterations 2 (0->2) | samples 32 | tokens 1024" in out
 
 
-def test_llama3_8b_script_flags_without_decoupled_lr_train_to_completion(tmp_path):
-    proc = torchrun(llama3_8b(tmp_path / "ckpt", tmp_path / "tb", tmp_path / "cache",
-                              decoupled=False))
+def test_llama3_8b_script_flags_train_to_completion(tmp_path):
+    """The full flag set but fp8, --decoupled-lr/--decoupled-min-lr included: the embedding and
+    output layer warm up to their own lr (tests/distributed/test_decoupled_lr.py checks the
+    arithmetic)."""
+    proc = torchrun(llama3_8b(tmp_path / "ckpt", tmp_path / "tb", tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "warning: --sequence-parallel needs --tensor-model-parallel-size > 1: turned off" \
         in out
     assert "megatron-2bw: --attention-backend fused: attention runs" in out
-    line = re.search(r"iteration\s+1/1 \| .*\| lr ([0-9.e+-]+) \| lm loss [0-9.]+ \|", out)
+    line = re.search(r"iteration\s+1/1 \| .*\| lr ([0-9.e+-]+) \| decoupled lr ([0-9.e+-]+) \| "
+                     r"lm loss [0-9.]+ \|", out)
     assert line, out[-2000:]
-    # --lr-warmup-samples 3906252: the first step (128 samples) runs at lr x 128 / 3906252
+    # --lr-warmup-samples 3906252: the first step (128 samples) runs at lr x 128 / 3906252, and
+    # the embedding and output layer at --decoupled-lr x 128 / 3906252
     assert float(line.group(1)) == pytest.approx(0.00015 * 128 / 3906252, rel=1e-3)
+    assert float(line.group(2)) == pytest.approx(5.0e-4 * 128 / 3906252, rel=1e-3)
     assert f"successfully saved checkpoint at iteration 1 to {tmp_path / 'ckpt'}" in out
 
 
 def test_llama3_8b_script_fp8_flags_are_refused_in_one_line(tmp_path):
-    """The script's whole flag set, fp8 included: one message, a line per refused feature: the
-    fp8 flags together, and --decoupled-lr/--decoupled-min-lr (not implemented: the one other
-    feature of the script; the test above runs everything else to completion)."""
+    """The script's whole flag set, fp8 included: the fp8 flags are the one refusal, on one
+    line (the test above runs everything else to completion)."""
     proc = single(llama3_8b(tmp_path / "ckpt", tmp_path / "tb", tmp_path / "cache", fp8=True))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "pretrain_gpt.py: error: --decoupled-lr 0.0005, --decoupled-min-lr 4.5e-05: a separate "
-        "learning rate for the embedding and output layer is not in this engine; drop "
-        "--decoupled-lr/--decoupled-min-lr (every parameter steps at --lr)",
         "pretrain_gpt.py: error: --fp8-format hybrid, --fp8-amax-history-len 1024, "
         "--fp8-amax-compute-algo max, --fp8-param-gather: fp8 training is not in this engine; "
         "train in --bf16 (drop the fp8 flags)"], proc.stderr

@@ -32,12 +32,12 @@ def built(argv, world=1, eod=None):
 
 def test_every_refusal_of_a_command_comes_in_one_message(capsys):
     lines = refused(["--num-layerz", "2", "--context-parallel-size", "2"] + FP8
-                    + ["--bogus", "--decoupled-lr", "5e-4"], capsys)
+                    + ["--bogus", "--num-experts", "8"], capsys)
     assert len(lines) == 5, lines
     assert lines[0].endswith("unknown flag --num-layerz (did you mean --num-layers?)")
     assert lines[1].endswith("unknown flag --bogus")
     assert "--context-parallel-size 2: context parallelism is not in this engine" in lines[2]
-    assert "--decoupled-lr 0.0005" in lines[3]
+    assert "--num-experts 8: mixture of experts is not in this engine" in lines[3]
     assert all(flag in lines[4] for flag in FP8 if flag.startswith("--")) and "fp8" in lines[4]
 
 
@@ -264,8 +264,7 @@ EXAMPLE_FLAGS = """
 --optimizer adam --log-params-norm --no-load-rng --use-checkpoint-args
 """.split()
 # the flags whose feature is not here (one line each below)
-EXAMPLE_REFUSED = ["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5",
-                   "--log-num-zeros-in-grad"] + FP8
+EXAMPLE_REFUSED = ["--log-num-zeros-in-grad"] + FP8
 
 
 def test_every_flag_of_megatrons_example_scripts_is_taken(capsys):
@@ -273,7 +272,7 @@ def test_every_flag_of_megatrons_example_scripts_is_taken(capsys):
     assert args.kv_channels == 16 and args.rampup_batch_size == [16, 16, 5859375]
     lines = refused(EXAMPLE_FLAGS + EXAMPLE_REFUSED, capsys)
     assert not [x for x in lines if "unknown flag" in x], lines
-    features = ("a separate learning rate", "logging the gradient's zeros", "fp8 training")
+    features = ("logging the gradient's zeros", "fp8 training")
     assert len(lines) == len(features) and all(f in " ".join(lines) for f in features), lines
     bert = build_parser("bert").parse_args(
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -285,6 +284,17 @@ def test_every_flag_of_megatrons_example_scripts_is_taken(capsys):
         "--log-interval 100 --save-interval 10000 --eval-interval 1000 --save S --load S "
         "--eval-iters 10 --tensorboard-dir T".split())
     assert bert.lr_warmup_fraction == 0.01
+
+
+def test_decoupled_lr_flags_are_taken_with_megatrons_meaning(capsys):
+    """--decoupled-lr/--decoupled-min-lr reach the optimizer config (optim/lr.py steps the
+    embedding and output layer with them); a negative one is a one-line error."""
+    o = built(["--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"]).config.optimizer
+    assert (o.decoupled_lr, o.decoupled_min_lr) == (5.0e-4, 4.5e-5)
+    o = built([]).config.optimizer
+    assert (o.decoupled_lr, o.decoupled_min_lr) == (None, None)
+    with pytest.raises(ConfigError, match=r"^--decoupled-lr must be >= 0, got -0.1$"):
+        built(["--decoupled-lr", "-0.1"])
 
 
 def test_no_position_embedding_is_taken_with_rope_only(capsys):

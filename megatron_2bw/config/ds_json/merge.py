@@ -46,7 +46,11 @@ def _check_microbatches(cfg: Config) -> None:
 
 
 def _with_lr_schedule(ds: dict, cfg: Config, settings: DeepSpeedSettings) -> DeepSpeedSettings:
-    return dataclasses.replace(settings, lr_schedule=DeepSpeedLR.from_json(ds, cfg.optimizer.lr))
+    schedule = DeepSpeedLR.from_json(ds, cfg.optimizer.lr)
+    if schedule is not None and cfg.optimizer.decoupled_lr is not None:
+        fail("--decoupled-lr follows Megatron's lr schedule (--lr-decay-style, ...), not the "
+             "DeepSpeed config's \"scheduler\": drop one of them")
+    return dataclasses.replace(settings, lr_schedule=schedule)
 
 
 # -- front door 1: pure DeepSpeed (megatron_2bw.deepspeed.initialize) ------------------------------

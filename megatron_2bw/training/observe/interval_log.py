@@ -2,8 +2,9 @@
 
     consumed samples, ms/iteration, ETA            training/observe/progress.py (host wall clock,
                                                    no sync)
-    lr, lm loss, grad norm [, params norm],        the engine (read once per interval; params
-    loss scale, skipped                            norm: --log-params-norm, a collective); lm loss
+    lr [, decoupled lr], lm loss, grad norm        the engine (read once per interval; params
+    [, params norm], loss scale, skipped           norm: --log-params-norm, a collective; the
+                                                   decoupled lr: --decoupled-lr); lm loss
                                                    is the mean over the interval's iterations,
                                                    skipped fp16 steps left out (Megatron's)
     samples/s, tokens/s, TFLOP/s/device            Megatron's model FLOPs (models/flops.py)
@@ -75,7 +76,10 @@ class IntervalLog:
         rate = B * n / max(seconds, 1e-9)
         metrics = {"consumed samples": B * iteration,
                    "ms/iteration": 1e3 * seconds / max(n, 1), "ETA": format_duration(eta),
-                   "lr": engine.stepper.last_lr, "lm loss": mean,
+                   "lr": engine.stepper.last_lr,
+                   **({"decoupled lr": engine.stepper.last_decoupled_lr}
+                      if engine.stepper.last_decoupled_lr is not None else {}),
+                   "lm loss": mean,
                    "grad norm": float(engine.last_grad_norm),
                    **({"params norm": engine.params_norm()} if t.log_params_norm else {}),
                    "loss scale": engine.stepper.scaler.scale,
@@ -114,6 +118,8 @@ class IntervalLog:
             it = first + i
             if it % t.tensorboard_log_interval == 0 or it == iteration:
                 tags = {"learning-rate": float(lr_at(it - 1)), "batch-size": float(B)}
+                if self.cfg.optimizer.decoupled_lr is not None:  # Megatron's tag for it
+                    tags["decoupled-learning-rate"] = float(lr_at.decoupled(it - 1))
                 if a == b:  # a skipped fp16 step's loss is not reported
                     tags["lm loss"] = float(loss)
                 rows.append((it, B * it, tags))

@@ -14,8 +14,8 @@ import re
 from megatron_2bw.training.observe.writers import TensorBoardWriter, WandbWriter, scalars
 
 # line fields the writers get under Megatron's tags instead (interval_log.megatron_rows)
-MEGATRON_TAGGED = ("lm loss", "lr", "grad norm", "params norm", "loss scale", "validation loss",
-                   "validation ppl")
+MEGATRON_TAGGED = ("lm loss", "lr", "decoupled lr", "grad norm", "params norm", "loss scale",
+                   "validation loss", "validation ppl")
 
 
 class TrainLogger:
@@ -83,7 +83,7 @@ def format_line(iteration: int, train_iters: int, metrics: dict) -> str:
     fields = [f"iteration {iteration:6d}/{train_iters}"]
     for key, value in metrics.items():
         if isinstance(value, float):
-            value = f"{value:.3e}" if key == "lr" else f"{value:.4g}"
+            value = f"{value:.3e}" if key in ("lr", "decoupled lr") else f"{value:.4g}"
         elif isinstance(value, list):
             value = "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
         fields.append(f"{key} {value}")
