@@ -145,8 +145,8 @@ def _read(path: str, t: int, cfg: Config, grid, engine, load_optim: bool) -> dic
     otherwise), with the distributed optimizer's shards when `load_optim` and it holds them.
     Every file is hashed once in the job, by one of its readers, before it is unpickled
     (files.verify_once); every rank raises the same first problem."""
-    from megatron_2bw.checkpoint.torch_format import file_problem, read_torch
-    verify_once([path], grid, lambda p: file_problem(p, t))  # the replicas read one file
+    from megatron_2bw.checkpoint.torch_format import read_torch, torch_file_problem
+    verify_once([path], grid, lambda p: torch_file_problem(p, t))  # the replicas read one file
     problem, shards, own = None, [], False
     try:
         payload = read_torch(path, t, verify=False)
@@ -158,7 +158,7 @@ def _read(path: str, t: int, cfg: Config, grid, engine, load_optim: bool) -> dic
                       for r in ([grid.dp_rank] if own else range(count))]
     except CheckpointError as e:
         problem = str(e)
-    verify_once(shards, grid, lambda p: file_problem(p, t), problem)
+    verify_once(shards, grid, lambda p: torch_file_problem(p, t), problem)
     if shards:
         states = [read_torch(p, t, verify=False)["optimizer"] for p in shards]
         payload["engine"]["optimizer"] = states[0] if own else states

@@ -98,7 +98,7 @@ def remove_stage_files(paths: list[str]) -> None:
             pass
 
 
-def file_problem(path: str, t: int) -> str | None:
+def torch_file_problem(path: str, t: int) -> str | None:
     """Why the stage (or optimizer shard) file `path` of iteration t cannot be used: missing, no
     checksum, or not matching it (truncated, corrupted); None when it is whole."""
     if not os.path.exists(path):
@@ -132,7 +132,7 @@ def record_problem(path: str) -> str | None:
 def read_torch(path: str, t: int, verify: bool = True) -> dict:
     """One stage file, checksum verified first (unless `verify` is False: checked already,
     files.verify_once), parameter names of old versions mapped to today's."""
-    problem = file_problem(path, t) if verify else None
+    problem = torch_file_problem(path, t) if verify else None
     if problem:
         raise CheckpointError(problem)
     payload = read_checkpoint_file(path, verify=False)

@@ -53,6 +53,7 @@ import time
 
 from megatron_2bw.cli.convergence_report import (BASELINE, plot, read_csv, summarize, table,
                                 wrap, write_csv, write_validation_csv)
+from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
 
@@ -119,11 +120,9 @@ def _worker(rank, world, family, argv, out_path, prefix):
                                                    start),
                    make_eval_data=lambda: held_out(cfg, data.valid, grid), log=log)
     if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(losses, f)
+        atomic_write_text(out_path, json.dumps(losses))
     if validation:  # the reporting rank (last stage)
-        with open(out_path + ".validation", "w") as f:
-            json.dump(validation, f)
+        atomic_write_text(out_path + ".validation", json.dumps(validation))
 
 
 def run_one(run: str, family: str, argv: list, nproc: int, out_dir: str,
@@ -260,8 +259,7 @@ def main(argv=None) -> int:
     print()
     print(table(summary))
     print(f"\nwrote {csv_path}, {val_path}, {png_path}")
-    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    atomic_write_text(os.path.join(args.out_dir, "summary.json"), json.dumps(summary, indent=1))
     status = 0
     rel = summary["rel_diff_vs_gpipe"].get("2bw")
     if rel is not None:

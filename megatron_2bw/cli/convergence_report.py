@@ -14,7 +14,10 @@ Vocabulary:
 from __future__ import annotations
 
 import csv
+import io
 import textwrap
+
+from megatron_2bw.fs import atomic_write_text
 
 BASELINE = "gpipe"  # the run the others are compared with
 PALETTE = ("#d62728", "#ff7f0e", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
@@ -59,12 +62,13 @@ def to_target(points: list, target: float | None) -> tuple[int, float] | None:
 def write_csv(path: str, curves: dict) -> None:
     names = list(curves)
     n = max(len(v) for v in curves.values())
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["iteration"] + names)
-        for i in range(n):
-            w.writerow([i + 1] + [f"{curves[s][i]:.6f}" if i < len(curves[s]) else ""
-                                  for s in names])
+    out = io.StringIO(newline="")
+    w = csv.writer(out)
+    w.writerow(["iteration"] + names)
+    for i in range(n):
+        w.writerow([i + 1] + [f"{curves[s][i]:.6f}" if i < len(curves[s]) else ""
+                              for s in names])
+    atomic_write_text(path, out.getvalue())
 
 
 def read_csv(path: str) -> dict:
@@ -79,12 +83,13 @@ def write_validation_csv(path: str, validation: dict) -> None:
     names = [s for s in validation if validation[s]]
     its = sorted({int(p[0]) for s in names for p in validation[s]})
     by = {s: {int(p[0]): p for p in validation[s]} for s in names}
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["iteration"] + names + [f"{s} seconds" for s in names])
-        for it in its:
-            w.writerow([it] + [f"{by[s][it][1]:.6f}" if it in by[s] else "" for s in names]
-                       + [f"{by[s][it][2]:.2f}" if it in by[s] else "" for s in names])
+    out = io.StringIO(newline="")
+    w = csv.writer(out)
+    w.writerow(["iteration"] + names + [f"{s} seconds" for s in names])
+    for it in its:
+        w.writerow([it] + [f"{by[s][it][1]:.6f}" if it in by[s] else "" for s in names]
+                   + [f"{by[s][it][2]:.2f}" if it in by[s] else "" for s in names])
+    atomic_write_text(path, out.getvalue())
 
 
 # -- summary and table ------------------------------------------------------------------------------

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 
 from megatron_2bw.cli import compare_convergence, plot_schedule
+from megatron_2bw.fs import atomic_write_bytes
+from megatron_2bw.schedule.kinds import schedule_names
 
-SCHEDULES = ("2bw", "flush", "gpipe")
+SCHEDULES = tuple(schedule_names())  # every training schedule, the registry's order
 CONVERGENCE_RUNS = "2bw,2bw+predict-spike,gpipe"
 MEMORY_MODEL, MEMORY_LAYOUT = "gpt-1.3b", {"pipeline": 4, "micro_batch": 1, "microbatches": 8}
 PARTS = (("weights", "weights (bf16; 2BW: two versions)", "#3182bd"),
@@ -104,7 +105,8 @@ def convergence(path: str, iters: int, tiny: bool) -> str:
                                       + (["--tiny"] if tiny else []))
         if rc != 0:
             raise SystemExit(f"make_figures: compare_convergence exited {rc}")
-        shutil.copy(os.path.join(tmp, "convergence.png"), path)
+        with open(os.path.join(tmp, "convergence.png"), "rb") as f:
+            atomic_write_bytes(path, f.read())
     return path
 
 

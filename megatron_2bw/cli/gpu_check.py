@@ -54,9 +54,10 @@ from dataclasses import asdict, dataclass, field
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN_GPT, VERIFY = "megatron_2bw.cli.pretrain_gpt", "megatron_2bw.testing.verify"
 
-from megatron_2bw.schedule.kinds import schedule_names
 from megatron_2bw.cli.gpu_check_report import (  # noqa: F401 (tests use them from here)
     Requirements, failed_requirements, parse_log, profiled_kernels, report, summarize)
+from megatron_2bw.fs import atomic_write_text
+from megatron_2bw.schedule.kinds import schedule_names
 
 GPT_125M = ("--model", "gpt-125m", "--seq-length", "1024", "--vocab-size", "50304")
 VERIFY_MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -268,8 +269,8 @@ def execute(s: Settings, peak: float | None, device: str, out_path: str | None =
                     os.path.join(s.work_dir, "checkpoints", "profile"))
     echo(report(out, device))
     if out_path:
-        with open(out_path, "w") as fh:
-            json.dump({"device": device, "settings": asdict(s), **out}, fh, indent=1)
+        atomic_write_text(out_path, json.dumps({"device": device, "settings": asdict(s), **out},
+                                               indent=1))
     return out
 
 

@@ -103,7 +103,7 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
                       shards, stage_tied(costs, lo, hi, d), compensation)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
-    if kind.name == "gpipe" and hi == len(costs):
+    if kind.stashes_logits and hi == len(costs):
         per_mb += logits_bytes  # the fp32 logits next to the softmax, per in-flight microbatch
     peak = kind.in_flight(d, m, stage)
     mem["activations"] = peak * per_mb + extra

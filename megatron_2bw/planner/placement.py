@@ -15,11 +15,7 @@ have a member on one node (a ring leaves a node once per direction). On a topolo
 """
 from __future__ import annotations
 
-
-
-def rank_of(tp: int, pp: int, dp: int, t: int, d: int, w: int, order: str) -> int:
-    """`parallel.grid.ProcessGrid.rank_of` without loading torch (a test compares the two)."""
-    return tp + t * (dp + w * pp) if order == "tp-dp-pp" else tp + t * (pp + d * dp)
+from megatron_2bw.schedule.nccl_posts import rank_of  # the grid's arithmetic, without torch
 
 
 def placement(layout, topology) -> tuple:

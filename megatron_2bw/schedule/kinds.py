@@ -19,6 +19,8 @@ names or restates a rule (`tests/unit/test_rule_owners.py` fails if one does).
     in_flight(d, m, s)   peak microbatches with F done and B not done on stage s (the stash)
     segments             batches the planner simulates: steady state = makespan(b) - makespan(a)
     forwards_between_reduce_and_norm  forwards that hide R(t)'s all-reduce before N(t) waits
+    stashes_logits       the last stage keeps each in-flight microbatch's fp32 logits beside
+                         their softmax until its backward (GPipe: all forwards run first)
     stage_actions(s, d, m, T, t0)     stage s's table for batches t0 .. t0+T-1 (generators.py)
 
 Every rule follows from `num_slots` where it can (the slot of batch t is t % num_slots, once,
@@ -40,6 +42,7 @@ class ScheduleKind:
     is_training = True
     segments = (1, 2)
     forwards_between_reduce_and_norm = 0
+    stashes_logits = False
 
     def __repr__(self) -> str:
         return f"<schedule kind {self.name}>"
@@ -131,6 +134,7 @@ class ScheduleKind:
 class GPipe(ScheduleKind):
     name = "gpipe"
     generator = staticmethod(generators.gpipe)
+    stashes_logits = True
 
     def in_flight(self, d, m, s):
         return m

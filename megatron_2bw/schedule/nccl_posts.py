@@ -78,12 +78,10 @@ class CommLayout:
         return self.distributed_optimizer and self.data > 1
 
 
-def rank_of(layout: CommLayout, d: int, tp: int, pp: int, dp: int) -> int:
-    """The global rank of (tp, pp, dp) (parallel/grid.py's order; tests check it agrees)."""
-    t, w = layout.tensor, layout.data
-    if layout.rank_order == "tp-dp-pp":
-        return tp + t * (dp + w * pp)
-    return tp + t * (pp + d * dp)
+def rank_of(tp: int, pp: int, dp: int, t: int, d: int, w: int, order: str) -> int:
+    """The global rank of (tp, pp, dp) at t x d x w in rank order `order`: parallel/grid.py's
+    arithmetic, pure, for this validator and the planner (tests check the three agree)."""
+    return tp + t * (dp + w * pp) if order == "tp-dp-pp" else tp + t * (pp + d * dp)
 
 
 def comm_groups(actions: list) -> list[tuple[int, int]]:
@@ -152,7 +150,7 @@ class _Rank:
         d, t, w = sched.num_stages, layout.tensor, layout.data
         self.s, self.d, self.first, self.last = s, d, s == 0, s == d - 1
         self.tp, self.dp = tp, dp
-        r = lambda i, p, q: rank_of(layout, d, i, p, q)  # noqa: E731
+        r = lambda i, p, q: rank_of(i, p, q, t, d, w, layout.rank_order)  # noqa: E731
         self.rank = r(tp, s, dp)
         self.prev = None if self.first else r(tp, s - 1, dp)
         self.next = None if self.last else r(tp, s + 1, dp)

@@ -146,6 +146,7 @@ def test_receive_waits_do_pending_chunks_until_the_receive_arrives():
     class P2P:
         def __init__(self):
             self.pending, self.polls, self.waited = {(A.RECV_ACT, 0): None}, 4, []
+            self.unverified = None  # no shape header receive pending (parallel/p2p.py)
 
         def arrived(self, key):
             self.polls -= 1

@@ -206,7 +206,8 @@ def test_the_communicators_are_the_grids_groups(t, d, w, order):
     groups = grid.all_group_ranks()
     mine = {kind: set() for kind in groups}
     for tp, s, dp in itertools.product(range(t), range(d), range(w)):
-        assert rank_of(layout, d, tp, s, dp) == grid.rank_of(tp, s, dp)
+        assert rank_of(tp, s, dp, layout.tensor, d, layout.data, layout.rank_order) == \
+            grid.rank_of(tp, s, dp)
         rank = stage_program(make_schedule("flush", d, d), layout, tp, s, dp)
         for name, members in rank.members.items():
             kind = name.split("[")[0]

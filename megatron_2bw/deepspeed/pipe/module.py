@@ -20,9 +20,6 @@ the engine's stage module holding the newest weights (`engine_view.py`).
 """
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +29,7 @@ from megatron_2bw.deepspeed.pipe.partition import (is_spec, is_tied_spec, layer_
                                                    partition_layers)
 from megatron_2bw.deepspeed.pipe.topology import (PipeDataParallelTopology, ProcessTopology,
                                                   grid_layout)
+from megatron_2bw.deepspeed.runtime.utils import set_random_seed
 from megatron_2bw.models.stage import LayerSpec as EngineLayerSpec
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import is_initialized
@@ -90,13 +88,6 @@ class _DSLayer(nn.Module):
         if self.fn is None:
             return self.layer(x)
         return self.fn(x) if self.layer is None else self.fn(self.layer, x)
-
-
-def set_random_seed(seed: int) -> None:
-    """DeepSpeed's ds_utils.set_random_seed: random, numpy and torch."""
-    random.seed(seed)
-    np.random.seed(seed % (2 ** 32))
-    torch.manual_seed(seed % (2 ** 63))
 
 
 def resolve_process_topology(num_stages, topology, world_size: int):

@@ -182,10 +182,12 @@ def _compute_steps(tables: list, alternate: bool) -> list:
                     dep = done[s].get((FORWARD, a.mb))
                 if dep is None:
                     break
-                step = max(last[s], dep) + 1
-                if alternate and (step - s) % 2 != (0 if a.kind == FORWARD else 1):
-                    step += 1
-                done[s][(a.kind, a.mb)] = last[s] = step
+                # `tick`: DeepSpeed's instruction-step clock (forwards on even ticks of a stage,
+                # backwards on odd ones), not a batch index: no weight-version rule here
+                tick = max(last[s], dep) + 1
+                if alternate and (tick - s) % 2 != (0 if a.kind == FORWARD else 1):
+                    tick += 1
+                done[s][(a.kind, a.mb)] = last[s] = tick
                 nxt[s] += 1
                 moved = True
         if not moved:
