@@ -67,6 +67,16 @@ def samples_per_dataset(weights: list[float], num_samples: int) -> list[int]:
     return size_per_dataset(weights, num_samples, MID_LEVEL_SURPLUS)
 
 
+def _furthest_below(w: list[float], counts: list[int], t: float, candidates) -> int:
+    """The candidate dataset whose count is furthest below its share w x t (ties: the first)."""
+    best, best_err = -1, -math.inf
+    for d in candidates:
+        err = w[d] * t - counts[d]
+        if err > best_err:
+            best, best_err = d, err
+    return best
+
+
 def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's helpers.build_blending_indices: (dataset of sample i, its index there).
     Sample i goes to the dataset whose count is furthest below weight x max(i, 1) (ties: the
@@ -75,14 +85,9 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
     k = len(w)
     dataset_index = np.empty(size, dtype=np.int16)
     dataset_sample_index = np.empty(size, dtype=np.int64)
-    counts = [0] * k
+    counts, every = [0] * k, range(k)
     for i in range(size):
-        t = max(float(i), 1.0)
-        best, best_err = 0, w[0] * t - counts[0]
-        for d in range(1, k):
-            err = w[d] * t - counts[d]
-            if err > best_err:
-                best, best_err = d, err
+        best = _furthest_below(w, counts, max(float(i), 1.0), every)
         dataset_index[i] = best
         dataset_sample_index[i] = counts[best]
         counts[best] += 1
@@ -99,12 +104,7 @@ def build_exhaustive_blending_indices(sizes: list[int]) -> tuple[np.ndarray, np.
     counts = [0] * len(sizes)
     unspent = [d for d in range(len(sizes)) if sizes[d] > 0]
     for i in range(total):
-        t = max(float(i), 1.0)
-        best, best_err = -1, -math.inf
-        for d in unspent:
-            err = w[d] * t - counts[d]
-            if err > best_err:
-                best, best_err = d, err
+        best = _furthest_below(w, counts, max(float(i), 1.0), unspent)
         dataset_index[i] = best
         dataset_sample_index[i] = counts[best]
         counts[best] += 1

@@ -92,6 +92,16 @@ def peer_error(e: BaseException, waited_for: str, what: str,
                      "cause")
 
 
+def describe_ranks(others: list[int], one=str) -> str:
+    """"rank 1", "one of ranks 1, 3" (a few, each as `one` names it) or "one of the 7 other
+    ranks (0, 2, ... 7)": the ranks an error line says a rank waited for."""
+    if len(others) == 1:
+        return f"rank {one(others[0])}"
+    if len(others) <= 4:
+        return "one of ranks " + ", ".join(map(one, others))
+    return f"one of the {len(others)} other ranks ({others[0]}, {others[1]}, ... {others[-1]})"
+
+
 class Comm:
     """Collectives and point-to-point of one rank, on `device` (see the module docstring).
 
@@ -279,12 +289,7 @@ class Comm:
     def name_ranks(self, ranks: list[int]) -> str:
         """`ranks` other than this one, for an error line ("rank 1", "one of ranks 1, 3"); the
         grid replaces it with its own, which adds each rank's coordinates (init_groups)."""
-        others = [r for r in ranks if r != self.rank]
-        if len(others) == 1:
-            return f"rank {others[0]}"
-        if len(others) <= 4:
-            return "one of ranks " + ", ".join(map(str, others))
-        return f"one of the {len(others)} other ranks ({others[0]}, {others[1]}, ... {others[-1]})"
+        return describe_ranks([r for r in ranks if r != self.rank])
 
     @staticmethod
     def group_name(group) -> str:

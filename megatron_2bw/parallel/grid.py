@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_2bw.config import RANK_ORDERS
-from megatron_2bw.parallel.comm import Comm, PeerError, peer_error
+from megatron_2bw.parallel.comm import Comm, PeerError, describe_ranks, peer_error
 
 
 @dataclass
@@ -173,12 +173,7 @@ class ProcessGrid:
             tp, stage, dp = self.coords(r)
             return (f"{r} (stage {stage}/{self.pipeline}, data-parallel replica {dp}, tensor rank "
                     f"{tp})")
-        others = [r for r in ranks if r != self.rank]
-        if len(others) == 1:
-            return f"rank {one(others[0])}"
-        if len(others) <= 4:
-            return "one of ranks " + ", ".join(map(one, others))
-        return f"one of the {len(others)} other ranks ({others[0]}, {others[1]}, ... {others[-1]})"
+        return describe_ranks([r for r in ranks if r != self.rank], one)
 
     def peer_error(self, e: BaseException, what: str, kind: str | None = None,
                    ranks: list[int] | None = None) -> PeerError:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive, children
 import torch
 
 from megatron_2bw.checkpoint.dist.load import read_full
@@ -89,26 +90,6 @@ def copy_of(checkpoints, tmp_path, name="ck"):
 
 
 # -- runaway processes ----------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGUSR1])
 def test_workers_exit_within_seconds_when_torchrun_dies(tmp_path, sig):
@@ -121,13 +102,13 @@ def test_workers_exit_within_seconds_when_torchrun_dies(tmp_path, sig):
         for line in launcher.stdout:
             if line.startswith("iteration"):
                 break
-        workers = _children(launcher.pid)
+        workers = children(launcher.pid)
         assert len(workers) == 2, workers
         launcher.send_signal(sig)
         deadline = time.monotonic() + 10
-        while any(map(_alive, workers)) and time.monotonic() < deadline:
+        while any(map(alive, workers)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not any(map(_alive, workers)), "a worker outlived torchrun by 10 s"
+        assert not any(map(alive, workers)), "a worker outlived torchrun by 10 s"
         before = digest(ck)
         time.sleep(1.5)
         assert digest(ck) == before, "nothing is written after the workers are gone"
@@ -135,8 +116,8 @@ def test_workers_exit_within_seconds_when_torchrun_dies(tmp_path, sig):
         assert "Traceback" not in err, err[-3000:]  # the survivor of the first exit: one line
         assert len([x for x in err.splitlines() if x.startswith("error: ")]) >= 2, err[-3000:]
     finally:
-        for pid in [launcher.pid] + _children(launcher.pid):
-            if _alive(pid):
+        for pid in [launcher.pid] + children(launcher.pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait()
 

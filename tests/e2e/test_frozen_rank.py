@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive, children, state
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = str(ROOT / "tests" / "fault_entry.py")
@@ -28,25 +29,6 @@ def _env():
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(WANDB_MODE="offline", PYTHONPATH=str(ROOT))
     return env
-
-
-def _workers(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -65,7 +47,7 @@ def test_a_frozen_rank_ends_the_job_and_its_peer_says_whom_it_waited_for(tmp_pat
     try:
         deadline = time.monotonic() + 300  # start-up and three iterations: only bounds a hang
         while time.monotonic() < deadline and launcher.poll() is None:
-            if any(_state(pid) == "T" for pid in _workers(launcher.pid)):
+            if any(state(pid) == "T" for pid in children(launcher.pid)):
                 break
             time.sleep(0.1)
         frozen = time.monotonic()
@@ -73,8 +55,8 @@ def test_a_frozen_rank_ends_the_job_and_its_peer_says_whom_it_waited_for(tmp_pat
         launcher.wait(timeout=TIMEOUT_S + 90)
         ended = time.monotonic() - frozen
     finally:
-        for pid in [launcher.pid] + _workers(launcher.pid):
-            if _state(pid) not in ("gone", "Z"):
+        for pid in [launcher.pid] + children(launcher.pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait()
     print(f"\nthe job ended {ended:.0f} s after rank 1 froze (timeout {TIMEOUT_S} s)")
