@@ -54,9 +54,7 @@ import torch
 from torch import nn
 
 from megatron_2bw.optim.shard_layout import ShardLayout
-from megatron_2bw.pipeline.flags import FLAGS
-
-TAIL = 1 + len(FLAGS)  # loss, then one slot per control flag
+from megatron_2bw.pipeline.flag_names import TAIL  # loss, then one slot per control flag
 
 
 def _group(p: nn.Parameter, tied: dict) -> int:
