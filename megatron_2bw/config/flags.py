@@ -34,6 +34,8 @@ class FlagParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+# --mock-data without a tokenizer: Megatron has no default (its tokenizer sets the vocabulary)
+MOCK_VOCAB_SIZE = 512
 # shape defaults when neither --model nor the flag gives one (the `debug` flavour)
 SHAPE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32}
 
@@ -48,10 +50,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=512,
-                   help="vocabulary size for --mock-data (a tokenizer sets it otherwise)")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="as in Megatron, the tokenizer sets the vocabulary; this is for "
+                        f"--mock-data without a tokenizer (default {MOCK_VOCAB_SIZE}) and the "
+                        "NullTokenizer")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true",
@@ -175,7 +179,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="default: micro-batch size x data-parallel size (one microbatch)")
     g.add_argument("--train-iters", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
                    help="the kernel that steps the optimizer: auto (default) = torch's fused "
@@ -190,7 +194,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="the minimum of --decoupled-lr's decay (default: --min-lr; without "
                         "--decoupled-lr it has no effect, as in Megatron)")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
+                   help="over --lr-decay-iters (default: --train-iters) down to --min-lr")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
@@ -212,7 +217,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="on CUDA keep fp32 matmuls and convolutions in IEEE fp32 (default: TF32 "
                         "tensor cores, as the pretrain scripts set on Ampere and newer)")
     g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 16)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=int, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
@@ -223,11 +228,13 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-samples", type=int, default=None,
                    help="alternative to --train-iters: samples / global batch size iterations")
     add_ramp_args(g)
-    g.add_argument("--eval-interval", type=int, default=0)
-    g.add_argument("--eval-iters", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="evaluate on the validation split every N iterations (0: never)")
+    g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (default: only at the end, with --save)")
     g.add_argument("--keep-last", type=int, default=0,
                    help="keep only the newest N checkpoints (0: keep all)")
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default=CKPT_FORMATS[0],
@@ -249,8 +256,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                    help="with --load: stop with one line when it holds no checkpoint, instead "
                         "of starting from scratch (also when --load equals --save)")
     g.add_argument("--finetune", action="store_true")
-    g.add_argument("--exit-interval", type=int, default=0)
-    g.add_argument("--exit-duration-in-mins", type=float, default=0.0)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
@@ -280,7 +287,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         family=family, bert_binary_head=not getattr(args, "bert_no_binary_head", False), num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
         num_attention_heads=shape["num_attention_heads"], ffn_hidden_size=args.ffn_hidden_size,
         seq_length=shape["seq_length"], max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
+        vocab_size=MOCK_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
+        hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         eod_mask_loss=getattr(args, "eod_mask_loss", False),
@@ -316,12 +324,13 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     train = TrainConfig(
         train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
-        load=args.load, save_interval=args.save_interval, keep_last=args.keep_last,
+        load=args.load, save_interval=args.save_interval or 0, keep_last=args.keep_last,
         save_optim=not args.no_save_optim, ckpt_format=args.ckpt_format,
         async_save=args.async_save,
         load_optim=not args.no_load_optim, finetune=args.finetune,
         load_rng=getattr(args, "load_rng", True),
-        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_interval=args.exit_interval or 0,
+        exit_duration_in_mins=args.exit_duration_in_mins or 0.0,
         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
         wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown,
         trace=args.trace, tensorboard_dir=args.tensorboard_dir,

@@ -154,6 +154,10 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
     add_model_args(p)
     add_parallel_args(p)
     add_training_args(p)
+    # the judge's own settings, not Megatron's training defaults: the reference it compares
+    # against has no dropout, a constant lr, no evaluation unless asked and one log per step
+    p.set_defaults(hidden_dropout=0.0, attention_dropout=0.0, lr_decay_style="constant",
+                   eval_interval=0, eval_iters=1, log_interval=1, initial_loss_scale=2.0 ** 16)
     p.add_argument("--schedule", dest="schedule_alias", default=None,
                    help="alias of --pipeline-schedule")
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")

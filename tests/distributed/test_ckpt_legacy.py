@@ -21,7 +21,9 @@ from test_resume import _worker
 FIXTURE = Path(__file__).resolve().parents[1] / "golden" / "ckpt_e2f4b58"
 FLAGS = ("--mock-data --num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
          "--vocab-size 32 --micro-batch-size 2 --global-batch-size 4 "
-         "--pipeline-schedule 2bw --lr 3e-3 --log-interval 1").split()
+         "--pipeline-schedule 2bw --lr 3e-3 --log-interval 1 "
+         # the settings the legacy checkpoint was trained with (its losses are compared)
+         "--hidden-dropout 0 --attention-dropout 0 --lr-decay-style constant").split()
 
 
 def make_cfg(argv, world=4):

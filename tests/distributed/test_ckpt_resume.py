@@ -30,7 +30,8 @@ def _front_door(argv, world, monkeypatch, capsys):
     """pretrain.parse on rank 0 of `world` (no process group): (exit code, stdout lines,
     stderr lines)."""
     code, out, err = fault_table_front_door(argv, monkeypatch, capsys, world, TINY)
-    return code, out.splitlines(), err
+    # the one-stage 2bw warning (tests/unit/test_one_stage_schedule.py) is not read here
+    return code, [line for line in out.splitlines() if "for nothing" not in line], err
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,8 @@ def test_a_run_resumes_on_twice_the_ranks_with_auto_plan(tmp_path):
 def test_the_loss_scale_skipped_steps_step_count_and_rng_carry_over(tmp_path):
     """torch_dist, one process: what is not a tensor of the model carries over too (the lr
     schedule follows the iteration and the step count)."""
-    argv = ["--fp16", "--loss-scale-window", "2", "--lr-decay-style", "cosine",
+    argv = ["--fp16", "--initial-loss-scale", str(2.0 ** 16), "--loss-scale-window", "2",
+            "--lr-decay-style", "cosine",
             "--lr-warmup-iters", "2", "--save", str(tmp_path)]
     engine, cfg, grid = _one_rank(argv)
     data = mock_batches(cfg, 1, 0)

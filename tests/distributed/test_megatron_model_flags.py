@@ -62,7 +62,8 @@ def _params_norm_worker(rank, world_size, cfg, out):
 def test_log_params_norm_is_the_norm_of_every_weight_once(tmp_path, extra):
     argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 "
             "--seq-length 16 --micro-batch-size 2 --global-batch-size 8 --train-iters 2 "
-            "--pipeline-model-parallel-size 2 --log-params-norm --lr 1e-2").split() + extra
+            "--pipeline-model-parallel-size 2 --log-params-norm --lr 1e-2 "
+            "--log-interval 1").split() + extra
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 2).config
     out = str(tmp_path / "r")
     spawn(_params_norm_worker, 2, args=(cfg, out), timeout_minutes=1)

@@ -194,7 +194,8 @@ def test_load_equal_to_save_is_the_first_start_of_a_job(tmp_path, monkeypatch, c
 # -- numerics -------------------------------------------------------------------------------------
 def test_diverged_fp16_run_ends_with_one_line_and_writes_no_nonfinite_checkpoint(tmp_path):
     ck = tmp_path / "ck"
-    proc = torchrun("--fp16", "--lr", "1e6", "--train-iters", "40", "--save", ck,
+    scale = ("--initial-loss-scale", str(2 ** 16))  # the skip counts below start from 2^16
+    proc = torchrun("--fp16", *scale, "--lr", "1e6", "--train-iters", "40", "--save", ck,
                     "--save-interval", "5")
     assert proc.returncode != 0
     assert not our_traceback(proc)
@@ -207,7 +208,7 @@ def test_diverged_fp16_run_ends_with_one_line_and_writes_no_nonfinite_checkpoint
             assert tensors and all(torch.isfinite(t).all() for t in tensors.values()), prefix
     assert not (ck / LATEST).exists() or latest(ck) < 40
     # without --save the skip limit ends the run: 27 skips in a row are allowed by default
-    proc = torchrun("--fp16", "--lr", "1e6", "--train-iters", "40")
+    proc = torchrun("--fp16", *scale, "--lr", "1e6", "--train-iters", "40")
     assert proc.returncode != 0 and not our_traceback(proc)
     lines = errors(proc)
     assert lines and all("fp16 skipped 28 steps in a row" in x for x in lines), lines
@@ -282,7 +283,8 @@ def test_disk_full_during_a_save_names_enospc_and_keeps_the_previous_checkpoint(
 # -- resume with another precision ----------------------------------------------------------------
 def test_resume_with_another_precision_starts_a_fresh_loss_scaler(checkpoints, tmp_path):
     ck = copy_of(checkpoints, tmp_path)
-    proc = torchrun("--fp16", "--train-iters", "12", "--load", ck, "--save", ck)
+    proc = torchrun("--fp16", "--initial-loss-scale", str(2 ** 16), "--train-iters", "12",
+                    "--load", ck, "--save", ck)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint {ck} (iteration 10) was saved with fp32; continuing with fp16 (dynamic " \
            "loss scale): the loss scaler starts fresh" in proc.stdout

@@ -94,7 +94,7 @@ def test_hf_import_gives_hf_logits_and_exports_back(case, tmp_path):
 # -- a trained checkpoint at (t=2, d=2) --------------------------------------------------------
 BASE = ("--mock-data --seq-length 16 --micro-batch-size 2 --global-batch-size 8 "
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --log-interval 1 "
-        "--vocab-size 256").split()
+        "--vocab-size 256 --hidden-dropout 0 --attention-dropout 0").split()  # logits compared
 SHAPE_FLAGS = {"gpt": "--num-layers 2 --hidden-size 64 --num-attention-heads 4".split(),
                "llama": ["--model", "llama-debug"]}
 

@@ -115,7 +115,8 @@ def test_lr_flag_mixtures_are_one_line_errors(argv, message):
 def test_kv_channels_sets_the_head_width():
     from megatron_2bw.models.attention import SelfAttention
     cfg = built(["--hidden-size", "32", "--num-attention-heads", "4", "--kv-channels", "16",
-                 "--group-query-attention", "--num-query-groups", "2"]).config
+                 "--group-query-attention", "--num-query-groups", "2",
+                 "--hidden-dropout", "0", "--attention-dropout", "0"]).config  # exact: no dropout
     assert cfg.model.kv_channels == 16
     attn = SelfAttention(cfg.model, *_tp(), tracker=None, causal=True, init_std=0.02,
                          out_std=0.02)
@@ -357,11 +358,12 @@ def test_reset_position_ids_restart_the_learned_positions_after_each_eod():
     from megatron_2bw.models.gpt import GPTEmbedding, reset_positions
     tokens = torch.tensor([[5, 1, 2, 5, 3, 4], [1, 2, 3, 4, 5, 5]])
     assert reset_positions(tokens, 5).tolist() == [[0, 0, 1, 2, 0, 1], [0, 1, 2, 3, 4, 0]]
-    cfg = built(["--reset-position-ids", "--vocab-size", "64"], eod=5).config.model
+    exact = ["--hidden-dropout", "0", "--attention-dropout", "0"]  # compared exactly: no dropout
+    cfg = built(["--reset-position-ids", "--vocab-size", "64", *exact], eod=5).config.model
     emb = GPTEmbedding(cfg)
     want = emb.word_embeddings(tokens) + emb.position_embeddings(reset_positions(tokens, 5))
     assert torch.equal(emb(tokens), want)
-    plain = GPTEmbedding(built(["--vocab-size", "64"]).config.model)
+    plain = GPTEmbedding(built(["--vocab-size", "64", *exact]).config.model)
     plain.load_state_dict(emb.state_dict())
     assert torch.equal(plain(tokens[1:, :5]), emb(tokens[1:, :5]))  # no eod before: the same
     with pytest.raises(ConfigError, match="--reset-position-ids with --position-embedding-type "

@@ -22,7 +22,7 @@ import sys
 
 from megatron_2bw.config import SCHEDULES, Config, ModelConfig
 from megatron_2bw.config.flags import FlagParser, exit_on_config_error
-from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
+from megatron_2bw.schedule.kinds import default_schedule
 
 
 def build_parser() -> FlagParser:
@@ -40,7 +40,8 @@ def build_parser() -> FlagParser:
     i.add_argument("--save", required=True, help="new checkpoint directory")
     i.add_argument("--tensor-model-parallel-size", type=int, default=1)
     i.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    i.add_argument("--pipeline-schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
+    i.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
+                   help="default: pretrain's (flush at one pipeline stage, else 2bw)")
     i.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     c = sub.add_parser("to-dist", help="torch-format checkpoint -> torch_dist (layout-free)")
     c.add_argument("--load", required=True, help="a torch-format checkpoint directory")
@@ -94,7 +95,7 @@ def import_(args) -> str:
     from megatron_2bw.checkpoint.convert.native import write_checkpoint
     from megatron_2bw.checkpoint.convert.tokenizers import carry_to_checkpoint, sentencepiece_flags
     t, d = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    base = Config(schedule=args.pipeline_schedule)
+    base = Config(schedule=args.pipeline_schedule or default_schedule(d))
     model = import_hf(args.load, t, args.make_vocab_size_divisible_by, base)
     write_checkpoint(args.save, model, t, d)
     carry_to_checkpoint(args.load, args.save)
