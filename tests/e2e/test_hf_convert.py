@@ -176,14 +176,15 @@ def test_loading_with_other_architecture_flags_names_the_difference(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     ckpt = str(tmp_path / "ckpt")
     write_checkpoint(ckpt, import_hf(str(tmp_path / "hf"), tensor=2), tensor=2, pipeline=2)
-    from megatron_2bw.checkpoint.api import _read
+    from megatron_2bw.checkpoint.layout import check_layout
     from megatron_2bw.checkpoint.convert.cli import model_flags
+    from megatron_2bw.checkpoint.torch_format import read_torch
     cfg = make_cfg(model_flags(import_hf(str(tmp_path / "hf")).config.model)
                    + ["--normalization", "LayerNorm"])
     grid = type("G", (), {"tensor": 2, "pipeline": 2})()
     with pytest.raises(CheckpointError, match="normalization RMSNorm != LayerNorm"):
-        _read(os.path.join(ckpt, "iter_0000000", "mp_rank_00_000", "model_optim_rng.pt"), 0,
-              cfg, grid)
+        path = os.path.join(ckpt, "iter_0000000", "mp_rank_00_000", "model_optim_rng.pt")
+        check_layout(read_torch(path, 0)["layout"], cfg, grid, path, resharding=False)
 
 
 # -- the command line and its errors -----------------------------------------------------------
@@ -195,7 +196,7 @@ def convert(*argv):
 
 
 def test_import_command_prints_flags_that_train(tmp_path):
-    hf = hf_model("llama", vocab_size=256)
+    hf = hf_model("llama", vocab_size=2000)  # the tokenizer's (the default corpus's: 2000 pieces)
     hf.save_pretrained(tmp_path / "hf")
     import shutil
     from megatron_2bw.data.default_corpus import default_corpus
