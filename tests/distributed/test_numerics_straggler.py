@@ -86,6 +86,7 @@ def test_fp16_skips_a_nonfinite_gradient_and_goes_on(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     losses = run(make_cfg(["--train-iters", "5", "--fp16", "--log-interval", "5",
+                           "--initial-loss-scale", "65536",  # (Megatron's 2^32 overflows first)
                            "--tensorboard-dir", f"{d}/tb"]), f"{d}/l",
                  hooks=PoisonGradient(rank=0, iteration=3, value=float("inf")), log=f"{d}/log")
     (it, fields), = filter(None, map(parse_line, open(f"{d}/log.1")))
