@@ -63,8 +63,8 @@ def attention_backend(cfg: Config, tensor_parallel: int, device) -> str:
     mask = None if causal else torch.ones(shape[0], 1, 1, m.seq_length, dtype=torch.bool,
                                           device=device)
     extra = {"enable_gqa": True} if groups != heads else {}
-    try:
-        choice = torch._fused_sdp_choice(q, kv, kv, mask, 0.0, causal, **extra)
+    try:  # in training: the attention dropout (some backends, e.g. the CPU's flash, take none)
+        choice = torch._fused_sdp_choice(q, kv, kv, mask, m.attention_dropout, causal, **extra)
     except (RuntimeError, TypeError, AttributeError):  # an older torch, or no backend fits
         return "unknown"
     return BACKENDS.get(int(choice), "unknown")

@@ -306,7 +306,7 @@ def test_compare_convergence_wandb_group(tmp_path):
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     from megatron_2bw.testing.wandb_offline import read_history
-    assert [r["loss"] for r in read_history(str(runs[0].parent)) if "loss" in r]
+    assert [r["lm loss"] for r in read_history(str(runs[0].parent)) if "lm loss" in r]
     assert b"grp-test" in runs[0].read_bytes()  # the run record carries the group
 
 

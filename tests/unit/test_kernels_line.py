@@ -10,7 +10,7 @@ from megatron_2bw.training import kernels as K
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--mock-data"]
+        "--global-batch-size", "4", "--mock-data", "--attention-dropout", "0"]
 
 
 @pytest.fixture
@@ -47,5 +47,7 @@ def test_the_kernels_line():
     # the dispatcher's answer changes with what the backends can take: math once flash is off
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
         assert K.attention_backend(cfg, 1, "cpu") == "math"
+    # the training step's dropout counts: torch's CPU flash attention takes none
+    assert K.attention_backend(cfg.replace(model={"attention_dropout": 0.1}), 1, "cpu") == "math"
     bert = cfg.replace(model={"family": "bert"})
     assert K.attention_backend(bert, 2, "cpu") in K.BACKENDS.values()
