@@ -95,7 +95,7 @@ def parse(family: str, argv=None) -> Parsed:
             log = (lambda line: print(line, flush=True)) if rank == 0 else None
             planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
         eod = tokenizer.eod if tokenizer is not None and (
-            args.eod_mask_loss or args.reset_position_ids) else None
+            args.eod_mask_loss or args.reset_position_ids or args.reset_attention_mask) else None
         built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner,
                              eod=eod, checkpoint=checkpoint_args(args))
         cfg = built.config

@@ -102,7 +102,8 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
         notes += deepspeed.notes   # unknown keys DeepSpeed ignores: one warning line each
     if vocab_size is not None:
         cfg = cfg.replace(model={"vocab_size": vocab_size})
-    if eod is not None and (cfg.model.eod_mask_loss or cfg.model.reset_position_ids):
+    if eod is not None and (cfg.model.eod_mask_loss or cfg.model.reset_position_ids
+                            or cfg.model.reset_attention_mask):
         cfg = cfg.replace(model={"eod_token": int(eod)})  # the tokenizer's end of document
     if checkpoint is not None:
         cfg, line = _checkpoint_model(cfg, *checkpoint)

@@ -310,6 +310,10 @@ def _check_architecture(m: ModelConfig, p: ParallelConfig) -> None:
             _fail("--reset-position-ids with --position-embedding-type rope is not in this "
                   "engine (RoPE rotates in every layer, on stages that never see the tokens); "
                   "drop it")
+    if m.reset_attention_mask and (m.family != "gpt" or m.eod_token is None):
+        _fail("--reset-attention-mask needs a GPT and a tokenizer with an end-of-document id "
+              "(--tokenizer-type ...): --mock-data without one has no documents to end"
+              if m.family == "gpt" else "--reset-attention-mask is a GPT flag: drop it for BERT")
     if m.qk_layernorm and p.tensor > 1 and not p.sequence_parallel:
         _fail("--qk-layernorm at --tensor-model-parallel-size > 1 needs --sequence-parallel "
               "here (its norms' gradients are summed over the tensor ranks with the "

@@ -140,8 +140,6 @@ NEUTRAL = {
     "--fp8-param-gather": (dict(action="store_true", default=False), False, "fp8 training"),
     "--moe-router-topk": (dict(type=int, default=2), 2, "mixture of experts"),
     "--moe-grouped-gemm": (dict(action="store_true", default=False), False, "mixture of experts"),
-    "--reset-attention-mask": (dict(action="store_true", default=False), False,
-                               "attention masks that stop at end-of-document tokens"),
     "--log-num-zeros-in-grad": (dict(action="store_true", default=False), False,
                                 "logging the gradient's zeros"),
     "--dataloader-type": (dict(choices=("single", "cyclic", "external"), default=None),

@@ -64,6 +64,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true",
                    help="GPT with learned positions: position ids restart at 0 after each end "
                         "of document")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="GPT: a token attends only to the tokens of its own document (from the "
+                        "token after the last end of document before it; an end of document "
+                        "belongs to the document it ends), as Megatron's "
+                        "get_ltor_masks_and_position_ids")
     g.add_argument("--recompute-activations", action="store_true",
                    help="selective recomputation, as in Megatron: recompute core attention "
                         "(softmax and dropout over the scores) in backward, keep the rest. "
@@ -293,6 +298,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         eod_mask_loss=getattr(args, "eod_mask_loss", False),
         reset_position_ids=getattr(args, "reset_position_ids", False),
+        reset_attention_mask=getattr(args, "reset_attention_mask", False),
         recompute_method=method, recompute_num_layers=num or 0,
         recompute_granularity=granularity)
     model = apply_architecture_args(model, args)

@@ -80,6 +80,7 @@ class ModelConfig:
     eod_mask_loss: bool = False                 # GPT: no loss where the input token is eod_token
     eod_token: int | None = None                # the tokenizer's end-of-document id
     reset_position_ids: bool = False            # learned positions restart after eod_token
+    reset_attention_mask: bool = False          # GPT attention stays within each document
 
     def __post_init__(self):
         if self.recompute_method is not None and self.recompute_granularity is None:

@@ -43,7 +43,9 @@ def _divide(n: int, tp: TPGroup, flag: str) -> int:
 
 
 class SelfAttention(nn.Module):
-    """x [b, s, h] (and an optional boolean key-padding mask [b, s], True = keep) -> [b, s, h]"""
+    """x [b, s, h] and an optional boolean mask, True = attend: a key-padding mask [b, s] (BERT),
+    or a whole mask [b, 1, s, s] that holds the causality too (--reset-attention-mask,
+    models/documents.py) -> [b, s, h]"""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, tracker: RNGTracker | None, causal: bool,
                  init_std: float, out_std: float):
@@ -108,11 +110,15 @@ class SelfAttention(nn.Module):
                 extra["enable_gqa"] = True
             else:
                 k, v = (t.repeat_interleave(self.per_group, dim=1) for t in (k, v))
-        attn_mask = None if mask is None else mask[:, None, None, :]
+        attn_mask, causal = mask, self.causal
+        if mask is not None and mask.dim() == 2:
+            attn_mask = mask[:, None, None, :]
+        elif mask is not None:
+            causal = False  # the whole mask is causal itself
         p = self.attention_dropout if self.training else 0.0
         if p > 0 and self.tracker is not None:
             with self.tracker.fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, self.causal, **extra)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, causal, **extra)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, self.causal, **extra)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, p, causal, **extra)
         return out

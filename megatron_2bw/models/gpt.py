@@ -7,6 +7,11 @@ The output layer reuses the word embedding (tied, key "word_embeddings") unless
 `untie_embeddings_and_output_weights` is set. The embedding, the output layer and the loss are
 vocab-parallel; the same spec list builds the one-process sequential model (tp size 1) and any
 pipeline stage of any tensor size.
+
+With `reset_attention_mask` (--reset-attention-mask) the embedding returns (hidden, document
+ids), every layer takes and passes on the pair and attends within each document
+(models/documents.py), and the head drops the ids; without it the layers see the hidden state
+alone.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.models.documents import DocumentMasks, document_ids
 from megatron_2bw.models.norms import build_norm
 from megatron_2bw.models.partition import split_evenly
 from megatron_2bw.models.stage import LayerSpec
@@ -56,14 +62,33 @@ class GPTEmbedding(nn.Module):
         self.position_embeddings = learned_positions(cfg)
         self.dropout = SequenceDropout(cfg.hidden_dropout, tp, tracker)
         self.reset_after = cfg.eod_token if cfg.reset_position_ids else None
+        self.documents_end_at = cfg.eod_token if cfg.reset_attention_mask else None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor):
         x = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
             positions = torch.arange(tokens.shape[1], device=tokens.device) \
                 if self.reset_after is None else reset_positions(tokens, self.reset_after)
             x = x + self.position_embeddings(positions)
-        return self.dropout(scatter_to_sequence_parallel_region(x, self.tp))
+        x = self.dropout(scatter_to_sequence_parallel_region(x, self.tp))
+        if self.documents_end_at is None:
+            return x
+        return x, document_ids(tokens, self.documents_end_at)
+
+
+class GPTDocumentLayer(TransformerLayer):
+    """--reset-attention-mask: (x, document ids) -> (x', the same ids), attending within each
+    document; the layers of a model share `masks` (one mask per microbatch and stage)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, tracker: RNGTracker, masks: DocumentMasks):
+        super().__init__(cfg, tp, tracker, causal=True)
+        self.masks = masks
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None):  # type: ignore[override]
+        if ids is None:  # the hidden state alone (a profiler's layer): plain causal
+            return super().forward(x)
+        mask, ids = self.masks(ids)
+        return super().forward(x, mask), ids
 
 
 def reset_positions(tokens: torch.Tensor, eod: int) -> torch.Tensor:
@@ -98,7 +123,7 @@ class GPTHead(nn.Module):
         self.weight = mark_embedding_or_output(
             sharded_normal((cfg.vocab_size, cfg.hidden_size), cfg.init_method_std, 0, tp))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         return gather_linear(self.final_layernorm(x), self.weight, None, self.tp)
 
 
@@ -110,8 +135,12 @@ def gpt_layer_specs(cfg: ModelConfig, tp: TPGroup = TPGroup(), seed: int = 1234,
     specs = [LayerSpec(lambda: GPTEmbedding(cfg, tp, tracker), name="embedding", tied_key=tied,
                        tied_attr="word_embeddings.weight", tied_init=init,
                        random=cfg.hidden_dropout > 0)]
-    specs += [LayerSpec(lambda: TransformerLayer(cfg, tp, tracker, causal=True),
-                        name="transformer", recompute=True, tracker=tracker,
+    if cfg.reset_attention_mask:
+        masks = DocumentMasks()
+        layer = lambda: GPTDocumentLayer(cfg, tp, tracker, masks)  # noqa: E731
+    else:
+        layer = lambda: TransformerLayer(cfg, tp, tracker, causal=True)  # noqa: E731
+    specs += [LayerSpec(layer, name="transformer", recompute=True, tracker=tracker,
                         random=transformer_draws_random(cfg))
               for _ in range(cfg.num_layers)]
     specs.append(LayerSpec(lambda: GPTHead(cfg, tp), name="head", tied_key=tied, tied_attr="weight",

@@ -33,7 +33,7 @@ def transformer_draws_random(cfg: ModelConfig) -> bool:
 
 
 class TransformerLayer(nn.Module):
-    """x [b, s, h] (and an optional boolean key-padding mask [b, s], True = keep) -> [b, s, h]"""
+    """x [b, s, h] (and an optional boolean mask, True = attend: SelfAttention's) -> [b, s, h]"""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), tracker: RNGTracker | None = None,
                  causal: bool = True):
