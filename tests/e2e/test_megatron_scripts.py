@@ -4,7 +4,8 @@ output paths and, for the Llama script, its fp8 flags (refused in one line: seco
 that cannot be written stops the run before its first iteration.
 
 Flag lists from NVIDIA/Megatron-LM: examples/gpt3/train_gpt3_175b_distributed.sh (the version with
---attention-backend auto and --rampup-batch-size) and examples/llama/train_llama3_8b_h100_fp8.sh.
+--attention-backend auto and --rampup-batch-size), examples/llama/train_llama3_8b_h100_fp8.sh and
+examples/bert/train_bert_340m_distributed.sh.
 """
 import json
 import os
@@ -104,15 +105,44 @@ def env():
     return out
 
 
-def torchrun(args, timeout=420):
+def bert_340m(ckpt, tb, vocab, stages=2):
+    """The script's arrays; changed: sizes (BERT_MODEL_ARGS, MODEL_PARALLEL_ARGS), --train-iters,
+    --data-path -> --mock-data, the paths. Its repeated --weight-decay and --clip-grad stay, and
+    it gives no --tokenizer-type: --vocab-file alone means BertWordPieceLowerCase."""
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32",
+             "--attention-backend", "auto"]
+    training = ["--micro-batch-size", "4", "--global-batch-size", "32", "--train-iters", "1",
+                "--weight-decay", "1e-2", "--clip-grad", "1.0", "--fp16", "--lr", "0.0001",
+                "--lr-decay-iters", "990000", "--lr-decay-style", "linear", "--min-lr",
+                "1.0e-5", "--weight-decay", "1e-2", "--lr-warmup-fraction", ".01",
+                "--clip-grad", "1.0"]
+    parallel = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+                str(stages)]
+    data = ["--mock-data", "--vocab-file", str(vocab), "--split", "949,50,1"]
+    logging = ["--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+               "--save", str(ckpt), "--load", str(ckpt), "--eval-iters", "10",
+               "--tensorboard-dir", str(tb)]
+    return model + training + parallel + data + logging
+
+
+def bert_vocab(d: Path) -> Path:
+    """A tiny WordPiece vocabulary: BERT's special tokens and a few words."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "brown", "fox",
+             "jumps", "over", "lazy", "dog", "##s"]
+    (d / "vocab.txt").write_text("\n".join(words) + "\n")
+    return d / "vocab.txt"
+
+
+def torchrun(args, timeout=420, script="pretrain_gpt.py"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(ROOT / "pretrain_gpt.py"), *args]
+           "2", str(ROOT / script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
-def single(args):
-    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *args], cwd=ROOT,
+def single(args, script="pretrain_gpt.py"):
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT,
                           env=env(), capture_output=True, text=True, timeout=300)
 
 
@@ -133,6 +163,29 @@ def test_gpt3_175b_script_flags_train_to_completion(tmp_path):
                      r"2\.147e\+09 \| skipped 2 \|", out), out[-2000:]
     assert f"successfully saved checkpoint at iteration 2 to {tmp_path / 'ckpt'}" in out
     assert "run summary | iterations 2 (0->2) | samples 32 | tokens 1024" in out
+
+
+@pytest.mark.parametrize("stages", [1, pytest.param(2, marks=pytest.mark.slow)],
+                         ids=["d1-one-process", "d2-torchrun"])
+def test_bert_340m_script_flags_train_to_completion(tmp_path, stages):
+    """The default run trains one process (the pipeline size is one of the sizes changed); the
+    slow run two pipeline stages under torchrun."""
+    args = bert_340m(tmp_path / "ckpt", tmp_path / "tb", bert_vocab(tmp_path), stages)
+    proc = torchrun(args, script="pretrain_bert.py") if stages > 1 else \
+        single(args, script="pretrain_bert.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "megatron-2bw: --attention-backend auto: attention runs torch's" in out
+    schedule = "2bw" if stages > 1 else "flush"
+    assert f"megatron-2bw: bert schedule={schedule} t=1 d={stages} w=1 micro-batch=4 " \
+           "global-batch=32 m=8 precision=fp16" in out, out[-2000:]
+    # fp16 from Megatron's --initial-loss-scale 2^32: the first step overflows and is skipped
+    assert re.search(r"iteration\s+1/1 \| .*\| lm loss (nan|[0-9.]+) \|.*\| loss scale "
+                     r"4\.295e\+09 \| skipped 1 \|", out), out[-2000:]
+    assert f"successfully saved checkpoint at iteration 1 to {tmp_path / 'ckpt'}" in out
+    assert "run summary | iterations 1 (0->1) | samples 32 | tokens 1024" in out
+    recorded = json.loads((tmp_path / "ckpt" / "tokenizer_args.json").read_text())
+    assert recorded["tokenizer_type"] == "BertWordPieceLowerCase"
 
 
 def test_llama3_8b_script_flags_train_to_completion(tmp_path):
