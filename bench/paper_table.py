@@ -6,7 +6,7 @@
 The paper's hardware, as it describes it: 8 AWS p3.16xlarge servers, 8 V100-16GB each over NVLink,
 one 25 Gbit/s NIC per server shared by its 8 GPUs (`--nics-per-node 1 --nic-bandwidth-gbps 25`),
 fp16, and the built-in V100 profile (planner/curve.py: its GEMM-efficiency curve by microbatch
-size and its sources). Every ratio takes each technique at its best layout in the paper's space
+size and its sources). GPT runs at the paper's sequence length, 512 (`PAPER_SEQ_LENGTH`). Every ratio takes each technique at its best layout in the paper's space
 (no tensor parallelism unless the row is about it, no distributed optimizer, no sequence
 parallelism; with or without recomputation): the planner's predicted samples/s, best / best.
 Nothing here is tuned to the paper: the rows print the paper's number, the prediction and their
@@ -31,11 +31,29 @@ from megatron_2bw.planner.topology import GB, PlanError, Topology  # noqa: E402
 
 HARDWARE = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, intra_node_bandwidth_gbps=1200,
                 inter_node_bandwidth_gbps=25, nics_per_node=1, nic_bandwidth_gbps=25)
+# The paper's code (github.com/msr-fiddle/pipedream, megatron/: Megatron-LM of 2020 with the
+# 2BW and GPipe schedules) all-reduces the fp16 gradients (its `--fp32-allreduce` is off unless
+# given), 2 bytes per element where this engine's fp32 buffers move 4.
+GRAD_REDUCE_BYTES = 2.0
 SPACE = dict(dtype="fp16", tensor_sizes=(1,), distributed_optimizer=(False,),
-             sequence_parallel=(False,), recompute=(False, True), top_k=1)
+             sequence_parallel=(False,), recompute=(False, True), top_k=1,
+             grad_reduce_bytes=GRAD_REDUCE_BYTES)
 PROFILE = AnalyticProfile.for_device("v100")
+# The paper's throughput experiments run GPT at sequence length 512 (Sec. 5.2: the throughputs
+# "using 8 and 64 V100s with a sequence length of 512"); models/flavours.py's GPT shapes carry
+# 2048, the GPT-3 convention. Activations and the logits (s x V per sample) scale with it, so it
+# decides which layouts fit (GPipe's above all) and how compute weighs against the NIC.
+PAPER_SEQ_LENGTH = 512
 _CACHE: dict = {}
 _WHY: dict = {}  # schedules -> why nothing fitted (the planner's one line)
+
+
+def paper_model(name: str):
+    """The named model at the paper's sequence length (GPT; BERT keeps its 512)."""
+    model = named_model(name)
+    if name.startswith("gpt"):
+        model = replace(model, seq_length=PAPER_SEQ_LENGTH, max_position_embeddings=None)
+    return model
 
 
 def best(model_name: str, batch: int, schedules, topo=None, **kw):
@@ -45,7 +63,7 @@ def best(model_name: str, batch: int, schedules, topo=None, **kw):
     if key not in _CACHE:
         args = dict(SPACE, **kw)
         try:
-            _CACHE[key] = search(named_model(model_name), topo or Topology(**HARDWARE), PROFILE,
+            _CACHE[key] = search(paper_model(model_name), topo or Topology(**HARDWARE), PROFILE,
                                  batch, schedules=tuple(schedules), **args).best
         except PlanError as e:
             _CACHE[key] = None
@@ -61,23 +79,33 @@ def ratio(a, b) -> float | None:
 def tensor_only(model_name: str, batch: int, t: int):
     """Tensor model parallelism alone over t GPUs (no pipelining), replicated w = 64 / t times;
     t = 16 spans two servers: its all-reduces run over the servers' shared NIC."""
-    model = named_model(model_name)
+    model = paper_model(model_name)
     if t <= HARDWARE["gpus_per_node"]:
         return best(model_name, batch, ("flush",), tensor_sizes=(t,), pipeline_sizes=(1,))
-    # two servers as one 16-GPU tensor group: its ring's slowest link is the NIC, which all
-    # 8 GPUs of a server cross at once (8 flows on one 25 Gbit/s NIC)
-    share = HARDWARE["nic_bandwidth_gbps"] / HARDWARE["gpus_per_node"]
-    topo = Topology(**dict(HARDWARE, num_nodes=HARDWARE["num_nodes"] // 2,
-                           gpus_per_node=2 * HARDWARE["gpus_per_node"],
-                           intra_node_bandwidth_gbps=share))
     key = ("tensor16", model_name, batch)
     if key not in _CACHE:
         try:
-            _CACHE[key] = search(model, topo, PROFILE, batch, schedules=("flush",),
+            _CACHE[key] = search(model, two_server_topology(), PROFILE, batch,
+                                 schedules=("flush",),
                                  **dict(SPACE, tensor_sizes=(t,), pipeline_sizes=(1,))).best
         except PlanError:
             _CACHE[key] = None
     return _CACHE[key]
+
+
+def two_server_topology() -> Topology:
+    """Pairs of servers as 16-GPU "nodes", for one 16-way tensor group per pair. A ring
+    all-reduce over the 16 ranks crosses from one server to the other once per direction: of
+    its 2(n-1)/n x S per link, the NIC carries one link's share, like every NVLink hop, so the
+    ring runs at the NIC's full 25 Gbit/s (not an eighth of it: the 8 GPUs of a server do not
+    each send over the NIC) and each of its 2(n-1) steps waits for the slowest hop, the NIC's
+    latency. The pair has two NICs for the data-parallel all-reduces that leave it (the flows
+    its 16 groups send share them: placement.py)."""
+    h = HARDWARE
+    return Topology(**dict(h, num_nodes=h["num_nodes"] // 2, gpus_per_node=2 * h["gpus_per_node"],
+                           intra_node_bandwidth_gbps=h["nic_bandwidth_gbps"],
+                           intra_node_latency_us=Topology().inter_node_latency_us,
+                           nics_per_node=2 * h["nics_per_node"]))
 
 
 class _Sequential:
@@ -97,8 +125,8 @@ def no_pipelining(model_name: str, batch: int):
     one microbatch in flight needs no more than 1F1B's min(d - s, m))."""
     key = ("sequential", model_name, batch)
     if key not in _CACHE:
-        model, topo = named_model(model_name), Topology(**HARDWARE)
-        setup = Setup(model, "fp16")
+        model, topo = paper_model(model_name), Topology(**HARDWARE)
+        setup = Setup(model, "fp16", grad_reduce_bytes=GRAD_REDUCE_BYTES)
         times = LayerTimes(setup, PROFILE, topo)
         found = None
         for layout in enumerate_layouts(model, topo, batch, ("flush",), (False, True), (1,),
@@ -156,7 +184,7 @@ def largest_trainable(batch: int = 2048) -> tuple | None:
     pipeline depth allowed), with its parameters, shape and layout."""
     found = None
     for layers, hidden in GROWING:
-        model = replace(named_model("gpt-2.2b"), num_layers=layers, hidden_size=hidden,
+        model = replace(paper_model("gpt-2.2b"), num_layers=layers, hidden_size=hidden,
                         num_attention_heads=hidden // 128, ffn_hidden_size=4 * hidden)
         try:
             est = search(model, Topology(**HARDWARE), PROFILE, batch, schedules=("2bw",),

@@ -35,9 +35,11 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   with a compensation that keeps it: `Method.keeps_grad`); with the distributed optimizer
   every buffer is padded to a multiple of w (`optim/shard_layout.py`) and master weights and
   optimizer state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
-  `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m, whose last stage also keeps each
-  microbatch's fp32 logits beside their softmax: `stage_memory`); full recomputation stashes only
-  each transformer layer's input and needs one layer's full activations while recomputing.
+  `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m, whose last stage so keeps each
+  microbatch's loss state, one fp32 copy of its logits, and the fp32 logits beside it for the
+  microbatch being computed: `stage_memory`); full recomputation stashes only each transformer
+  layer's input and needs one layer's full activations while recomputing. The data-parallel
+  all-reduce moves `Setup.grad_reduce_bytes` per gradient element (the engine's fp32: 4).
 """
 from __future__ import annotations
 
@@ -107,6 +109,10 @@ class Setup:
     arch: str = "gpt"
     flash: bool = True
     compensation: str = NO_COMPENSATION  # --2bw-compensation (memory: `state_bytes`)
+    # bytes per gradient element the data-parallel all-reduce moves: the engine reduces its fp32
+    # buffers (4); Megatron-LM of 2020, which the PipeDream-2BW paper ran, reduced the fp16
+    # gradients unless --fp32-allreduce (2: bench/paper_table.py)
+    grad_reduce_bytes: float = 4.0
 
 
 # ---- the plan of one layout ------------------------------------------------------------------
@@ -288,14 +294,15 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
         tied = stage_tied(costs, lo, hi, d)
-        t_ar = topology.ring_time(4.0 * (params + TAIL - tied), w, dp_inter[s], dp_flows)
+        g_bytes = setup.grad_reduce_bytes
+        t_ar = topology.ring_time(g_bytes * (params + TAIL - tied), w, dp_inter[s], dp_flows)
         gather = 0.0
         if shards > 1:  # reduce-scatter now, all-gather of the new weights after the step
             p_bytes = DTYPE_BYTES[setup.dtype]
             gather = topology.ring_time(p_bytes * params, w, dp_inter[s], dp_flows) / 2
             t_ar /= 2
         if tied:
-            t_ar += topology.ring_time(4.0 * tied, 2 * w, tied_inter)
+            t_ar += topology.ring_time(g_bytes * tied, 2 * w, tied_inter)
         ar.append(t_ar)
         overlap = kind.forwards_between_reduce_and_norm * f  # compute between R and N
         reduce_.append(0.0)

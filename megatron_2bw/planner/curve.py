@@ -14,10 +14,12 @@ DEVICES = {
     # V100-SXM2: 125 TFLOP/s fp16, 900 GB/s (NVIDIA Tesla V100 datasheet). Plateau 45 TFLOP/s:
     # the PipeDream-2BW paper's measured per-GPU rate (Narayanan et al., ICML 2021, Sec. 5, as
     # issue 30 quotes it). Shape: the paper's Fig. 12, ~4x throughput from b=1 to b=16 for its GPT
-    # models (seq 2048, models/flavours.py): 16 (1 + k) / (16 + k) = 4 gives k = 4, M_half = 4 x
-    # 2048 rows (kernel launch and framework overheads of small microbatches, not only the GEMMs).
+    # models, which its throughput experiments run at sequence length 512 (Sec. 5.2: "using 8 and
+    # 64 V100s with a sequence length of 512"; not models/flavours.py's 2048, which an earlier
+    # reading assumed): 16 (1 + k) / (16 + k) = 4 gives k = 4 samples, M_half = 4 x 512 rows
+    # (kernel launch and framework overheads of small microbatches, not only the GEMMs).
     "v100": dict(device_tflops=125.0, efficiency=0.36, memory_bandwidth_gb_per_s=900.0,
-                 gemm_half_tokens=8192.0),
+                 gemm_half_tokens=4 * 512.0),
     # A100-SXM4-80GB: 312 TFLOP/s bf16, 2039 GB/s (NVIDIA A100 datasheet). Plateau 52% of peak:
     # Megatron-LM on 3072 A100s (Narayanan et al., SC 2021, abstract: "52% of theoretical peak").
     # M_half: the roofline's ridge in GEMM rows, peak x 2 bytes / (2 x bandwidth) (NVIDIA's

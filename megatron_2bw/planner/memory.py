@@ -96,15 +96,19 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
     layout's sequence parallelism; `shards` is w with the distributed optimizer.
     `logits_bytes` (one fp32 copy of a microbatch's logits): GPipe as it runs keeps, on its
-    last stage, the fp32 logits and their softmax for each of its m in-flight microbatches
-    until the backward (the head's activations count one fp32 copy, the softmax the loss's
-    backward reads; 1F1B schedules run that backward right after the forward)."""
+    last stage, each of its m in-flight microbatches' loss state until the backward: the head's
+    activations (`per_mb`, times m) count it, one fp32 copy of the logits per microbatch, which
+    is all the loss saves (torch's cross entropy keeps its fp32 log-softmax, the vocab-parallel
+    one its fp32 softmax, computed in place of the fp32 logits; Megatron's, which the paper's
+    GPipe ran, the same). The fp32 logits beside it exist only while one microbatch's loss is
+    computed: one more copy, once (1F1B schedules run that backward right after the forward;
+    their transient is left out as it was)."""
     kind = schedule_kind(schedule)
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
                       shards, stage_tied(costs, lo, hi, d), compensation)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
     if kind.stashes_logits and hi == len(costs):
-        per_mb += logits_bytes  # the fp32 logits next to the softmax, per in-flight microbatch
+        extra += logits_bytes  # the fp32 logits beside the kept softmax: one microbatch's, once
     peak = kind.in_flight(d, m, stage)
     mem["activations"] = peak * per_mb + extra
     mem["total"] = sum(mem.values())

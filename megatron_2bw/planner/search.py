@@ -144,15 +144,17 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            arch: str = "gpt", pipeline_sizes=None, data_sizes=None,
            num_microbatches=None, distributed_optimizer=(False, True),
            sequence_parallel=(False, True), compensation: str = NO_COMPENSATION,
-           group=None) -> SearchResult:
-    """`group(layout) -> key`, when given, also finds the best layout of every group (in
+           group=None, grad_reduce_bytes: float = 4.0) -> SearchResult:
+    """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce).
+    `group(layout) -> key`, when given, also finds the best layout of every group (in
     `best_by`, as a search restricted to that group would; `smallest_by` for the footprints)
     within the same branch and bound: no second search."""
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
     profile.check_model(model, dtype)
-    setup = Setup(model, dtype, optimizer, arch, compensation=compensation)
+    setup = Setup(model, dtype, optimizer, arch, compensation=compensation,
+                  grad_reduce_bytes=grad_reduce_bytes)
     times = LayerTimes(setup, profile, topology)
     usable = topology.usable_memory_gb * GB
     considered, smallest, cands, smallest_by, left = 0, float("inf"), [], {}, {}

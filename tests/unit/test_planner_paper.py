@@ -1,6 +1,8 @@
 """Issue 30: the planner on the paper's case (PipeDream-2BW, ICML 2021: 8 x 8 V100-16GB, one
 shared 25 Gbit/s NIC per server): sequence-parallel pricing, the microbatch-size efficiency
 curve, GPipe's memory, shared NICs, the search's work."""
+from dataclasses import replace
+
 import pytest
 
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs, named_model
@@ -36,9 +38,14 @@ def _per_sample(prof, model, b):
     return (f + g) / b
 
 
+def _paper_gpt(name):
+    """The paper's GPT experiments run at sequence length 512 (Sec. 5.2)."""
+    return replace(named_model(name), seq_length=512, max_position_embeddings=None)
+
+
 @pytest.mark.parametrize("device", sorted(DEVICES))
 def test_gemm_efficiency_curve_is_monotone_in_the_microbatch(device):
-    model = named_model("gpt-2.2b")
+    model = _paper_gpt("gpt-2.2b")
     prof = AnalyticProfile.for_device(device)
     per = [_per_sample(prof, model, b) for b in (1, 2, 4, 8, 16, 32, 64)]
     print(device, "throughput b=16 / b=1:", round(per[0] / per[4], 2))
@@ -46,7 +53,7 @@ def test_gemm_efficiency_curve_is_monotone_in_the_microbatch(device):
     plateau = 3 * layer_costs(model, 1, 1, "fp16")[1].fwd_flops / (
         prof.device_tflops * 1e12 * prof.efficiency)
     assert all(x > plateau for x in per)  # never faster than the plateau
-    if device == "v100":  # the paper's Fig. 12: about 4x from b=1 to b=16
+    if device == "v100":  # the paper's Fig. 12: about 4x from b=1 to b=16 (at its seq 512)
         assert per[0] / per[4] == pytest.approx(4.0, rel=0.01)
     assert gemm_efficiency(10 ** 9, prof.gemm_half_tokens) > 0.99
 
@@ -79,10 +86,11 @@ PAPER_SPACE = dict(tensor_sizes=(1,), distributed_optimizer=(False,), sequence_p
 
 
 def test_gpipe_on_the_papers_case_is_out_of_memory():
-    """GPT-2.2B on 8 x 8 V100-16GB at B=64: GPipe stashes all m forwards' activations (no
-    recomputation) plus, on its last stage, the fp32 logits and softmax of each microbatch: it
-    does not fit, as in the paper, while flush and 2BW (1F1B: the last stage holds one) do."""
-    model, topo = named_model("gpt-2.2b"), Topology(**V100_CLUSTER)
+    """GPT-2.2B (seq 512) on one server of 8 V100-16GB at B=64, the paper's memory case: GPipe
+    stashes all m forwards' activations (no recomputation), each with its loss state (one fp32
+    copy of the logits on the last stage): it does not fit, as in the paper, while flush and
+    2BW (1F1B: the last stage holds one) do."""
+    model, topo = _paper_gpt("gpt-2.2b"), Topology(**dict(V100_CLUSTER, num_nodes=1))
     prof = AnalyticProfile.for_device("v100")
     kw = dict(PAPER_SPACE, recompute=(False, "selective"))
     with pytest.raises(PlanError, match="does not fit: smallest footprint") as e:
@@ -92,15 +100,33 @@ def test_gpipe_on_the_papers_case_is_out_of_memory():
         best = search(model, topo, prof, 64, schedules=(schedule,), **kw).best
         print(schedule, best.layout.describe(), f"{max(best.memory_gb):.2f} GB")
         assert max(best.memory_gb) <= topo.usable_memory_gb
-    # the fp32 logits copy is what tips it: one per in-flight microbatch on the last stage
+    # per in-flight microbatch the last stage keeps what the loss saved (the head's activations:
+    # one fp32 copy of the logits); the fp32 logits beside it exist for one microbatch at a time
     setup = Setup(model, "fp16")
     times = LayerTimes(setup, prof, topo)
-    gp = stage_plan(setup, Layout("gpipe", 1, 8, 8, 1, 8), times, topo)
-    fl = stage_plan(setup, Layout("flush", 1, 8, 8, 1, 8), times, topo)
+    gp = stage_plan(setup, Layout("gpipe", 1, 8, 1, 1, 8), times, topo)
+    fl = stage_plan(setup, Layout("flush", 1, 8, 1, 1, 8), times, topo)
     logits = 4.0 * model.seq_length * model.vocab_size
+    head = layer_costs(model, 1, 1, "fp16")[-1]
+    assert head.act_bytes > logits  # the loss's saved fp32 copy is part of the head's
     assert (gp.peak_in_flight[-1], fl.peak_in_flight[-1]) == (8, 1)
     assert gp.memory[-1]["activations"] == pytest.approx(
-        8 * (fl.memory[-1]["activations"] + logits), rel=1e-9)
+        8 * fl.memory[-1]["activations"] + logits, rel=1e-9)
+
+
+def test_the_gradient_all_reduce_moves_setups_bytes_per_element():
+    """The engine reduces fp32 buffers; the paper's Megatron-LM (2020) reduced fp16 gradients
+    (bench/paper_table.py): the ring carries half the bytes."""
+    model, topo = named_model("gpt-2.2b"), Topology(**V100_CLUSTER)
+    prof = AnalyticProfile.for_device("v100")
+    layout = Layout("2bw", 1, 8, 8, 1, 8, rank_order="tp-pp-dp")  # rings across the servers
+    plans = []
+    for nbytes in (4.0, 2.0):
+        setup = Setup(model, "fp16", grad_reduce_bytes=nbytes)
+        plans.append(stage_plan(setup, layout, LayerTimes(setup, prof, topo), topo))
+    params = plans[0].memory[3]["optimizer"] / 8  # Adam's two fp32 copies of a middle stage
+    assert plans[0].allreduce[3] == pytest.approx(topo.ring_time(4.0 * params, 8, True), rel=1e-3)
+    assert plans[1].allreduce[3] == pytest.approx(topo.ring_time(2.0 * params, 8, True), rel=1e-3)
 
 
 PAPER_NICS = dict(V100_CLUSTER, nics_per_node=1, nic_bandwidth_gbps=25)
@@ -237,3 +263,32 @@ def test_the_paper_space_picks_hold_with_the_existing_flags(model, depth):
     chosen = json.loads(out.getvalue())["chosen"]
     assert (chosen["pipeline"], chosen["tensor"], chosen["distributed_optimizer"]) == \
         (depth, 1, False)
+
+
+def _paper_table():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "bench" / "paper_table.py"
+    spec = importlib.util.spec_from_file_location("paper_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_tensor_ring_over_two_servers_runs_at_the_full_nic():
+    """bench/paper_table.py's t=16 over two servers: the ring crosses the NIC once per direction,
+    so each tensor-parallel all-reduce moves 2(n-1)/n of the activation at the NIC's full 25
+    Gbit/s with the NIC's latency per step (not at an eighth of it, the old price)."""
+    P = _paper_table()
+    topo = P.two_server_topology()
+    assert (topo.gpus_per_node, topo.num_nodes, topo.nics_per_node) == (16, 4, 2)
+    model = P.paper_model("gpt-3.8b")
+    assert model.seq_length == 512
+    setup = Setup(model, "fp16")
+    b, t = 4, 16
+    costs, fwd, _ = LayerTimes(setup, P.PROFILE, topo).get(b, t)
+    full = 2.0 * b * model.seq_length * model.hidden_size
+    ring = 2 * 15 / 16 * full / (25e9 / 8) + 2 * 15 * 10e-6
+    compute = P.PROFILE.layer_times(costs[1], b, t, tokens=b * model.seq_length)[0]
+    print(f"t=16 all-reduce of {full / 1e6:.1f} MB: {ring * 1e3:.2f} ms")
+    assert fwd[1] - compute == pytest.approx(2 * ring, rel=1e-6)
