@@ -67,6 +67,7 @@ HF_CASES = {
     "llama-gqa": ("llama", {}),
     "llama-tied-biases-mha": ("llama", {"num_key_value_heads": 4, "attention_bias": True,
                                         "mlp_bias": True, "tie_word_embeddings": True}),
+    "llama-head-dim-8": ("llama", {"head_dim": 8}),  # --kv-channels 8 (hidden / heads = 16)
 }
 
 
@@ -139,6 +140,33 @@ def test_t2_d2_checkpoint_reads_as_newest_weights_and_exports_to_hf_logits(shape
     with torch.no_grad():
         ours = one_process_model(full)(tokens)
         assert (hf(tokens).logits - ours).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("flags,kind", [
+    (["--apply-layernorm-1p"], "GPT2LMHeadModel"),
+    (["--model", "llama-debug", "--apply-layernorm-1p", "--kv-channels", "8"],
+     "LlamaForCausalLM")], ids=["gpt2-1p", "llama-1p-kv8"])
+def test_export_of_megatrons_architecture_flags_gives_our_logits(flags, kind, tmp_path):
+    """--apply-layernorm-1p: the exported norm weights are gamma = 1 + ours; --kv-channels:
+    Llama's head_dim. Every weight perturbed, so a missing +1 or a wrong head size shows."""
+    cfg = make_cfg(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                    *flags])
+    specs, _, _ = model_parts(cfg)
+    from megatron_2bw.testing.reference import build_sequential
+    torch.manual_seed(0)
+    state = {n: p.detach() + 0.05 * torch.randn_like(p)
+             for n, p in build_sequential(cfg, specs).named_parameters()}
+    full = FullModel(cfg, state)
+    assert export_hf(full, str(tmp_path / "hf")) == kind
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    if kind == "LlamaForCausalLM":
+        assert hf.config.head_dim == 8
+    tokens = torch.randint(0, 256, (2, 16))
+    ours = logits(one_process_model(full), tokens, ours=True)
+    assert (logits(hf, tokens) - ours).abs().max() <= 1e-5
+    back = import_hf(str(tmp_path / "hf"))  # HF's norms are plain gamma again
+    assert back.config.model.kv_channels == cfg.model.kv_channels
+    assert (logits(one_process_model(back), tokens, ours=True) - ours).abs().max() <= 1e-5
 
 
 # -- an imported checkpoint trains -------------------------------------------------------------
@@ -244,7 +272,14 @@ def _checkpoint_with(path, *flags):
      "matches neither GPT2LMHeadModel"),
     (lambda p: _checkpoint_with(p, "--model", "llama-debug", "--rotary-percent", "0.5"),
      "--rotary-percent 0.5 cannot be exported: LlamaForCausalLM rotates every channel"),
-])
+    (lambda p: _checkpoint_with(p, "--model", "llama-debug", "--qk-layernorm",
+                                "--sequence-parallel"),
+     "--qk-layernorm cannot be exported: neither GPT2LMHeadModel nor LlamaForCausalLM has a "
+     "norm over each query and key head"),
+    (lambda p: _checkpoint_with(p, "--kv-channels", "8"),
+     "--kv-channels 8 cannot be exported: GPT2LMHeadModel's heads are n_embd / n_head = 16 "
+     "channels wide"),
+], ids=["bert", "rmsnorm-gpt", "rotary-percent", "qk-layernorm", "gpt2-kv-channels"])
 def test_export_refuses_what_no_hf_class_computes(make, message, tmp_path):
     make(str(tmp_path / "ckpt"))
     proc = convert("export", "--load", tmp_path / "ckpt", "--save", tmp_path / "hf")
@@ -260,7 +295,6 @@ def test_export_refuses_what_no_hf_class_computes(make, message, tmp_path):
      "Llama rope_type 'llama3' cannot be imported"),
     ("llama", {"hidden_act": "gelu"}, "Llama hidden_act 'gelu' cannot be imported"),
     ("llama", {"attention_bias": True}, "attention_bias != mlp_bias cannot be imported"),
-    ("llama", {"head_dim": 8}, "head_dim 8 != hidden_size / num_attention_heads = 16"),
     ("gpt2", {"activation_function": "relu"}, "activation_function 'relu' cannot be imported"),
     ("gpt2", {"model_type": "bert"}, "model_type 'bert' cannot be imported"),
 ])

@@ -66,6 +66,8 @@ def model_flags(m: ModelConfig) -> list[str]:
         flags += ["--normalization", m.normalization]
     if m.group_query_attention:
         flags += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
+    if m.num_kv_channels is not None:
+        flags += ["--kv-channels", m.num_kv_channels]
     for on, flag in ((m.swiglu, "--swiglu"), (not m.add_bias_linear, "--disable-bias-linear"),
                      (m.openai_gelu, "--openai-gelu"),
                      (m.untie_embeddings_and_output_weights,

@@ -3,7 +3,7 @@
 `model_config(hf)` reads a GPT-2 or Llama config (a dict: config.json as transformers writes it,
 old and new RoPE keys alike) and refuses, in one line naming the reason, what our model cannot
 compute exactly: another model type, another activation, scaled RoPE (llama3, linear, ...),
-a head_dim other than hidden / heads, or biases on attention but not on the MLP (or the other
+or biases on attention but not on the MLP (or the other
 way round: `--disable-bias-linear` is all or nothing). `from_hf` maps the tensors (names and
 layouts: hf_mapping.py) and pads the vocabulary with zero rows to `vocab_size`.
 """
@@ -64,15 +64,14 @@ def _llama(hf: dict) -> ModelConfig:
     if rope_type != "default":
         raise ConvertError(f"Llama rope_type {rope_type!r} cannot be imported: the model "
                            "computes plain RoPE (no frequency scaling)")
-    if (hf.get("head_dim") or h // heads) != h // heads:
-        raise ConvertError(f"Llama head_dim {hf['head_dim']} != hidden_size / "
-                           f"num_attention_heads = {h // heads} cannot be imported")
     if bool(hf.get("attention_bias")) != bool(hf.get("mlp_bias")):
         raise ConvertError("Llama with attention_bias != mlp_bias cannot be imported: "
                            "--disable-bias-linear removes every linear bias or none")
     arch = llama_architecture(groups, theta)
     arch["group_query_attention"] = groups != heads
     arch["add_bias_linear"] = bool(hf.get("attention_bias"))
+    head_dim = hf.get("head_dim") or h // heads
+    arch["num_kv_channels"] = head_dim if head_dim != h // heads else None  # --kv-channels
     pos = hf.get("max_position_embeddings", 2048)
     return ModelConfig(num_layers=hf["num_hidden_layers"], hidden_size=h,
                        num_attention_heads=heads, ffn_hidden_size=hf["intermediate_size"],

@@ -23,6 +23,10 @@ attention.py). Both sides rotate halves with RoPE, so q/k need no permutation. W
 bias (softmax ignores it without RoPE): export writes zeros, import drops GPT-2's and refuses a
 non-zero Llama one (with RoPE it would matter). A model without linear biases exports to GPT-2
 with zero biases. Padded vocabulary rows (Megatron's padding) are zero on import.
+
+Megatron's architecture flags: --apply-layernorm-1p stores gamma - 1, so export writes weight + 1
+(HF's norms multiply by the weight itself); --kv-channels is Llama's head_dim (GPT-2's heads are
+always n_embd / n_head wide: refused there); --qk-layernorm has no field in either class: refused.
 """
 from __future__ import annotations
 
@@ -44,9 +48,16 @@ def hf_class(m: ModelConfig) -> str:
         raise ConvertError("BERT checkpoints cannot be exported: Megatron's BERT is pre-LayerNorm "
                            "and its binary head has no HuggingFace counterpart (HF BERT is "
                            "post-LayerNorm)")
+    if m.qk_layernorm:
+        raise ConvertError(f"--qk-layernorm cannot be exported: neither {GPT2} nor {LLAMA} has a "
+                           "norm over each query and key head")
     gpt2 = (m.position_embedding_type == "learned_absolute", m.normalization == "LayerNorm",
             not m.swiglu, m.query_groups == m.num_attention_heads)
     if all(gpt2):
+        if m.kv_channels * m.num_attention_heads != m.hidden_size:
+            raise ConvertError(f"--kv-channels {m.kv_channels} cannot be exported: {GPT2}'s "
+                               f"heads are n_embd / n_head = "
+                               f"{m.hidden_size // m.num_attention_heads} channels wide")
         return GPT2
     llama = (m.position_embedding_type == "rope", m.normalization == "RMSNorm", m.swiglu)
     if all(llama):
@@ -110,6 +121,8 @@ def to_hf(m: ModelConfig, state: dict, vocab_size: int | None = None) -> dict[st
     kind, L = hf_class(m), m.num_layers
     prefix = "transformer." if kind == GPT2 else "model."
     V = vocab_size or m.vocab_size
+    if m.apply_layernorm_1p:  # our weights hold gamma - 1
+        state = {k: v + 1 if k.endswith("layernorm.weight") else v for k, v in state.items()}
     out = {prefix + ("wte.weight" if kind == GPT2 else "embed_tokens.weight"):
            state["layers.0.word_embeddings.weight"][:V]}
     if kind == GPT2:
