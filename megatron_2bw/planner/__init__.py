@@ -6,7 +6,7 @@
 
 `tools/plan.py` is the command line; `plan` (Config -> Config) serves `pretrain_gpt.py --auto-plan`.
 
-Owns: per-layer profiles (profile.py; GEMM efficiency by microbatch size: curve.py), the
+Owns: per-layer profiles (profile.py, measured by measure.py; GEMM efficiency by microbatch size: curve.py), the
 machine (topology.py; which links and how many flows a layout uses: placement.py), the cost of
 a layout (cost_model.py: durations; memory.py: memory per stage), timing by replaying the engine's own schedule
 tables (simulate.py), the search (search.py), --auto-plan (auto.py), the pre-start memory check
@@ -16,8 +16,9 @@ Must not import: tensor_parallel, data, checkpoint, deepspeed, testing, pretrain
 from megatron_2bw.models.partition import partition
 from megatron_2bw.planner.auto import Plan, plan, planner_inputs
 from megatron_2bw.planner.cost_model import Layout, Setup, StagePlan, stage_plan, state_bytes
+from megatron_2bw.planner.measure import measure_profile
 from megatron_2bw.planner.profile import (AnalyticProfile, MeasuredProfile, load_profile,
-                                          measure_profile, save_profile)
+                                          save_profile)
 from megatron_2bw.planner.search import SCHEDULES, SearchResult, search
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology, resolve_topology

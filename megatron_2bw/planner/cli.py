@@ -23,8 +23,8 @@ from megatron_2bw.config import ModelConfig
 from megatron_2bw.config.flags import add_architecture_args, apply_architecture_args
 from megatron_2bw.models.flops import model_names, named_model, num_parameters
 from megatron_2bw.planner.auto import layout_flags
-from megatron_2bw.planner.profile import (AnalyticProfile, load_profile, measure_profile,
-                                          save_profile)
+from megatron_2bw.planner.measure import measure_profile
+from megatron_2bw.planner.profile import AnalyticProfile, load_profile, save_profile
 from megatron_2bw.planner.search import RECOMPUTE, SCHEDULES, search
 from megatron_2bw.planner.topology import PlanError, resolve_topology
 

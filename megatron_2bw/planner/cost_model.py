@@ -17,7 +17,10 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   tied embedding gradient goes over the 2w-rank tied group); N waits for it, so N costs what is
   left after the compute between R and N (the kind's `forwards_between_reduce_and_norm`: one
   forward in 2BW, nothing in flush/gpipe); S is the
-  local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce.
+  local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce,
+  plus, in 2BW with --2bw-compensation, the method's work beyond the step
+  (`profile.compensation_time`: measured by `measure_profile(compensation=)`, else from its
+  extra bytes per parameter, `profile.compensation_bytes`).
   With the distributed optimizer R starts a reduce-scatter (half a ring all-reduce), S steps 1/w
   of the stage and all-gathers the new weights (the other half), counted in full in S: the engine
   overlaps it only with what precedes the next forward (a conservative price), and the [norm^2,
@@ -276,6 +279,13 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     norm_ar = topology.ring_time(8.0, d * shards, mp_inter or (shards > 1 and any(dp_inter)))
     data = times.profile.data_time(b)  # the first and the last stage read each microbatch
     logits = 4.0 * b * setup.model.seq_length * setup.model.vocab_size / t  # fp32, per rank
+    # a 2BW compensation's work beyond the step, once per batch over what the rank steps (the
+    # engine does it in the step or, deferred on a CPU, in its waits: priced in full in S)
+    compensated = kind.delay == 1 and setup.compensation != NO_COMPENSATION
+
+    def comp(n: int) -> float:
+        return times.profile.compensation_time(n, setup.compensation, setup.dtype) \
+            if compensated else 0.0
     # memory depends on neither the rank order nor the links: computed once for the others
     mkey = ("mem", b, t, sp, L.schedule, d, m, L.recompute, L.selective, shards, tuple(bounds))
     cached = times._cache.get(mkey)
@@ -307,7 +317,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         overlap = kind.forwards_between_reduce_and_norm * f  # compute between R and N
         reduce_.append(0.0)
         norm.append(max(0.0, t_ar - overlap))
-        step.append(times.profile.step_time(-(-params // shards)) + norm_ar + gather)
+        local = -(-params // shards)  # what this rank steps
+        step.append(times.profile.step_time(local) + norm_ar + gather + comp(local))
     if not cached:
         times._cache[mkey] = list(zip(memory, peaks))
     act = DTYPE_BYTES[setup.dtype] * b * setup.model.seq_length * setup.model.hidden_size

@@ -32,14 +32,33 @@ gives the built-in V100, A100, H100 and H200 curves (`DEVICES`, each with its so
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 from megatron_2bw.fs import atomic_write_text
-from megatron_2bw.models.flops import LayerCost
+from megatron_2bw.models.flops import DTYPE_BYTES, LayerCost
+from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
+from megatron_2bw.pipeline.compensation import compensation_method, method_names
 from megatron_2bw.planner.curve import DEVICES, fit_gemm_curve, gemm_efficiency
 from megatron_2bw.planner.topology import PlanError
+
+STEP_BYTES = 36.0  # a plain step's memory traffic per parameter (AnalyticProfile's default)
+
+
+def compensation_bytes(name: str, dtype: str) -> float:
+    """Memory traffic per parameter a --2bw-compensation adds to a stage's step, elementwise
+    once per batch (pipeline/compensation.py, "Time"): the prediction reads the master and
+    Adam's two moments and writes the slot (12 bytes + the slot's dtype); the spike adds one
+    pass over the gradient (4); the Nesterov form one pass over the kept gradient plus its copy
+    (4 + 8). `none`: 0."""
+    if name == NO_COMPENSATION:
+        return 0.0
+    method = compensation_method(name)
+    extra = 12.0 + DTYPE_BYTES[dtype]
+    if method.spikes:
+        extra += 4.0
+    if method.nesterov:
+        extra += 12.0
+    return extra
 
 KINDS = ("embedding", "transformer", "head")
 SHAPE_FIELDS = ("family", "hidden_size", "num_attention_heads", "ffn_size", "seq_length",
@@ -105,6 +124,10 @@ class AnalyticProfile:
     def step_time(self, params: int) -> float:
         return params * self.step_bytes_per_param / (self.memory_bandwidth_gb_per_s * 1e9)
 
+    def compensation_time(self, params: int, name: str, dtype: str) -> float:
+        """The 2BW compensation's work per batch beyond the step (`compensation_bytes`)."""
+        return params * compensation_bytes(name, dtype) / (self.memory_bandwidth_gb_per_s * 1e9)
+
     def data_time(self, micro_batch: int) -> float:
         """Accelerators read token ids prefetched by the host: nothing on the critical path."""
         return 0.0
@@ -121,6 +144,9 @@ class MeasuredProfile:
     dtype: str = "fp32"
     device: str = "cpu"
     data_s_per_sample: float = 0.0        # reading one sample of inputs and labels
+    # --2bw-compensation name -> its work beyond the step, per parameter (measure_profile's
+    # `compensation`); a method not measured is estimated from the step (`compensation_time`)
+    compensation_s_per_param: dict = field(default_factory=dict)
     source: str = "measured"
     path: str = field(default="", repr=False)
 
@@ -139,6 +165,10 @@ class MeasuredProfile:
             raise PlanError(f"{where}: step_s_per_param must be >= 0")
         if self.data_s_per_sample < 0:
             raise PlanError(f"{where}: data_s_per_sample must be >= 0")
+        for name, value in self.compensation_s_per_param.items():
+            if name not in method_names() or not value >= 0:
+                raise PlanError(f"{where}: compensation_s_per_param[{name!r}] = {value!r}: give "
+                                f"seconds >= 0 for one of {', '.join(method_names())}")
         return self
 
     def check_model(self, model, dtype: str) -> None:
@@ -167,6 +197,14 @@ class MeasuredProfile:
     def step_time(self, params: int) -> float:
         return params * self.step_s_per_param
 
+    def compensation_time(self, params: int, name: str, dtype: str) -> float:
+        """The 2BW compensation's work per batch beyond the step: as measured, else the step's
+        time per byte times the method's extra bytes (`compensation_bytes`; the step moves
+        ~STEP_BYTES per parameter)."""
+        if name in self.compensation_s_per_param:
+            return params * self.compensation_s_per_param[name]
+        return params * self.step_s_per_param * compensation_bytes(name, dtype) / STEP_BYTES
+
     def data_time(self, micro_batch: int) -> float:
         return micro_batch * self.data_s_per_sample
 
@@ -174,6 +212,8 @@ class MeasuredProfile:
         return {"source": self.source, "device": self.device, "dtype": self.dtype,
                 "model": self.model, "step_s_per_param": self.step_s_per_param,
                 "data_s_per_sample": self.data_s_per_sample,
+                **({"compensation_s_per_param": dict(self.compensation_s_per_param)}
+                   if self.compensation_s_per_param else {}),
                 "layers": {k: {str(b): {"forward_s": f, "backward_s": g}
                                for b, (f, g) in sorted(v.items())}
                            for k, v in self.layers.items()}}
@@ -206,7 +246,10 @@ def profile_from_dict(data: dict, path: str = "") -> AnalyticProfile | MeasuredP
                          for b, e in table.items()} for kind, table in data["layers"].items()}
         return MeasuredProfile(dict(data.get("model", {})), layers, float(data["step_s_per_param"]),
                                data.get("dtype", "fp32"), data.get("device", "?"),
-                               float(data.get("data_s_per_sample", 0.0)), path=path).validate()
+                               float(data.get("data_s_per_sample", 0.0)),
+                               {str(k): float(v) for k, v in
+                                data.get("compensation_s_per_param", {}).items()},
+                               path=path).validate()
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, PlanError):
             raise
@@ -232,153 +275,5 @@ def save_profile(profile, path: str) -> None:
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for i in range(repeats + 2):  # two warm-up runs
-        t0 = time.perf_counter()
-        fn()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _interleaved_times(make_inputs, forward, repeats: int, sync, read=None) -> tuple:
-    """Median (forward, backward, read) seconds, timed as 1F1B runs them: the forward of
-    microbatch i, then the backward of microbatch i - 1, alternately (two warm-up rounds).
-    `read()`, when given, is timed right before each forward, where the engine reads a
-    microbatch (after a backward: caches as cold as in the engine)."""
-    import torch
-    fwds, bwds, reads, prev = [], [], [], None
-    for i in range(repeats + 3):
-        args = make_inputs()
-        t0 = time.perf_counter()
-        if read is not None:
-            read()
-        t1 = time.perf_counter()
-        out = forward(args)
-        sync()
-        t2 = time.perf_counter()
-        grad = torch.randn_like(out) if out.dim() else None
-        if prev is not None:
-            t3 = time.perf_counter()
-            prev[0].backward(prev[1])
-            sync()
-            if i >= 3:
-                bwds.append(time.perf_counter() - t3)
-        if i >= 2:
-            fwds.append(t2 - t1)
-            reads.append(t1 - t0)
-        prev = (out, grad)
-    return statistics.median(fwds), statistics.median(bwds), statistics.median(reads)
-
-
-def _batch_reader(model, micro_batch: int):
-    """next() of the project's batch iterator over the family's synthetic dataset (sample lookup,
-    stacking, the input/label split): what the engine does to read one microbatch."""
-    from megatron_2bw.config import BatchConfig, Config, TrainConfig
-    from megatron_2bw.training.build import mock_batches
-    cfg = Config(model=model, batch=BatchConfig(micro_batch, micro_batch),
-                 train=TrainConfig(train_iters=1))
-    it = mock_batches(cfg, 1, 0)
-    return lambda: next(it)
-
-
-CHAIN = 3  # transformer layers timed back to back (distinct weights: realistic cache misses)
-
-
-def _layer_runners(model, dev, dt):
-    """(modules, inputs(kind, b), forward(kind, inputs) -> output or loss) for the model family.
-    The transformer entry is a chain of CHAIN layers; its times are divided by CHAIN."""
-    import torch
-
-    s, h, V = model.seq_length, model.hidden_size, model.vocab_size
-    torch.manual_seed(0)
-    bert = getattr(model, "family", "gpt") == "bert"
-    if bert:
-        from megatron_2bw.models.bert import BertEmbedding, BertHeads, BertLayer, make_bert_loss
-        emb, head, loss_fn = BertEmbedding(model), BertHeads(model), make_bert_loss()
-        chain = [BertLayer(model, causal=False) for _ in range(CHAIN)]
-    else:
-        from megatron_2bw.models.gpt import GPTEmbedding, GPTHead, gpt_loss
-        from megatron_2bw.models.transformer import TransformerLayer
-        emb, head, loss_fn = GPTEmbedding(model), GPTHead(model), gpt_loss
-        chain = [TransformerLayer(model) for _ in range(CHAIN)]
-    mods = {"embedding": emb, "transformer": torch.nn.ModuleList(chain), "head": head}
-    for mod in mods.values():
-        mod.to(dev, dt).train()
-
-    def inputs(kind, b):
-        tokens = torch.randint(0, V, (b, s), device=dev)
-        mask = torch.ones(b, s, dtype=torch.bool, device=dev)
-        x = torch.randn(b, s, h, device=dev, dtype=dt, requires_grad=True)
-        return tokens, mask, x
-
-    def forward(kind, args):
-        tokens, mask, x = args
-        if kind == "embedding":
-            return emb(tokens, torch.zeros_like(tokens), mask)[0] if bert else emb(tokens)
-        if kind == "transformer":
-            for layer in chain:
-                x = layer(x, mask)[0] if bert else layer(x)
-            return x
-        if bert:
-            labels = (tokens, torch.ones_like(tokens),
-                      torch.zeros(tokens.shape[0], dtype=torch.long, device=dev))
-            return loss_fn(head(x, mask), labels)
-        return loss_fn(head(x), tokens)
-    return mods, inputs, forward
-
-
-def measure_profile(model, micro_batches=(1, 2, 4), dtype: str = "fp32", device: str = "cpu",
-                    repeats: int = 5, threads: int | None = 1) -> MeasuredProfile:
-    """Time each layer type of the model (GPT or BERT) forward and backward on this device."""
-    import torch
-
-    from megatron_2bw.config import OptimizerConfig
-    from megatron_2bw.optim.optimizer import FlatAdamW
-    from megatron_2bw.pipeline.batch_step import squared_norm
-    from megatron_2bw.pipeline.host_memory import keep_freed_memory
-    from megatron_2bw.pipeline.weights import DTYPES
-
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    dev, dt = torch.device(device), DTYPES[dtype]
-    if dev.type == "cpu":
-        keep_freed_memory()  # as the engine does: time layers with the allocator it will have
-    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
-    try:
-        mods, inputs, forward = _layer_runners(model, dev, dt)
-        layers = {k: {} for k in KINDS}
-        data_per_sample = 0.0
-        for b in micro_batches:
-            for kind in KINDS:
-                div = CHAIN if kind == "transformer" else 1
-                read = _batch_reader(model, b) if kind == "transformer" else None
-                fwd, bwd, rd = _interleaved_times(lambda: inputs(kind, b),
-                                                  lambda a: forward(kind, a), repeats, sync, read)
-                layers[kind][int(b)] = (fwd / div, bwd / div)
-                if read is not None and b == max(micro_batches):
-                    data_per_sample = rd / b
-        n = max(sum(p.numel() for p in mods["transformer"].parameters()), 1 << 20)
-        opt = FlatAdamW(n, n // 2, dev, OptimizerConfig())
-        src, dst = torch.randn(n, device=dev), torch.empty(n, device=dev)
-        grad = torch.randn(n + 1, device=dev)
-
-        def step():  # what R, N and S do locally: scale, squared norm, Adam into the other slot
-            grad.mul_(1.0)
-            torch.stack([squared_norm(grad[:n]), grad[n]])
-            opt.step(src, grad[:n], dst, 1e-3)
-            grad.zero_()
-            sync()
-        per_param = _median_time(step, repeats) / n
-    finally:
-        torch.set_num_threads(old_threads)
-    shape = {k: getattr(model, k, None) for k in SHAPE_FIELDS}
-    name = f"{dev.type}, {threads} thread{'s' if threads != 1 else ''}" if dev.type == "cpu" \
-        else torch.cuda.get_device_name(dev)
-    return MeasuredProfile(shape, layers, per_param, dtype, name, data_per_sample)
-
-
 __all__ = ["AnalyticProfile", "MeasuredProfile", "load_profile", "save_profile",
-           "profile_from_dict", "measure_profile", "KINDS"]
+           "profile_from_dict", "KINDS", "SHAPE_FIELDS", "compensation_bytes", "STEP_BYTES"]

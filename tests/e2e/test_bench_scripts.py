@@ -190,13 +190,16 @@ def test_plan_accuracy_tiny():
     out = _run(["bench/plan_accuracy.py", "--num-layers", "2", "--hidden-size", "32",
                 "--num-attention-heads", "2", "--seq-length", "16", "--vocab-size", "64",
                 "--micro-batch-size", "2", "--global-batch-size", "8", "--warmup", "1",
-                "--iters", "2", "--repeats", "2", "--json"])
+                "--iters", "2", "--repeats", "2", "--compensation", "predict", "--json"])
     rows = json.loads(out[out.index("["):])
-    assert [r["schedule"] for r in rows] == ["2bw", "flush", "gpipe"]
+    assert [r["schedule"] for r in rows] == ["2bw", "flush", "gpipe", "2bw+predict"]
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0 and len(r["ratios"]) == 2
         assert min(r["ratios"]) <= r["ratio"] <= max(r["ratios"])  # the median of the rounds
         assert f"{r['ratio']:.3f}" in out
+    # the planner's S counts the compensation (measured by the profile), and the row says so
+    assert rows[-1]["compensation_step_s"] > 0 and rows[0]["compensation_step_s"] == 0
+    assert out.count("compensation in S") == 1
 
 
 def test_compare_convergence_tiny(tmp_path):
