@@ -59,9 +59,9 @@ def attention_backend(cfg: Config, tensor_parallel: int, device) -> str:
     dtype = _DTYPES[cfg.precision.dtype]
     q = torch.empty(shape, dtype=dtype, device=device)
     kv = torch.empty((shape[0], groups, *shape[2:]), dtype=dtype, device=device)
-    causal = m.family != "bert"  # BERT's padding mask: attn_mask, no causal mask
-    mask = None if causal else torch.ones(shape[0], 1, 1, m.seq_length, dtype=torch.bool,
-                                          device=device)
+    causal = m.family != "bert" and not m.reset_attention_mask  # else an attn_mask, no causal
+    mask = None if causal else torch.ones(shape[0], 1, m.seq_length if m.reset_attention_mask
+                                          else 1, m.seq_length, dtype=torch.bool, device=device)
     extra = {"enable_gqa": True} if groups != heads else {}
     try:  # in training: the attention dropout (some backends, e.g. the CPU's flash, take none)
         choice = torch._fused_sdp_choice(q, kv, kv, mask, m.attention_dropout, causal, **extra)

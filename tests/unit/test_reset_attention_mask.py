@@ -126,3 +126,15 @@ def test_pretrain_takes_the_eod_from_the_tokenizer(tmp_path):
                         "--merge-file", str(tmp_path / "merges.txt"), "--reset-attention-mask",
                         "--train-iters", "1"]).cfg.model
     assert got.reset_attention_mask and got.eod_token == 256
+
+
+def test_the_kernels_line_asks_the_dispatcher_with_the_document_mask(monkeypatch):
+    from megatron_2bw.training import kernels
+    asked = []
+    monkeypatch.setattr(torch, "_fused_sdp_choice",
+                        lambda q, k, v, mask, p, causal, **kw: asked.append((mask, causal)) or 0)
+    kernels.attention_backend(built(SMALL), 1, "cpu")
+    kernels.attention_backend(built(SMALL + ["--reset-attention-mask"]), 1, "cpu")
+    (plain_mask, plain_causal), (mask, causal) = asked
+    assert plain_mask is None and plain_causal
+    assert mask.shape == (1, 1, 16, 16) and mask.dtype == torch.bool and not causal
