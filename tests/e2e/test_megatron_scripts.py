@@ -5,7 +5,8 @@ that cannot be written stops the run before its first iteration.
 
 Flag lists from NVIDIA/Megatron-LM: examples/gpt3/train_gpt3_175b_distributed.sh (the version with
 --attention-backend auto and --rampup-batch-size), examples/llama/train_llama3_8b_h100_fp8.sh and
-examples/bert/train_bert_340m_distributed.sh.
+examples/bert/train_bert_340m_distributed.sh (the version with --attention-backend auto; the
+older one lacks only that flag).
 """
 import json
 import os
