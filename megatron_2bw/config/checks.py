@@ -302,14 +302,9 @@ def _check_architecture(m: ModelConfig, p: ParallelConfig) -> None:
         _fail("--eod-mask-loss needs a GPT and a tokenizer with an end-of-document id "
               "(--tokenizer-type ...): --mock-data without one has no documents to end"
               if m.family == "gpt" else "--eod-mask-loss is a GPT flag: drop it for BERT")
-    if m.reset_position_ids:
-        if m.family != "gpt" or m.eod_token is None:
-            _fail("--reset-position-ids needs a GPT and a tokenizer with an end-of-document id "
-                  "(--tokenizer-type ...)")
-        if m.position_embedding_type != "learned_absolute":
-            _fail("--reset-position-ids with --position-embedding-type rope is not in this "
-                  "engine (RoPE rotates in every layer, on stages that never see the tokens); "
-                  "drop it")
+    if m.reset_position_ids and (m.family != "gpt" or m.eod_token is None):
+        _fail("--reset-position-ids needs a GPT and a tokenizer with an end-of-document id "
+              "(--tokenizer-type ...)")  # with RoPE it is accepted: no effect (config/compat.py)
     if m.reset_attention_mask and (m.family != "gpt" or m.eod_token is None):
         _fail("--reset-attention-mask needs a GPT and a tokenizer with an end-of-document id "
               "(--tokenizer-type ...): --mock-data without one has no documents to end"

@@ -160,6 +160,10 @@ NEUTRAL_WHEN = {
     "--no-position-embedding": (
         lambda args: getattr(args, "position_embedding_type", None) == "rope",
         "with --position-embedding-type rope there is no learned position table"),
+    "--reset-position-ids": (  # megatron-core: RotaryEmbedding(seq_len), position_ids unused
+        lambda args: getattr(args, "position_embedding_type", None) == "rope",
+        "no effect on RoPE positions, as in Megatron-core (the rotary angles come from the "
+        "sequence length; position ids reach only a learned position table)"),
 }
 # what to do instead, by feature (the refusal's second half)
 INSTEAD = {

@@ -366,8 +366,32 @@ def test_reset_position_ids_restart_the_learned_positions_after_each_eod():
     plain = GPTEmbedding(built(["--vocab-size", "64", *exact]).config.model)
     plain.load_state_dict(emb.state_dict())
     assert torch.equal(plain(tokens[1:, :5]), emb(tokens[1:, :5]))  # no eod before: the same
-    with pytest.raises(ConfigError, match="--reset-position-ids with --position-embedding-type "
-                                          "rope is not in this engine"):
-        built(["--reset-position-ids", "--position-embedding-type", "rope"], eod=5)
+    with pytest.raises(ConfigError, match="--reset-position-ids needs a GPT and a tokenizer"):
+        built(["--reset-position-ids"])
+
+
+def test_reset_position_ids_with_rope_is_accepted_and_changes_nothing_as_in_megatron_core():
+    """megatron-core's GPTModel builds RoPE from the sequence length alone (position_ids reach
+    only the learned position table): the flag is accepted with one line and the model's
+    output is the same as without it."""
+    from megatron_2bw.models.families import model_parts
+    from megatron_2bw.testing.reference import build_sequential
+    rope = ["--position-embedding-type", "rope", "--vocab-size", "64", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--seq-length", "8", "--micro-batch-size", "2"]
+    with_flag = built(["--reset-position-ids", *rope], eod=5)
+    assert with_flag.config.model.reset_position_ids
+    assert ("megatron-2bw: --reset-position-ids: no effect on RoPE positions, as in "
+            "Megatron-core (the rotary angles come from the sequence length; position ids "
+            "reach only a learned position table)") in with_flag.notes
+    assert not [n for n in built(rope, eod=5).notes if "--reset-position-ids" in n]
+    assert not [n for n in built(["--reset-position-ids", "--vocab-size", "64"], eod=5).notes
+                if "--reset-position-ids" in n]  # learned positions: it has its effect
+    tokens = torch.tensor([[5, 1, 2, 5, 3, 4, 5, 7], [1, 2, 3, 4, 5, 5, 6, 2]])
+    def output(argv):
+        cfg = built(argv, eod=5).config
+        return build_sequential(cfg, model_parts(cfg)[0])(tokens)
+    assert torch.equal(output(["--reset-position-ids", *rope]), output(rope))
+    learned = rope[2:]  # the same tokens move a learned table's positions
+    assert not torch.allclose(output(["--reset-position-ids", *learned]), output(learned))
     with pytest.raises(ConfigError, match="--reset-position-ids needs a GPT and a tokenizer"):
         built(["--reset-position-ids"])
