@@ -6,7 +6,9 @@ Contract differences that come from 2BW itself: the engine pulls the first micro
 t+1 while it finishes batch t, so `train_batch` wants one long iterator (e.g. RepeatingLoader),
 not an exactly-sized one per call (flush and gpipe read exactly m per call, like DeepSpeed); and
 `engine.module` shows the newest of the two weight versions (a view that asks the engine on every
-access: deepspeed/pipe/engine_view.py).
+access: deepspeed/pipe/engine_view.py). Randomness is DeepSpeed's: dropout draws from each
+process's own generator (seeded by the script, e.g. set_random_seed) in forward order, with no
+per-microbatch reseeding (the pretrain scripts' engine reseeds by seed, stage and microbatch).
 
 This is a view over the core engine's public surface (`pipeline/engine.py`): it assigns nothing
 inside it; DeepSpeed's lr arithmetic (skipped steps do not advance the scheduler) is the
@@ -96,7 +98,8 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
         self._compute_loss, self._capture = True, None
         self._engine = PipelineEngine(cfg, grid, module.engine_specs(), self._loss, module.parts,
                                       self.device, lr_schedule=self._lr_schedule(),
-                                      dynamic_shape=module.dynamic_shape)
+                                      dynamic_shape=module.dynamic_shape,
+                                      seed_microbatches=False)   # DeepSpeed's RNG (see the top)
         module.attach_engine(self.grid, lambda: self._engine.module)
         self.num_stages, self.stage_id = grid.pipeline, grid.stage
         self.micro_batch_size = cfg.batch.micro_batch_size

@@ -48,10 +48,11 @@ class PipelineEngine(Interpreter):
     def __init__(self, cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
                  loss_fn: Callable, partition: list[int], device,
                  lr_schedule: Callable[[int], float] | None = None, *,
-                 dynamic_shape: bool | str = False):
+                 dynamic_shape: bool | str = False, seed_microbatches: bool = True):
         """`lr_schedule(iteration)` is the lr of that batch's step (default: the Config's
         Megatron schedule, `optim.LRSchedule`). Shapes may change between batches; with
-        `dynamic_shape` at any microbatch; "fixed": never (schedule.actions.SHAPE_MODES)."""
+        `dynamic_shape` at any microbatch; "fixed": never (schedule.actions.SHAPE_MODES).
+        `seed_microbatches=False`: dropout draws from the process's generator in forward order."""
         self.cfg, self.grid, self.loss_fn, self.device = cfg, grid, loss_fn, torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # no page faults for the stash at every batch (host_memory.py)
@@ -79,7 +80,7 @@ class PipelineEngine(Interpreter):
             self._idle_work = self.stepper.compensation.work
         self._trackers = list({id(sp.tracker): sp.tracker for sp in specs[start:end]
                                if sp.tracker is not None}.values())
-        self._seeded = module.draws_random  # no dropout on this stage: no seeding at all
+        self._seeded = module.draws_random and seed_microbatches  # no dropout: no seeding
         self.iteration, self.schedule = 0, None  # optimizer steps done == the next batch
         self._plain_handlers = {A.FORWARD: self._forward, A.BACKWARD: self._backward,
                                 A.REDUCE: self._reduce, A.NORM: self._norm, A.STEP: self._step}

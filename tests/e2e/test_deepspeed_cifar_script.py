@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +98,10 @@ def test_script_runs_under_torchrun_and_the_deepspeed_launcher(tmp_path):
         pytest.skip("DeepSpeed's `deepspeed` launcher is not installed")
     script = _prepare(tmp_path, real=False)
     by_torchrun = _run(_torchrun(script), tmp_path, 240)
-    by_launcher = _run([launcher, "--num_gpus", "2", "--master_port", "29631", *_args(script)],
+    with socket.socket() as s:         # a free port for the launcher's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    by_launcher = _run([launcher, "--num_gpus", "2", "--master_port", port, *_args(script)],
                        tmp_path, 240)
     assert by_launcher == by_torchrun       # the same run, whoever starts it
     assert all(2.0 < x < 2.6 for x in by_torchrun)   # cross-entropy over 10 classes
