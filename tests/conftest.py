@@ -21,3 +21,16 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+_TIER_ORDER = {"e2e": 0, "distributed": 1, "unit": 2}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the tiers slowest first (e2e, distributed, unit), each file's tests in their own order:
+    with two workers (pytest.ini) the many short unit files fill the end instead of one long
+    e2e file running alone."""
+    def tier(item):
+        parts = os.path.relpath(str(item.fspath), TESTS).split(os.sep)
+        return _TIER_ORDER.get(parts[0], 3) if len(parts) > 1 else 3
+    items.sort(key=tier)  # stable: the order within a tier is collection order
