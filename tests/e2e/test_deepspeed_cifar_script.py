@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_deepspeed_examples import AFTER
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "deepspeed_style" / "cifar_pipeline.py"
@@ -27,26 +28,7 @@ CONFIG = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                                                    "eps": 1e-8}},
           "steps_per_print": 100, "wall_clock_breakdown": False,
           "pipeline": {"schedule": "flush"}}
-SKIP_SHM = '''import importlib.abc, importlib.util, sys
-
-
-class _SkipShmBuild(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed.comm.torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            module.build_shm_op = lambda: None
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _SkipShmBuild())
-'''
+SKIP_SHM = AFTER + '\n_after("deepspeed.comm.torch", _no_shm)\n'
 
 
 def _prepare(tmp: Path, real: bool) -> Path:

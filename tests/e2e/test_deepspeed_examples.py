@@ -46,7 +46,7 @@ CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
                                                    "eps": 1e-8}},
           "steps_per_print": 1, "wall_clock_breakdown": False,
           "pipeline": {"schedule": "flush"}}
-SITE = '''import importlib.abc, importlib.util, sys
+AFTER = '''import importlib.abc, importlib.util, sys
 
 
 def _after(name, patch):
@@ -65,6 +65,11 @@ def _after(name, patch):
             return spec
     sys.meta_path.insert(0, Hook())
 
+
+def _no_shm(module):  # real DeepSpeed's shared-memory op needs a C++ build: not on a CPU test
+    module.build_shm_op = lambda: None
+'''
+SITE = AFTER + '''
 
 def _cuda(module):
     set_device = module.set_device
@@ -91,10 +96,6 @@ def _losses(module):
         engine.train_batch = reporting_train_batch
         return out
     module.initialize = reporting_initialize
-
-
-def _no_shm(module):
-    module.build_shm_op = lambda: None
 
 
 _after("torch.cuda", _cuda)
