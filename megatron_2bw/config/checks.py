@@ -136,7 +136,8 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
                         ("--save-interval", tr.save_interval),
                         ("--keep-last", tr.keep_last),
                         ("--exit-interval", tr.exit_interval),
-                        ("--exit-duration-in-mins", tr.exit_duration_in_mins)):
+                        ("--exit-duration-in-mins", tr.exit_duration_in_mins),
+                        ("--num-workers", tr.num_workers or 0)):
         if value < 0:
             _fail(f"{name} must be >= 0, got {value}")
     if tr.eval_interval and tr.eval_iters < 1:

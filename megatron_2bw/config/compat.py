@@ -78,9 +78,6 @@ NOTED = {
     "--timing-log-level": (dict(type=int, choices=(0, 1, 2), default=None),
                            "per-action timers are --wall-clock-breakdown (log line) and "
                            "--log-timers-to-tensorboard"),
-    "--num-workers": (dict(type=int, default=None),
-                      "batches are built by one background thread ahead of the step "
-                      "(data/prefetch.py), not by loader worker processes"),
     "--no-async-tensor-model-parallel-allreduce": (
         dict(action="store_true", default=None),
         "the tensor-parallel all-reduce of the input gradient runs where the backward needs it"),

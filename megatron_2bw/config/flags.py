@@ -347,6 +347,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         profile_ranks=tuple(args.profile_ranks), log_straggler=args.log_straggler,
         straggler_threshold=args.straggler_threshold,
         log_params_norm=getattr(args, "log_params_norm", False),
+        num_workers=getattr(args, "num_workers", None),
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=schedule_of_args(args),

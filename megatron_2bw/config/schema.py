@@ -235,6 +235,7 @@ class TrainConfig:
     straggler_threshold: float = 20.0  # percent above the median compute time that names a rank
     check_for_nan_in_loss_and_grad: bool = True
     log_params_norm: bool = False      # `params norm` in the line (a collective per interval)
+    num_workers: int | None = None     # loader processes per data rank; None: 2 on CUDA, else 0
 
     @property
     def times_actions(self) -> bool:

@@ -8,7 +8,7 @@ tokenizer_tiktoken.py, tokenizer_hf.py), the GPT, BERT and blended datasets
 (gpt_dataset.py, bert_dataset.py, blended_dataset.py), mock data (mock.py, bert_mock.py), the
 embedded default corpus (default_corpus.py), index caches built once per node (cache.py), the
 data/tokenizer check (consistency.py), the data flags (flags.py), the pretrain entry points
-(build.py) and the background prefetcher (prefetch.py).
+(build.py) and the --num-workers loader processes (prefetch.py).
 Must not import: schedule, pipeline, models, tensor_parallel, optim, checkpoint, training, planner,
 deepspeed, testing, pretrain, generate.
 """

@@ -69,8 +69,7 @@ class BertBatches(MicrobatchIterator):
     """((tokens, types, padding_mask), (labels, loss_mask, sentence_order)) microbatches for one
     data-parallel replica, in schedule order (same sample layout as GPTBatches)."""
 
-    def __next__(self):
-        samples = self._next_samples()
+    def collate(self, samples: list):
         col = lambda key: torch.stack([smp[key] for smp in samples])  # noqa: E731
         inputs = (col("tokens"), col("types"), col("padding_mask").bool())
         labels = (col("labels"), col("loss_mask"), col("is_random"))

@@ -45,6 +45,11 @@ def add_data_args(p: argparse.ArgumentParser, family: str = "gpt") -> None:
                    help="train on deterministic synthetic sequences")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices are cached (default: beside the data)")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="data loader worker processes per rank that reads data (0: read in "
+                        "the main process; the samples are the same for every N; default: 2 "
+                        "where CUDA is, as Megatron, else 0: on CPUs the ranks' math uses "
+                        "the cores)")
     add_tokenizer_args(g, default_type=None,
                        type_help="default: GPT2BPETokenizer with --vocab-file and --merge-file, "
                                  "BertWordPieceLowerCase with --vocab-file alone, else "

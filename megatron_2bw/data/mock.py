@@ -53,11 +53,20 @@ class MicrobatchIterator:
         """(batch, microbatch) of the next item."""
         return divmod(self.k, self.m)
 
-    def _next_samples(self) -> list:
-        batch, mb = divmod(self.k, self.m)
-        self.k += 1
+    def microbatch(self, k: int):
+        """Microbatch k (= batch * m + microbatch) of this replica, whatever was read before:
+        a loader's workers (data/prefetch.py) read them by index, in any order."""
+        batch, mb = divmod(k, self.m)
         idx = microbatch_sample_indices(batch, mb, self.r, self.b, self.m, self.w)
-        return [self.dataset[i] for i in idx]
+        return self.collate([self.dataset[i] for i in idx])
+
+    def __next__(self):
+        k, self.k = self.k, self.k + 1
+        return self.microbatch(k)
+
+    def collate(self, samples: list):
+        """The microbatch of these samples (each family's iterator says how it stacks them)."""
+        raise NotImplementedError(f"{type(self).__name__} must define collate(samples)")
 
 
 class GPTBatches(MicrobatchIterator):
@@ -69,8 +78,8 @@ class GPTBatches(MicrobatchIterator):
         super().__init__(*args, **kwargs)
         self.eod = eod
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        samples = torch.stack(self._next_samples())
+    def collate(self, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+        samples = torch.stack(samples)
         tokens, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
         if self.eod is not None:
             labels = labels.masked_fill(tokens == self.eod, -1)

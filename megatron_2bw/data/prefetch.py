@@ -1,74 +1,121 @@
-"""Reading microbatches ahead of the training loop, in a background thread.
+"""Reading microbatches ahead of the training loop: Megatron's `--num-workers N` loader processes
+(default: 2 where CUDA is, as Megatron, else 0; `num_workers_for`).
 
-    data = Prefetcher(GPTBatches(...), name="train data", pin=device.type == "cuda")
-    inputs, labels = next(data)   # the same microbatches, in the same order, as the iterator
+    data = Loader(GPTBatches(...), "train data", num_workers=2, pin=device.type == "cuda")
+    inputs, labels = next(data)   # the same microbatches, in the same order, for every N
     data.close()
 
-One daemon thread calls `next()` on the wrapped iterator (the dataset reads and the stacking
-happen there; numpy and torch release the GIL while they copy) and puts each microbatch into a
-bounded queue of `depth` items, so at most `depth` microbatches are read ahead. With `pin` the
-tensors are moved to page-locked memory in the thread, which makes the engine's
-`.to(device, non_blocking=True)` a truly asynchronous host-to-device copy.
+A torch DataLoader reads the microbatch iterator's microbatches by index (k = batch * m +
+microbatch, `MicrobatchIterator.microbatch`), from the iterator's next one on, in order: the
+index decides every sample, so N changes when a microbatch is read, never which. N worker
+processes (persistent, each `prefetch` microbatches ahead) build them; N = 0 builds each one in
+the main process when the engine asks for it. With `pin` (CUDA only) they are moved to
+page-locked memory, which makes the engine's `.to(device, non_blocking=True)` asynchronous.
+The loader has its own random generator, so starting it draws nothing from the training's
+(a resumed run's dropout stays the uninterrupted run's). Workers ignore SIGINT, SIGTERM and
+SIGUSR1: the main process acts on them (a preemption saves a checkpoint) and the workers end
+with it.
 
 Failures never hang the consumer and never pass silently:
 
-- an exception in the worker takes that microbatch's place in the queue; `next()` raises it as
-  one line, `DataError: train data: reading batch 3 microbatch 1 failed: IndexError: ...`
-  (chained to the original). Microbatches read ahead past the point the run needs (the dataset's
-  end, say) only fail if the consumer asks for them;
-- the iterator's end (StopIteration) ends this iterator at the same place;
-- a worker that is gone without a word (killed with the interpreter) is noticed within
-  `poll_s`: `next()` raises instead of waiting forever.
+- a sample that cannot be read is that microbatch's result; `next()` raises it as one line,
+  `DataError: train data: reading batch 3 microbatch 1 failed: IndexError: ...` (chained to
+  the original). Microbatches read ahead past the point the run needs (the dataset's end, say)
+  only fail if the consumer asks for them;
+- a worker that dies is torch's RuntimeError, raised as one DataError line naming the loader.
+
+Iterators that are not index-addressable (an in-memory `itertools.cycle`, say) are read in the
+main process as they are.
 """
 from __future__ import annotations
 
-import queue
-import threading
+import itertools
+import multiprocessing
+import pickle
+import signal
 from typing import Iterator
 
 import torch
+from torch.utils.data import DataLoader, Sampler
 
 from megatron_2bw.data.errors import DataError
 
-_END = object()
+CUDA_NUM_WORKERS = 2  # Megatron's --num-workers
+
+
+def num_workers_for(device, asked: int | None) -> int:
+    """--num-workers, or its default: Megatron's 2 where CUDA is (the CPUs are free to read
+    ahead), else 0 (the ranks' math uses the cores: workers would only take them away)."""
+    if asked is not None:
+        return asked
+    return CUDA_NUM_WORKERS if torch.device(device).type == "cuda" else 0
 
 
 class _Failure:
-    def __init__(self, error: BaseException, where: str):
-        self.error, self.where = error, where
+    """A microbatch that could not be read: the error (picklable) and its first line."""
+
+    def __init__(self, error: BaseException):
+        first = str(error).splitlines()[0] if str(error) else ""
+        self.kind, self.first = type(error).__name__, first
+        try:
+            pickle.loads(pickle.dumps(error))  # it must cross the worker's queue
+            self.error = error
+        except Exception:  # noqa: BLE001 - an unpicklable error still comes back as its text
+            self.error = RuntimeError(f"{self.kind}: {first}")
 
 
-def pin(obj):
-    """obj with every tensor in page-locked memory (tuples, lists and dicts recursively)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.pin_memory()
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(pin(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: pin(v) for k, v in obj.items()}
-    return obj
+class _Microbatches(torch.utils.data.Dataset):
+    """Microbatch k of a MicrobatchIterator, a failure as its result."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __getitem__(self, k: int):
+        try:
+            return self.batches.microbatch(k)
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, not lost
+            return _Failure(e)
 
 
-def _where(it, count: int) -> str:
-    """Which microbatch comes next: the iterator's own words when it has them."""
-    position = getattr(it, "next_microbatch", None)
-    if position is not None:
-        return "batch {} microbatch {}".format(*position)
-    return f"item {count} of the iterator"
+class _From(Sampler):
+    """k, k + 1, k + 2, ...: the microbatches in schedule order from the k-th."""
+
+    def __init__(self, first: int):
+        self.first = first
+
+    def __iter__(self):
+        return itertools.count(self.first)
 
 
-class Prefetcher:
-    def __init__(self, iterator: Iterator, name: str = "data", depth: int = 4, pin: bool = False,
-                 poll_s: float = 1.0):
-        if depth < 1:
-            raise ValueError(f"prefetch depth {depth}: must be >= 1")
-        self.name, self._poll = name, poll_s
-        self._it, self._pin = iterator, pin
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(target=self._work, name=f"prefetch {name}", daemon=True)
-        self._thread.start()
+def _as_is(item):
+    return item
+
+
+# workers are forked where the system can (Linux: what Megatron's loader gets), whatever start
+# method this process was made with: milliseconds each, and the dataset need not be picklable
+_FORK = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
+def _worker_signals(_worker_id: int) -> None:
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+class Loader:
+    def __init__(self, batches, name: str, num_workers: int, pin: bool = False,
+                 prefetch: int = 2):
+        if num_workers < 0:
+            raise ValueError(f"num_workers {num_workers}: must be >= 0")
+        self.name, self.num_workers, self.pin = name, num_workers, pin
+        self._m, self._next, self._done = batches.m, batches.k, False
+        loader = DataLoader(_Microbatches(batches), batch_size=None, sampler=_From(batches.k),
+                            num_workers=num_workers, collate_fn=_as_is, pin_memory=pin,
+                            persistent_workers=num_workers > 0,
+                            prefetch_factor=prefetch if num_workers else None,
+                            worker_init_fn=_worker_signals if num_workers else None,
+                            multiprocessing_context=_FORK if num_workers else None,
+                            generator=torch.Generator().manual_seed(0))
+        self._it = iter(loader)
 
     def __iter__(self):
         return self
@@ -76,75 +123,46 @@ class Prefetcher:
     def __next__(self):
         if self._done:
             raise StopIteration
-        while True:
-            try:
-                item = self._queue.get(timeout=self._poll)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    self._done = True
-                    raise DataError(f"{self.name}: the prefetch thread stopped without a "
-                                    "result: rerun; if it persists, report it") from None
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self._done = True
-            e = item.error
+        where = "batch {} microbatch {}".format(*divmod(self._next, self._m))
+        try:
+            item = next(self._it)
+        except Exception as e:  # noqa: BLE001 - the loader's own failure (a worker died)
+            self.close()
             first = str(e).splitlines()[0] if str(e) else ""
-            raise DataError(f"{self.name}: reading {item.where} failed: {type(e).__name__}: "
-                            f"{first}") from e
+            raise DataError(f"{self.name}: the loader failed before {where}: "
+                            f"{type(e).__name__}: {first}") from e
+        if isinstance(item, _Failure):
+            self.close()
+            raise DataError(f"{self.name}: reading {where} failed: {item.kind}: "
+                            f"{item.first}") from item.error
+        self._next += 1
         return item
 
     def close(self) -> None:
-        """Stop reading ahead (the thread exits within poll_s; the wrapped iterator is left
-        where the thread stopped)."""
-        self._stop.set()
+        """Stop the workers (the next `next()` ends the iteration)."""
         self._done = True
-        self._thread.join(timeout=5 * self._poll)
-
-    # -- the worker thread ------------------------------------------------------------------------
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=self._poll)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _work(self) -> None:
-        count = 0
-        while not self._stop.is_set():
-            where = _where(self._it, count)
-            try:
-                item = next(self._it)
-                if self._pin:
-                    item = pin(item)
-            except StopIteration:
-                self._put(_END)
-                return
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer, not lost
-                self._put(_Failure(e, where))
-                return
-            if not self._put(item):
-                return
-            count += 1
+        shutdown = getattr(self._it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
-def input_pipeline(iterator: Iterator, name: str, grid, device, depth: int = 4) -> Iterator:
-    """A Prefetcher over `iterator` on the ranks that read data (the first and the last pipeline
-    stage), pinned when `device` is CUDA; elsewhere the iterator itself, which the engine never
-    asks for anything (so those ranks spend no work on data)."""
-    if not (grid.is_first_stage or grid.is_last_stage):
+def input_pipeline(iterator: Iterator, name: str, grid, device,
+                   num_workers: int | None = None) -> Iterator:
+    """A Loader of `num_workers` processes (None: `num_workers_for`'s default) over `iterator`
+    on the ranks that read data (the first and the last pipeline stage), pinned when `device`
+    is CUDA; elsewhere the iterator itself, which the engine never asks for anything (so those
+    ranks start no workers and spend no work on data). An iterator without `microbatch(k)` is
+    returned as it is."""
+    if not (grid.is_first_stage or grid.is_last_stage) or not hasattr(iterator, "microbatch"):
         return iterator
     dataset = getattr(iterator, "dataset", None)
     if dataset is not None:
         name = f"{name} ({type(dataset).__name__})"
-    return Prefetcher(iterator, name, depth, pin=torch.device(device).type == "cuda")
+    return Loader(iterator, name, num_workers_for(device, num_workers),
+                  pin=torch.device(device).type == "cuda")
 
 
 def close_pipelines(*iterators) -> None:
     for it in iterators:
-        if isinstance(it, Prefetcher):
+        if isinstance(it, Loader):
             it.close()

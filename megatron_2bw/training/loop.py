@@ -64,9 +64,10 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if start == t.train_iters and reporter:
         log(f"the checkpoint in {t.load} is at iteration {start} = --train-iters: nothing to "
             "train (raise --train-iters to continue)")
-    data = input_pipeline(make_data(start), "train data", grid, device)
-    eval_data = input_pipeline(make_eval_data(), "validation data", grid, device) \
-        if (make_eval_data and t.eval_interval) else None
+    data = input_pipeline(make_data(start), "train data", grid, device, t.num_workers)
+    evaluates = t.eval_interval and t.train_iters // t.eval_interval > start // t.eval_interval
+    eval_data = input_pipeline(make_eval_data(), "validation data", grid, device,
+                               t.num_workers) if (make_eval_data and evaluates) else None
     logger = TrainLogger(cfg, grid, reporter, log, progress, start)
     report = IntervalLog(cfg, grid, device, engine, logger, start)
     profiler = StepProfiler(t, grid, engine, start)

@@ -395,3 +395,11 @@ def test_reset_position_ids_with_rope_is_accepted_and_changes_nothing_as_in_mega
     assert not torch.allclose(output(["--reset-position-ids", *learned]), output(learned))
     with pytest.raises(ConfigError, match="--reset-position-ids needs a GPT and a tokenizer"):
         built(["--reset-position-ids"])
+
+
+def test_num_workers_is_megatrons_loader_process_count_and_never_negative():
+    assert built([]).config.train.num_workers is None  # 2 on CUDA, 0 on CPUs (data/prefetch.py)
+    assert built(["--num-workers", "3"]).config.train.num_workers == 3
+    assert not [n for n in built(["--num-workers", "3"]).notes if "--num-workers" in n]
+    with pytest.raises(ConfigError, match=r"^--num-workers must be >= 0, got -1$"):
+        built(["--num-workers", "-1"])
