@@ -82,7 +82,7 @@ def metered_engine_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._own = {t.untyped_storage().data_ptr() for t in
-                         list(self.weights.slots) + list(self.weights.grads) +
+                         list(self.weights.slots) + self.weights.held_grads() +
                          [x for x in (self.weights.master, self.weights.model_grad)
                           if x is not None]}
             self.live: dict[int, int] = {}
@@ -150,7 +150,7 @@ def run_stage(rank, world, spec, schedule, m, dist):
     return {"stage": s, "dp": grid.dp_rank, "bounds": bounds[s:s + 2],
             "params": w.layout.real_numel, "versions": w.num_slots,
             "weights": _nbytes(w.slots), "master": _nbytes([w.master]),
-            "grads": _nbytes(w.grads), "model_grad": _nbytes([w.model_grad]),
+            "grads": _nbytes(w.held_grads()), "model_grad": _nbytes([w.model_grad]),
             "optimizer": _nbytes(optimizer_buffers(engine.optimizer)),
             "stash_peak": engine.peak_bytes, "in_flight_peak": engine.peak_count,
             "stash_per_microbatch": max(engine.per_microbatch) if engine.per_microbatch else 0,

@@ -39,6 +39,7 @@ FLAG_FIXES = {
     "--global-batch-size": "batch.global_batch_size",
     "--pipeline-schedule": "schedule",
     "--2bw-compensation": "schedule",  # compensates 2BW: the planner keeps the schedule
+    "--2bw-grad-buffers": "schedule",  # a 2BW mode: the planner keeps the schedule
     "--recompute-activations": "model.recompute_granularity",
     "--recompute-granularity": "model.recompute_granularity",
     "--recompute-method": "model.recompute_granularity",
@@ -59,7 +60,8 @@ class BuiltConfig(NamedTuple):
         return self.deepspeed.lr_schedule if self.deepspeed is not None else None
 
 
-FLAG_DESTS = {"--2bw-compensation": "compensation"}  # flags whose dest is not their name
+FLAG_DESTS = {"--2bw-compensation": "compensation",  # flags whose dest is not their name
+              "--2bw-grad-buffers": "grad_buffers"}
 
 
 def _typed_value(args, flag: str) -> str:

@@ -11,7 +11,7 @@ from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FA
                                          PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
                                          RECOMPUTE_METHODS, SCHEDULES, ConfigError)
 from megatron_2bw.pipeline.compensation import compensation_error
-from megatron_2bw.schedule.kinds import schedule_kind
+from megatron_2bw.schedule.kinds import schedule_kind, schedule_kind_of
 
 
 def check_config(cfg: Config, world_size: int | None) -> Config:
@@ -131,6 +131,10 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     error = compensation_error(cfg.compensation, cfg.schedule, o.name, o.sgd_momentum)
     if error:
         _fail(error)
+    try:
+        schedule_kind_of(cfg.schedule, cfg.grad_buffers)
+    except ValueError as e:
+        _fail(str(e))
     tr = cfg.train
     for name, value in (("--eval-interval", tr.eval_interval),
                         ("--save-interval", tr.save_interval),

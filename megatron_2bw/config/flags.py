@@ -164,6 +164,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "form; the optimizer keeps it: one more stage-sized fp32 buffer; "
                         "closest to GPipe at high constant lr; bench/README.md); "
                         "none = plain 2BW (docs/ARCHITECTURE.md section 1)")
+    g.add_argument("--2bw-grad-buffers", dest="grad_buffers", type=int, default=None,
+                   help="2bw's fp32 gradient buffers per stage: 2 (default) = one per version; "
+                        "1 = one stage-sized buffer less, S(t) before batch t+1's first backward "
+                        "(it waits for batch t's grad norm there); the same numbers either way")
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -351,7 +355,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
                   precision=precision, train=train, schedule=schedule_of_args(args),
-                  compensation=getattr(args, "compensation", NO_COMPENSATION))
+                  compensation=getattr(args, "compensation", NO_COMPENSATION),
+                  grad_buffers=getattr(args, "grad_buffers", None))
 
 
 def schedule_given(args) -> bool:

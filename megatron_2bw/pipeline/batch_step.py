@@ -22,7 +22,9 @@ S(t)  wait for everything, hand [loss, *flags, *stage bits] to the host without 
       into the slot it names (through the master when there is one), let the 2BW compensation
       write what the slot's next batch runs on (compensation.py; on a CPU a prediction is left
       pending and done in chunks while the engine waits, the reductions' waits here included),
-      zero the buffer (or the part a pending prediction does not read yet). With
+      zero the buffer (or the part a pending prediction does not read yet; with one gradient
+      buffer, `--2bw-grad-buffers 1`, such a prediction is completed here, since the stage's
+      next backward accumulates into that buffer). With
       --decoupled-lr the lr of a step (and of a prediction) is the pair (lr, decoupled lr) of
       the schedule's `rates`, which the optimizer applies per segment (optim/segments.py).
       Distributed:
@@ -104,6 +106,7 @@ class BatchStepper:
     def reduce(self, batch: int, slot: int) -> None:
         buf = self.w.grads[slot]
         works = {"dp": [], "tied": []}
+        self.w.take_loss(slot)  # one-buffer 2BW: the batch's loss into the tail (weights.py)
         self.flags.write(buf[self.w.numel + 1:])
         if self.sequence_parallel:  # partial gradients of each tensor rank's part of the sequence
             lo, hi = self.w.sequence_parallel_range
@@ -240,6 +243,8 @@ class BatchStepper:
         # writes dst from the master (sharded: its pieces, then starts the all-gather); a pending
         # prediction that still reads the gradient zeroes it as it goes
         kept = self.compensation.after_step(batch, buf if self.sharded else buf[:n], dst_slot)
+        if kept and w.grad_buffers < w.num_slots:  # batch + 1's backward comes next: done now
+            self.compensation.finish()
         (buf[n:] if kept else buf).zero_()
 
     def _gather(self, slot: int) -> None:

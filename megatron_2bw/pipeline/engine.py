@@ -37,7 +37,7 @@ from megatron_2bw.pipeline.interpreter import Interpreter, comm_layout
 from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.schedule.kinds import schedule_kind
+from megatron_2bw.schedule.kinds import schedule_kind_of
 from megatron_2bw.schedule.simulate import check_schedule
 from megatron_2bw.schedule.tables import forward_only, make_schedule
 
@@ -67,13 +67,14 @@ class PipelineEngine(Interpreter):
         module = StageModule(specs, start, end, seed=cfg.train.seed,
                              recompute_method=cfg.model.recompute_method,
                              recompute_num_layers=cfg.model.recompute_num_layers)
-        self.kind = schedule_kind(cfg.schedule)
+        self.kind = schedule_kind_of(cfg.schedule, cfg.grad_buffers)  # --2bw-grad-buffers
         shards = grid.data if cfg.parallel.distributed_optimizer else 1
         self.weights = VersionedWeights(
             module, self.kind.num_slots, cfg.precision.dtype, self.device, tied=module.tied,
             shard_count=shards, shard_rank=grid.dp_rank if shards > 1 else 0,
             split_tied=grid.pipeline > 1,
-            separate_master=compensation_method(cfg.compensation).separate_weights)
+            separate_master=compensation_method(cfg.compensation).separate_weights,
+            grad_buffers=self.kind.grad_buffers)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)
         if self.stepper.compensation.defer:
@@ -203,8 +204,7 @@ class PipelineEngine(Interpreter):
             master = optimizer.get("master") if isinstance(optimizer, dict) else None
             if w.master is not None and not w.sharded:
                 w.master.copy_(master if master is not None else state["newest"])
-            for g in w.grads:
-                g.zero_()
+            w.zero_grads()
         restored = self.stepper.optimizer.load_state_dict(optimizer) \
             if optimizer is not None else False
         if w.sharded and w.master is not None and not restored:
@@ -354,9 +354,8 @@ class PipelineEngine(Interpreter):
             loss = self.loss_fn(out, labels)
             self.outputs[a.mb] = loss
             batch = a.mb // self.m
-            slot = self.kind.slot_of_batch(batch)
-            n = self.weights.numel  # the loss slot: first of the buffer's tail (weights.py)
-            self.weights.grads[slot][n:n + 1].add_(loss.detach().float(), alpha=1.0 / self.m)
+            slot = self.kind.slot_of_batch(batch)  # its loss element (weights.py `losses`)
+            self.weights.losses[slot].add_(loss.detach().float(), alpha=1.0 / self.m)
         else:
             out = out if isinstance(out, tuple) else (out,)
             self.outputs[a.mb] = out

@@ -35,6 +35,13 @@ stage-sized fp32 buffer holding the real weights, the only extra memory of that 
 Gradients: fp32 runs accumulate straight into `grads[k]` (the parameters' `.grad` are views of
 it). bf16/fp16 runs accumulate one microbatch in the low-precision `model_grad` buffer and the
 engine folds it into the fp32 `grads[k]` after each backward (one flat add, no per-parameter work).
+`grad_buffers` g (the schedule kind's, `kinds.py`): the fp32 buffers behind `grads` (indexed by
+slot). g = num_slots (the default): one per slot, and `losses[k]` is the loss element of
+`grads[k]`'s tail. g = 1 under 2BW (`--2bw-grad-buffers 1`): `grads[0]` and `grads[1]` are one
+buffer (both modules' `.grad` views point into it in fp32 runs) that S(t) zeroes before the
+stage's first backward of batch t+1, while batch t+1's forwards on the last stage may already
+have added their losses: so each slot keeps its loss apart (`losses[k]`, one fp32 element) and R
+copies it into the buffer's tail and zeroes it (`take_loss`).
 
 Distributed optimizer (`shard_count` w > 1, --use-distributed-optimizer): the flat layout is cut
 into regions padded to multiples of w (`shards.py`: the tied weight is its own region on the
@@ -88,11 +95,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class VersionedWeights:
     def __init__(self, module: nn.Module, num_slots: int, dtype: str, device,
                  tied: dict[str, nn.Parameter] | None = None, shard_count: int = 1,
-                 shard_rank: int = 0, split_tied: bool = False, separate_master: bool = False):
+                 shard_rank: int = 0, split_tied: bool = False, separate_master: bool = False,
+                 grad_buffers: int | None = None):
         """`shard_count`/`shard_rank`: the data-parallel size and rank of a distributed optimizer
         (1/0: none); `split_tied`: the tied weight is a region of its own (a stage holding one
         copy of a cross-stage tied weight, see shards.py); `separate_master`: keep an fp32 master
-        in fp32 runs too (a 2BW compensation whose slots hold predictions, compensation.py)."""
+        in fp32 runs too (a 2BW compensation whose slots hold predictions, compensation.py);
+        `grad_buffers`: fp32 gradient buffers (None: one per slot; see the module docstring)."""
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.num_slots = num_slots
@@ -131,8 +140,17 @@ class VersionedWeights:
         else:
             self.master = init.clone() if keep else None
         self.slots = [init.to(self.dtype).clone() for _ in range(num_slots)]
-        self.grads = [torch.zeros(self.numel + TAIL, dtype=torch.float32, device=self.device)
-                      for _ in range(num_slots)]
+        g = num_slots if grad_buffers is None else grad_buffers
+        if g not in (1, num_slots):
+            raise ValueError(f"grad_buffers must be 1 or the {num_slots} version slots, got {g}")
+        self.grad_buffers = g
+        buffers = [torch.zeros(self.numel + TAIL, dtype=torch.float32, device=self.device)
+                   for _ in range(g)]
+        self.grads = [buffers[k % g] for k in range(num_slots)]
+        self.separate_losses = g < num_slots
+        self.losses = [torch.zeros(1, dtype=torch.float32, device=self.device)
+                       if self.separate_losses else b[self.numel:self.numel + 1]
+                       for b in self.grads]
         self.model_grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device) \
             if mixed else None
 
@@ -220,3 +238,20 @@ class VersionedWeights:
         if self.model_grad is not None:
             self.grads[slot][:self.numel].add_(self.model_grad)
             self.model_grad.zero_()
+
+    def held_grads(self) -> list[torch.Tensor]:
+        """The distinct fp32 gradient tensors this stage holds (buffers, then the separate
+        per-slot loss elements of a one-buffer 2BW): what the memory model counts."""
+        unique = list({id(b): b for b in self.grads}.values())
+        return unique + (self.losses if self.separate_losses else [])
+
+    def zero_grads(self) -> None:
+        for t in self.held_grads():
+            t.zero_()
+
+    def take_loss(self, slot: int) -> None:
+        """R: a separate per-slot loss into the tail of the slot's buffer, then zero it (one
+        buffer per slot: the loss is already there)."""
+        if self.separate_losses:
+            self.grads[slot][self.numel:self.numel + 1].copy_(self.losses[slot])
+            self.losses[slot].zero_()

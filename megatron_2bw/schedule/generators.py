@@ -9,6 +9,8 @@ requirements are checked by the kind before a generator runs.
     1f1b     Megatron's 1F1B (warm-up, steady one-forward-one-backward, cool-down).
     flush    1F1B with a flush at every batch boundary, then R N S.
     2bw      1F1B run continuously over the whole segment, with R/N/S inserted (see `twobw`).
+    2bw, one gradient buffer  the same, S(t) before the first backward of batch t+1
+             (`twobw_one_buffer`).
     forward  ra F sa for every microbatch (eval).
 """
 from __future__ import annotations
@@ -119,6 +121,42 @@ def twobw(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     return out
 
 
+def twobw_one_buffer(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
+    """2BW with one gradient buffer per stage: 1F1B over the whole segment as in `twobw`, R(t)
+    right after B of the batch's last microbatch, but S(t) must consume and zero the buffer
+    before B((t+1)m), the stage's first backward of batch t+1, accumulates into it: S(t) goes
+    right after the compute action before that B (N(t) right before S(t) when that action is
+    the one after R(t)), ahead of the communication group in between, so that the sends and
+    receives of the microbatch whose forward it follows fall in window t+1 on both stages of a
+    channel. The stage waits there for N(t)'s all-reduce (what the one buffer costs).
+    S(last) at the very end."""
+    base = one_f_one_b(s, d, list(range(t0 * m, (t0 + T) * m)), slot)
+    last = t0 + T - 1
+    computes = [i for i, a in enumerate(base) if a.is_compute]
+    step_after = {}  # index of a compute action in `base` -> the batch whose S follows it
+    for j, i in enumerate(computes):
+        a = base[i]
+        if j and a.kind == BACKWARD and a.mb % m == 0 and t0 <= a.mb // m - 1 < last:
+            step_after[computes[j - 1]] = a.mb // m - 1
+    out, pending = [], []
+    for i, a in enumerate(base):
+        out.append(a)
+        if not a.is_compute:
+            continue
+        out += [N(t) for t in pending]
+        pending = []
+        if a.kind == BACKWARD and (a.mb + 1) % m == 0:
+            out.append(R((a.mb + 1) // m - 1))
+            pending.append((a.mb + 1) // m - 1)
+        if i in step_after:
+            out += [N(t) for t in pending]
+            pending = []
+            out.append(S(step_after[i]))
+    out += [N(t) for t in pending]
+    out.append(S(last))
+    return out
+
+
 def forward(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     """Eval: ra(k) F(k) sa(k) for every microbatch of the segment (no B/R/N/S)."""
     out = []
@@ -131,4 +169,4 @@ def forward(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     return out
 
 
-__all__ = ["one_f_one_b", "gpipe", "flush", "twobw", "forward"]
+__all__ = ["one_f_one_b", "gpipe", "flush", "twobw", "twobw_one_buffer", "forward"]

@@ -17,6 +17,10 @@ names or restates a rule (`tests/unit/test_rule_owners.py` fails if one does).
     flushes              the pipeline drains at every batch (no forward of batch t+1 before S(t))
     min_microbatches(d)  the fewest microbatches per batch with d stages (2BW: d)
     in_flight(d, m, s)   peak microbatches with F done and B not done on stage s (the stash)
+    grad_buffers         fp32 gradient buffers a stage holds (today's 2BW: one per slot; its
+                         `with_grad_buffers(1)` variant: one, which S(t) consumes and zeroes
+                         before the stage's first backward of batch t+1)
+    grad_buffer_of_batch(t)  the gradient buffer batch t's backwards accumulate into
     segments             batches the planner simulates: steady state = makespan(b) - makespan(a)
     forwards_between_reduce_and_norm  forwards that hide R(t)'s all-reduce before N(t) waits
     stashes_logits       the last stage keeps each in-flight microbatch's fp32 logits beside
@@ -39,6 +43,7 @@ DEFAULT_FIX = ("raise --global-batch-size or lower --micro-batch-size (or use fe
 class ScheduleKind:
     name = ""
     num_slots = 1
+    grad_buffers_choices = (1,)  # what `with_grad_buffers` accepts (the first is the default)
     is_training = True
     segments = (1, 2)
     forwards_between_reduce_and_norm = 0
@@ -75,6 +80,24 @@ class ScheduleKind:
 
     def newest_slot(self, t: int) -> int:
         return self.slot_of_batch(t + self.delay)
+
+    # ---- gradient buffers ----
+    @property
+    def grad_buffers(self) -> int:
+        return self.num_slots
+
+    def grad_buffer_of_batch(self, t: int) -> int:
+        return t % self.grad_buffers
+
+    def with_grad_buffers(self, g: int | None) -> "ScheduleKind":
+        """This kind with `g` fp32 gradient buffers per stage (None: its default); a one-line
+        ValueError when it has no such mode."""
+        if g is None or g == self.grad_buffers:
+            return self
+        raise ValueError(f"--2bw-grad-buffers {g} does not apply to --pipeline-schedule "
+                         f"{self.name} (it holds {self.grad_buffers} gradient buffer"
+                         f"{'s' * (self.grad_buffers != 1)}): drop --2bw-grad-buffers, or use "
+                         f"--pipeline-schedule {DEFAULT_SCHEDULE}")
 
     def initial_slot_weights(self, t0: int) -> list:
         w = [0] * self.num_slots
@@ -156,6 +179,8 @@ class TwoBW(Flush):
     forwards_between_reduce_and_norm = 1  # N(t) follows the first forward after R(t)
     generator = staticmethod(generators.twobw)
 
+    grad_buffers_choices = (2, 1)
+
     def min_microbatches(self, d):
         return d  # S(t) must fit before batch t+2's first forward on every stage
 
@@ -164,6 +189,30 @@ class TwoBW(Flush):
             return None
         return (f"{self.name} needs at least as many microbatches per batch as pipeline stages "
                 f"(m={m} < d={d}): {fix}")
+
+    def with_grad_buffers(self, g):
+        if g is None or g == self.grad_buffers:
+            return self
+        if g not in self.grad_buffers_choices:
+            raise ValueError(f"--2bw-grad-buffers must be one of "
+                             f"{', '.join(map(str, self.grad_buffers_choices))}, got {g}")
+        return _ONE_BUFFER_2BW
+
+
+class TwoBWOneBuffer(TwoBW):
+    """2BW with one fp32 gradient buffer per stage (`--2bw-grad-buffers 1`): the same versions,
+    steps and numbers, but S(t) runs before the stage's first backward of batch t+1 (which would
+    accumulate into the buffer S(t) reads and zeroes), so the stage waits there for N(t)'s
+    all-reduce; the table is `generators.twobw_one_buffer`. Not registered: asked for by
+    `TwoBW().with_grad_buffers(1)`, it answers to the name 2bw."""
+    generator = staticmethod(generators.twobw_one_buffer)
+
+    def __repr__(self) -> str:
+        return f"<schedule kind {self.name} (one gradient buffer)>"
+
+    @property
+    def grad_buffers(self) -> int:
+        return 1
 
 
 class ForwardOnly(ScheduleKind):
@@ -217,6 +266,12 @@ def one_stage_note(num_stages: int) -> str:
             "--pipeline-schedule chooses another")
 
 
+def schedule_kind_of(name, grad_buffers: int | None = None) -> ScheduleKind:
+    """The kind of `name` with `grad_buffers` fp32 gradient buffers per stage (None: the
+    kind's default, today's); one-line ValueErrors."""
+    return schedule_kind(name).with_grad_buffers(grad_buffers)
+
+
 def kind_with_slots(num_slots: int) -> ScheduleKind:
     """The first training kind holding `num_slots` versions (bare tables: `Schedule.from_table`)."""
     for kind in _KINDS.values():
@@ -227,10 +282,11 @@ def kind_with_slots(num_slots: int) -> ScheduleKind:
 
 for _kind in (TwoBW(), Flush(), GPipe(), ForwardOnly()):
     register_kind(_kind)
+_ONE_BUFFER_2BW = TwoBWOneBuffer()
 DEFAULT_SCHEDULE = TwoBW.name
 FORWARD_ONLY = ForwardOnly.name
 
-__all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "ForwardOnly", "register_kind",
-           "schedule_names", "schedule_kind", "kind_with_slots", "DEFAULT_SCHEDULE",
+__all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "TwoBWOneBuffer", "ForwardOnly",
+           "register_kind", "schedule_names", "schedule_kind", "schedule_kind_of", "kind_with_slots", "DEFAULT_SCHEDULE",
            "default_schedule", "one_stage_note",
            "FORWARD_ONLY", "DEFAULT_FIX"]

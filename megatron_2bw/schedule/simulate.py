@@ -11,7 +11,9 @@ tied(t) from stage d-1; S(t) waits for norm(t) from everybody and, on stage d-1,
 stage 0. Collective waits complete when the last participant posted.
 
 Any broken rule raises `ScheduleError` with a one-line message "stage S step I (LABEL): what" and
-the partial grid up to the failure as `.grid`; a deadlock names every blocked stage and what it
+the partial grid up to the failure as `.grid` (among them: a backward of batch t before S(t - g)
+on its stage, g the kind's gradient buffers per stage, since batch t - g's gradient is still in
+the buffer batch t accumulates into); a deadlock names every blocked stage and what it
 waits for. `check_schedule` is what the engine asks before it runs a window: the same validator,
 its verdict cached per schedule shape.
 """
@@ -253,6 +255,11 @@ class _Sim:
             if st.slots[slot] != weight:
                 fail(f"slot {slot} now holds W({st.slots[slot]}) but the forward of microbatch "
                      f"{a.mb} used W({weight}): a step overwrote it too early")
+            g = sched.grad_buffers
+            if st.window <= t - g:  # batch t - g's step has not consumed the buffer yet
+                fail(f"backward of microbatch {a.mb} (batch {t}) accumulates into gradient "
+                     f"buffer {sched.grad_buffer_of_batch(t)} before S{t - g} consumed batch "
+                     f"{t - g}'s gradient there ({g} buffer{'s' * (g != 1)} per stage)")
             st.b.add(a.mb)
             st.b_per_batch[t] = st.b_per_batch.get(t, 0) + 1
         else:

@@ -130,6 +130,13 @@ class Schedule:
     def slot_of_batch(self, t: int) -> int:
         return self.kind.slot_of_batch(t)
 
+    @property
+    def grad_buffers(self) -> int:
+        return self.kind.grad_buffers
+
+    def grad_buffer_of_batch(self, t: int) -> int:
+        return self.kind.grad_buffer_of_batch(t)
+
     def weight_of_batch(self, t: int) -> int:
         """k such that batch t runs forward and backward on W(k)."""
         return self.kind.weight_of_batch(t)
