@@ -172,3 +172,19 @@ def test_the_flag_picks_the_mode_and_bad_values_are_one_line_errors():
         with pytest.raises(ConfigError) as e:
             _built(argv)
         assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_pre_launch_memory_check_counts_one_buffer():
+    from megatron_2bw.config import BatchConfig, Config, ModelConfig, ParallelConfig
+    from megatron_2bw.planner.memory_check import stage_estimates
+    cfg = Config(model=ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=2,
+                                   seq_length=16, vocab_size=512),
+                 parallel=ParallelConfig(pipeline=2, data=1),
+                 batch=BatchConfig(micro_batch_size=2, global_batch_size=8)).validate(2)
+    two = stage_estimates(cfg, 2)
+    one = stage_estimates(cfg.replace(grad_buffers=1).validate(2), 2)
+    for a, b in zip(two, one):
+        assert a["grads"] - b["grads"] == a["grads"] // 2 - 2 * 4  # a buffer, less 2 losses
+        assert a["total"] - b["total"] == a["grads"] - b["grads"]
+        assert {k: v for k, v in a.items() if k not in ("grads", "total")} == \
+            {k: v for k, v in b.items() if k not in ("grads", "total")}
