@@ -10,7 +10,8 @@ For every (schedule, m, distributed optimizer) it trains a small GPT (megatron_2
 mock data, Adam) on d x w fresh gloo processes for a few batches and reports, per stage:
 
 - the engine's own buffers: weight versions (`engine.weights.slots`), fp32 gradient buffers
-  (one per version slot), the low-precision gradient buffer and master weights (bf16/fp16),
+  (one per version slot; `--2bw-grad-buffers 1`: one per 2bw stage and each slot's loss), the
+  low-precision gradient buffer and master weights (bf16/fp16),
   optimizer state (the flat optimizer's, or every piece's of the distributed optimizer), and the
   same in bytes per parameter of the stage;
 - the peak activation stash: the bytes autograd saves for the backward during each forward
@@ -42,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
-from megatron_2bw.schedule.kinds import schedule_kind, schedule_names  # noqa: E402
+from megatron_2bw.schedule.kinds import (schedule_kind, schedule_kind_of,  # noqa: E402
+                                         schedule_names)
 
 SCHEDULES = schedule_names()
 COMPENSATIONS = [m for m in method_names() if m != NONE]
@@ -67,10 +69,17 @@ def make_config(spec: dict, run: str, m: int, dist: bool = False):
                         recompute_num_layers=1 if spec["recompute"] else 0)
     schedule, compensation = split_run(run)
     return Config(model=model, schedule=schedule, compensation=compensation,
+                  grad_buffers=grad_buffers(spec, schedule),
                   parallel=ParallelConfig(pipeline=d, data=w, distributed_optimizer=dist),
                   batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m * w),
                   optimizer=OptimizerConfig(lr=1e-4), precision=PrecisionConfig(spec["dtype"]),
                   train=TrainConfig(train_iters=spec["batches"], seed=1234)).validate(d * w)
+
+
+def grad_buffers(spec: dict, schedule: str):
+    """--2bw-grad-buffers for the runs whose kind has that mode (the others keep theirs)."""
+    g = spec.get("grad_buffers")
+    return g if g in schedule_kind(schedule).grad_buffers_choices else None
 
 
 def metered_engine_class():
@@ -171,13 +180,13 @@ def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list, dist: b
     from megatron_2bw.planner.cost_model import (activation_bytes, stage_params, stage_tied,
                                                  state_bytes)
     cfg = make_config(spec, schedule, m, dist)
-    kind = schedule_kind(cfg.schedule)
+    kind = schedule_kind_of(cfg.schedule, cfg.grad_buffers)
     costs = layer_costs(cfg.model, spec["micro"], 1, spec["dtype"], "gpt")
     lo, hi = bounds
     params = stage_params(costs, lo, hi)
     mem = state_bytes(params, kind.num_slots, spec["dtype"], "adam",
                       spec["w"] if dist else 1, stage_tied(costs, lo, hi, spec["d"]),
-                      cfg.compensation)
+                      cfg.compensation, kind.grad_buffers)
     mem["params"] = params
     per_mb, extra = activation_bytes(costs, lo, hi, spec["recompute"], stage == spec["d"] - 1)
     peak = kind.in_flight(spec["d"], m, stage)
@@ -345,6 +354,9 @@ def parse(argv=None):
     p.add_argument("--batches", type=int, default=3, help="batches trained per run")
     p.add_argument("--recompute", action="store_true", help="recompute transformer layers")
     p.add_argument("--data-parallel-size", "-w", type=int, default=1)
+    p.add_argument("--2bw-grad-buffers", dest="grad_buffers", type=int, choices=(1, 2),
+                   default=None, help="fp32 gradient buffers per stage of the 2bw runs "
+                                      "(default: one per weight version)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--distributed-optimizer", choices=("off", "on", "both"), default="off",
@@ -372,7 +384,7 @@ def main(argv=None) -> int:
     spec = dict(d=args.pipeline_stages, layers=args.num_layers, hidden=args.hidden_size,
                 heads=args.num_attention_heads, seq=args.seq_length, vocab=args.vocab_size,
                 micro=args.micro_batch_size, batches=args.batches, recompute=args.recompute,
-                w=args.data_parallel_size,
+                w=args.data_parallel_size, grad_buffers=args.grad_buffers,
                 dtype="bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"))
     ms = args.ms
     if args.tiny:

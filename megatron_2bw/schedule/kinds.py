@@ -287,6 +287,7 @@ DEFAULT_SCHEDULE = TwoBW.name
 FORWARD_ONLY = ForwardOnly.name
 
 __all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "TwoBWOneBuffer", "ForwardOnly",
-           "register_kind", "schedule_names", "schedule_kind", "schedule_kind_of", "kind_with_slots", "DEFAULT_SCHEDULE",
+           "register_kind", "schedule_names", "schedule_kind", "schedule_kind_of",
+           "kind_with_slots", "DEFAULT_SCHEDULE",
            "default_schedule", "one_stage_note",
            "FORWARD_ONLY", "DEFAULT_FIX"]

@@ -374,3 +374,20 @@ def test_too_few_microbatches_for_2bw_is_the_kinds_one_line_error(script, argv, 
         "error: 2bw needs at least as many microbatches per batch as pipeline stages "
         f"(m=2 < d=4): {fix}"), proc.stderr
 
+
+
+@pytest.mark.slow  # tests/unit/test_grad_buffers.py checks the same bytes in-process
+def test_memory_tiny_one_gradient_buffer_matches_the_planner_model(tmp_path):
+    """Issue 32: `--2bw-grad-buffers 1`: a 2BW stage holds one fp32 gradient buffer (and each
+    slot's loss element), to the byte of the memory model; weights, master and optimizer as
+    with two."""
+    from megatron_2bw.pipeline.flag_names import TAIL
+    _run(["bench/memory.py", "--tiny", "--json", tmp_path / "m.json", "--schedules", "2bw",
+          "--2bw-grad-buffers", "1"])
+    rows = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert len(rows) == 1
+    for s in rows[0]["stages"]:
+        for key in ("weights", "master", "grads", "model_grad", "optimizer"):
+            assert s[key] == s["model"][key], (s["stage"], key)
+        assert s["versions"] == 2 and s["weights"] == 2 * 4 * s["params"]
+        assert s["grads"] == (s["params"] + TAIL) * 4 + 2 * 4
