@@ -21,7 +21,7 @@ from megatron_2bw.config import RANK_ORDERS, Config
 from megatron_2bw.planner.profile import AnalyticProfile, load_profile
 from megatron_2bw.planner.search import RECOMPUTE, SCHEDULES, SearchResult, search
 from megatron_2bw.planner.simulate import Estimate
-from megatron_2bw.planner.topology import PlanError, resolve_topology
+from megatron_2bw.planner.topology import GB, PlanError, resolve_topology
 from megatron_2bw.schedule.kinds import schedule_kind
 
 TOPOLOGY_FLAGS = ("gpus_per_node", "gpu_memory_gb", "intra_node_bandwidth_gbps",
@@ -50,7 +50,8 @@ class Plan:
 
     def config(self, cfg: Config) -> Config:
         """`cfg` with this plan's layout; recomputation, the distributed optimizer and sequence
-        parallelism only where the user did not fix them."""
+        parallelism (and a one-buffer 2BW's --2bw-grad-buffers) only where the user did not fix
+        them."""
         L = self.layout
         new = cfg.replace(
             parallel={"tensor": L.tensor, "pipeline": L.pipeline, "data": L.data,
@@ -67,6 +68,8 @@ class Plan:
                             ("parallel.sequence_parallel", L.sequence_parallel)):
             if cfg.source_of(path) is None:
                 new = new.replace(**{path: value})
+        if cfg.grad_buffers is None:  # None unless --2bw-grad-buffers was given (kept then)
+            new = new.replace(grad_buffers=L.grad_buffers)
         return new
 
     def flags(self) -> str:
@@ -76,7 +79,8 @@ class Plan:
         e = self.estimate
         return (f"auto-plan: {self.flags()} | predicted {e.samples_per_s:.3g} samples/s, "
                 f"bubble {e.bubble:.1%}, max memory {max(e.memory_gb):.2f} GB/GPU, "
-                f"partition {self.partition}")
+                f"partition {self.partition}"
+                + (f" | {why}" if (why := grad_buffers_reason(e, self.result.topology)) else ""))
 
 
 def layout_flags(L) -> str:
@@ -93,7 +97,20 @@ def layout_flags(L) -> str:
         flags += " --use-distributed-optimizer"
     if L.sequence_parallel:
         flags += " --sequence-parallel"
+    if L.grad_buffers is not None:
+        flags += f" --2bw-grad-buffers {L.grad_buffers}"
     return flags
+
+
+def grad_buffers_reason(est, topology) -> str:
+    """Why the chosen layout runs 2BW on one fp32 gradient buffer ('' when it does not): the
+    search falls back to it only for a layout whose two buffers do not fit (search.py)."""
+    if est.layout.grad_buffers != 1:
+        return ""
+    return (f"one gradient buffer (--2bw-grad-buffers 1): two do not fit "
+            f"({est.plan.two_buffer_memory / GB:.3g} GB > {topology.usable_memory_gb:.3g} GB "
+            f"usable per GPU; one needs {est.plan.max_memory / GB:.3g} GB, and each stage waits "
+            "for its all-reduce before the next batch's first backward)")
 
 
 def planner_inputs(args, world_size: int):
@@ -140,7 +157,9 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
                       micro_batches=_only(cfg, "batch.micro_batch_size"),
                       num_microbatches=_only(cfg, "batch.num_microbatches"),
                       rank_orders=_only(cfg, "parallel.rank_order") or RANK_ORDERS,
-                      top_k=top_k, arch=cfg.model.family, compensation=cfg.compensation)
+                      top_k=top_k, arch=cfg.model.family, compensation=cfg.compensation,
+                      # a given --2bw-grad-buffers 2 keeps two: no one-buffer fallback
+                      one_buffer=cfg.grad_buffers in (None, 1))
     except PlanError as e:
         fixed = [f.source for f in cfg.fixed
                  if f.path in PLANNED + ("batch.global_batch_size",)]
@@ -168,4 +187,4 @@ def plan(cfg: Config, topology, profile, log=None) -> Config:
     return chosen.config(cfg)
 
 
-__all__ = ["Plan", "plan", "planner_inputs", "search_for", "layout_flags"]
+__all__ = ["Plan", "plan", "planner_inputs", "search_for", "layout_flags", "grad_buffers_reason"]

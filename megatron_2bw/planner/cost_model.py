@@ -57,7 +57,7 @@ from megatron_2bw.planner.memory import (OPTIMIZER_COPIES, _kept, _recomputed,  
                                          activation_bytes, stage_memory, stage_params,
                                          stage_tied, state_bytes)
 from megatron_2bw.planner.placement import placement
-from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind
+from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind_of
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class Layout:
     distributed_optimizer: bool = False
     sequence_parallel: bool = False
     selective: bool = False      # selective recomputation (core attention)
+    grad_buffers: int | None = None  # --2bw-grad-buffers (None: the kind's own, one per slot)
 
     @property
     def global_batch(self) -> int:
@@ -84,7 +85,7 @@ class Layout:
 
     @property
     def kind(self) -> ScheduleKind:
-        return schedule_kind(self.schedule)
+        return schedule_kind_of(self.schedule, self.grad_buffers)
 
     @property
     def recompute_name(self) -> str:
@@ -100,7 +101,8 @@ class Layout:
         return (f"{self.schedule} t{self.tensor} d{self.pipeline} w{self.data} b{self.micro_batch} "
                 f"m{self.num_microbatches}{' rc' if self.recompute else ''}"
                 f"{' sel' if self.selective else ''}{' do' if self.distributed_optimizer else ''}"
-                f"{' sp' if self.sequence_parallel else ''} {self.rank_order}")
+                f"{' sp' if self.sequence_parallel else ''}"
+                f"{f' g{self.grad_buffers}' if self.grad_buffers else ''} {self.rank_order}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,9 @@ class StagePlan:
     memory: list                 # per stage: dict of byte counts, "total" included
     peak_in_flight: list
     inter_node_p2p: list = field(default_factory=list)
+    # a one-buffer 2BW the search fell back to: the largest stage total with today's two
+    # buffers (which did not fit), for the plan line's reason; 0.0 otherwise
+    two_buffer_memory: float = 0.0
 
     @property
     def max_memory(self) -> float:
@@ -287,7 +292,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         return times.profile.compensation_time(n, setup.compensation, setup.dtype) \
             if compensated else 0.0
     # memory depends on neither the rank order nor the links: computed once for the others
-    mkey = ("mem", b, t, sp, L.schedule, d, m, L.recompute, L.selective, shards, tuple(bounds))
+    mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, d, m, L.recompute, L.selective, shards,
+            tuple(bounds))
     cached = times._cache.get(mkey)
     for s in range(d):
         lo, hi = bounds[s], bounds[s + 1]
@@ -299,7 +305,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         params = stage_params(costs, lo, hi, P)
         mem, peak = cached[s] if cached else stage_memory(
             costs, lo, hi, L.schedule, d, m, s, setup.dtype, setup.optimizer, L.recompute, P,
-            L.selective, shards, setup.compensation, logits)
+            L.selective, shards, setup.compensation, logits, L.grad_buffers)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)

@@ -21,7 +21,7 @@ bound never exceeds the prediction, so the result equals exhaustive simulation
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_2bw.config import RANK_ORDERS, ModelConfig
 from megatron_2bw.config import num_microbatches as config_microbatches
@@ -137,6 +137,16 @@ def _options(recompute, distributed_optimizer, sequence_parallel, t: int, w: int
                 yield rc, do, sp
 
 
+def _one_buffer(setup, layout, times, topology, two):
+    """The layout in the one-gradient-buffer mode (--2bw-grad-buffers 1) when its two buffers
+    do not fit: it can only fit with fewer bytes, at the price its own table simulates (the
+    stage waits for N(t) before batch t+1's first backward), so it is tried only here and the
+    search's work grows only by the layouts that are over memory."""
+    plan = stage_plan(setup, replace(layout, grad_buffers=1), times, topology)
+    plan.two_buffer_memory = two.max_memory
+    return plan
+
+
 def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            schedules=SCHEDULES, dtype: str = "fp32", optimizer: str = "adam",
            recompute=RECOMPUTE, tensor_sizes=None, micro_batches=None,
@@ -144,8 +154,10 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            arch: str = "gpt", pipeline_sizes=None, data_sizes=None,
            num_microbatches=None, distributed_optimizer=(False, True),
            sequence_parallel=(False, True), compensation: str = NO_COMPENSATION,
-           group=None, grad_reduce_bytes: float = 4.0) -> SearchResult:
-    """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce).
+           group=None, grad_reduce_bytes: float = 4.0,
+           one_buffer: bool = True) -> SearchResult:
+    """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
+    try a 2BW layout whose two gradient buffers do not fit with one (False: two only).
     `group(layout) -> key`, when given, also finds the best layout of every group (in
     `best_by`, as a search restricted to that group would; `smallest_by` for the footprints)
     within the same branch and bound: no second search."""
@@ -164,6 +176,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
                                     sequence_parallel):
         considered += 1
         plan = stage_plan(setup, layout, times, topology)
+        if one_buffer and plan.max_memory > usable and 1 in layout.kind.grad_buffers_choices[1:]:
+            plan = _one_buffer(setup, layout, times, topology, plan)
         smallest = min(smallest, plan.max_memory)
         g = group(layout) if group else None
         if group:

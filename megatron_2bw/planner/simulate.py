@@ -59,21 +59,23 @@ class Estimate:
                 "recompute": L.recompute, "recompute_granularity": L.recompute_name,
                 "distributed_optimizer": L.distributed_optimizer,
                 "sequence_parallel": L.sequence_parallel, "rank_order": L.rank_order,
+                "grad_buffers": L.kind.grad_buffers,
                 "partition": self.plan.bounds, "time_per_batch_s": self.time_per_batch,
                 "samples_per_s": self.samples_per_s, "bubble": self.bubble,
                 "memory_gb_per_stage": [round(x, 4) for x in self.memory_gb],
                 "peak_in_flight": self.plan.peak_in_flight, "source": self.source}
 
 
-_SCHEDULES: dict = {}  # (schedule, d, m, batches) -> Schedule: its table is generated once
+_SCHEDULES: dict = {}  # (kind, d, m, batches) -> Schedule: its table is generated once
 
 
-def _schedule(name: str, d: int, m: int, num_batches: int):
-    key = (name, d, m, num_batches)
+def _schedule(kind, d: int, m: int, num_batches: int):
+    """`kind`: a name or a ScheduleKind (a one-buffer 2BW has its own table)."""
+    key = (kind, d, m, num_batches)
     if key not in _SCHEDULES:
         if len(_SCHEDULES) > 256:
             _SCHEDULES.clear()
-        _SCHEDULES[key] = make_schedule(name, d, m, num_batches)
+        _SCHEDULES[key] = make_schedule(kind, d, m, num_batches)
     return _SCHEDULES[key]
 
 
@@ -81,7 +83,7 @@ def run_segment(plan: StagePlan, num_batches: int, m: int | None = None) -> SimR
     """Simulate `num_batches` batches of the layout's schedule with its durations."""
     L = plan.layout
     dur, comm = plan.durations()
-    sched = _schedule(L.schedule, L.pipeline, m or L.num_microbatches, num_batches)
+    sched = _schedule(L.kind, L.pipeline, m or L.num_microbatches, num_batches)
     return simulate(sched, dur, comm)
 
 

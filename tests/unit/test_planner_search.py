@@ -46,6 +46,9 @@ def _exhaustive(model, topo, prof, batch, dtype):
     best = None
     for layout in enumerate_layouts(model, topo, batch):
         plan = stage_plan(setup, layout, times, topo)
+        if plan.max_memory > topo.usable_memory_gb * GB and layout.schedule == "2bw":
+            layout = replace(layout, grad_buffers=1)  # two buffers over memory: try one
+            plan = stage_plan(setup, layout, times, topo)
         if plan.max_memory > topo.usable_memory_gb * GB:
             continue
         est = predict(plan, full=True)
@@ -300,16 +303,24 @@ def test_plan_without_replicas_says_there_is_nothing_to_shard():
 
 def test_the_planner_turns_on_the_distributed_optimizer_and_recomputation_when_they_fit_it():
     """GPT 1.3B, bf16 2BW at d=2 w=2 on 18 GB GPUs: without the distributed optimizer nothing
-    fits, even with full recomputation; with it, full recomputation fits and is chosen."""
+    fits, even with full recomputation; with it, full recomputation fits and is chosen (two
+    gradient buffers). With the one-buffer mode allowed (issue 32 point 3) the 4 bytes per
+    parameter it frees let the distributed optimizer run without recomputation, which is faster."""
     topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=18)
     args = (named_model("gpt-1.3b"), topo, AnalyticProfile(), 64)
-    kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,))
+    kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,),
+              one_buffer=False)
     with pytest.raises(PlanError, match="does not fit"):
         search(*args, distributed_optimizer=(False,), **kw)
-    L = search(*args, **kw).best.layout
-    assert (L.data, L.distributed_optimizer, L.recompute) == (2, True, True)
+    two = search(*args, **kw).best
+    L = two.layout
+    assert (L.data, L.distributed_optimizer, L.recompute, L.grad_buffers) == (2, True, True, None)
     with pytest.raises(PlanError, match="does not fit"):
         search(*args, recompute=(False, "selective"), **kw)
+    one = search(*args, **dict(kw, one_buffer=True)).best
+    L = one.layout
+    assert (L.data, L.distributed_optimizer, L.recompute, L.grad_buffers) == (2, True, False, 1)
+    assert one.time_per_batch < two.time_per_batch
 
 
 def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
