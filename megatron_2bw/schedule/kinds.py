@@ -196,7 +196,7 @@ class TwoBW(Flush):
         if g not in self.grad_buffers_choices:
             raise ValueError(f"--2bw-grad-buffers must be one of "
                              f"{', '.join(map(str, self.grad_buffers_choices))}, got {g}")
-        return _ONE_BUFFER_2BW
+        return _ONE_BUFFER_2BW if g == 1 else schedule_kind(self.name)  # (the variant asked: 2)
 
 
 class TwoBWOneBuffer(TwoBW):

@@ -35,6 +35,7 @@ def test_the_kinds_say_how_many_gradient_buffers():
     assert schedule_kind_of("2bw", 2) is TWO_BW and schedule_kind_of("flush", 1).grad_buffers == 1
     assert isinstance(ONE, TwoBWOneBuffer) and ONE is schedule_kind_of("2bw", 1)
     assert ONE.name == "2bw" and ONE.num_slots == 2 and ONE.grad_buffers == 1
+    assert ONE.with_grad_buffers(2) is TWO_BW and ONE.with_grad_buffers(1) is ONE
     assert [ONE.grad_buffer_of_batch(t) for t in range(4)] == [0, 0, 0, 0]
     assert [TWO_BW.grad_buffer_of_batch(t) for t in range(4)] == [0, 1, 0, 1]
     # same versions and steps as 2BW: only the table's placement of S differs
