@@ -7,7 +7,8 @@ import pytest
 from megatron_2bw.schedule import CommLayout
 from megatron_2bw.schedule.actions import header_period, is_header, shape_mode
 from megatron_2bw.schedule.kinds import schedule_kind
-from test_nccl_order import _model_log, _schedule, _Stage
+from test_nccl_order import _schedule
+from test_nccl_order_interpreter import _model_log, _Stage
 
 
 def test_fixed_shapes_send_no_header_and_the_modes_are_named():
