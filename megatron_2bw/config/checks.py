@@ -11,6 +11,7 @@ from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FA
                                          PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
                                          RECOMPUTE_METHODS, SCHEDULES, ConfigError)
 from megatron_2bw.pipeline.compensation import compensation_error
+from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_kind_of
 
 
@@ -192,6 +193,12 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(f"--min-loss-scale must be > 0, got {pr.min_loss_scale}")
     if pr.max_skipped_steps is not None and pr.max_skipped_steps < 0:
         _fail(f"--max-skipped-steps must be >= 0 (0: no limit), got {pr.max_skipped_steps}")
+    if pr.grad_accumulation not in GRAD_ACCUMULATIONS:
+        _fail(f"unknown --grad-accumulation {pr.grad_accumulation!r}: use one of "
+              f"{', '.join(GRAD_ACCUMULATIONS)}")
+    if pr.grad_accumulation == "buffer" and pr.dtype == "fp32":
+        _fail("--grad-accumulation buffer keeps a bf16/fp16 gradient buffer, and fp32 runs "
+              "accumulate in fp32 already: add --bf16 or --fp16, or drop the flag")
     return cfg
 
 

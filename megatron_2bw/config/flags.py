@@ -8,10 +8,11 @@ from dataclasses import replace
 from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
                                  RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config,
                                  ConfigError, ModelConfig, OptimizerConfig, ParallelConfig,
-                                 PrecisionConfig, TrainConfig)
+                                 TrainConfig)
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.config.compat import refusals
 from megatron_2bw.config.log_flags import add_observability_args
+from megatron_2bw.config.precision_flags import add_precision_args, precision_from_args
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
@@ -220,20 +221,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--no-tf32", dest="tf32", action="store_false",
-                   help="on CUDA keep fp32 matmuls and convolutions in IEEE fp32 (default: TF32 "
-                        "tensor cores, as the pretrain scripts set on Ampere and newer)")
-    g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--max-skipped-steps", type=int, default=None,
-                   help="fp16: end the run with an error after this many consecutive skipped "
-                        "(overflowing) steps; 0: no limit (default: the skips the loss scale "
-                        "needs to fall from --initial-loss-scale to --min-loss-scale, plus 10)")
+    add_precision_args(g)
     g.add_argument("--train-samples", type=int, default=None,
                    help="alternative to --train-iters: samples / global batch size iterations")
     add_ramp_args(g)
@@ -326,11 +314,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         lr_decay_samples=getattr(args, "lr_decay_samples", None),
         decoupled_lr=getattr(args, "decoupled_lr", None),
         decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
-    precision = PrecisionConfig(
-        dtype="fp16" if args.fp16 else ("bf16" if args.bf16 else "fp32"),
-        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis, max_skipped_steps=args.max_skipped_steps, tf32=args.tf32)
+    precision = precision_from_args(args)
     train = TrainConfig(
         train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,

@@ -184,6 +184,9 @@ class PrecisionConfig:
     hysteresis: int = 2
     max_skipped_steps: int | None = None  # fp16: end the run after this many skips in a row
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions on TF32 tensor cores (--no-tf32: off)
+    # bf16/fp16: how backward's gradients reach the fp32 buffer (pipeline/weights.py): "fp32"
+    # through per-parameter hooks, "buffer" through a stage-sized low-precision buffer
+    grad_accumulation: str = "fp32"
 
     def skip_limit(self) -> int:
         """The most consecutive skipped fp16 steps a run may take (0: no limit). By default the

@@ -33,8 +33,15 @@ compensation writes a prediction there, pipeline/compensation.py); then `master`
 stage-sized fp32 buffer holding the real weights, the only extra memory of that method.
 
 Gradients: fp32 runs accumulate straight into `grads[k]` (the parameters' `.grad` are views of
-it). bf16/fp16 runs accumulate one microbatch in the low-precision `model_grad` buffer and the
-engine folds it into the fp32 `grads[k]` after each backward (one flat add, no per-parameter work).
+it). bf16/fp16 runs (`grad_accumulation`, --grad-accumulation): "fp32" (the default, Megatron's
+`main_grad`): a parameter's `.grad` is None between backwards; autograd hands each parameter its
+low-precision gradient as it computes it, and a post-accumulate hook of the parameter adds it into
+its view of the fp32 `grads[k]` and drops it, so a low-precision gradient lives only while its
+parameter's hook runs (no stage-sized low-precision buffer). "buffer": backward accumulates one
+microbatch in the low-precision `model_grad` buffer (the parameters' `.grad` are views of it) and
+the engine folds it into the fp32 `grads[k]` after each backward (one flat add, no per-parameter
+work, 2 bytes per parameter more). Both add the same low-precision gradient into fp32: the
+results are bitwise equal.
 `grad_buffers` g (the schedule kind's, `kinds.py`): the fp32 buffers behind `grads` (indexed by
 slot). g = num_slots (the default): one per slot, and `losses[k]` is the loss element of
 `grads[k]`'s tail. g = 1 under 2BW (`--2bw-grad-buffers 1`): `grads[0]` and `grads[1]` are one
@@ -61,7 +68,7 @@ import torch
 from torch import nn
 
 from megatron_2bw.optim.shard_layout import ShardLayout
-from megatron_2bw.pipeline.flag_names import TAIL  # loss, then one slot per control flag
+from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS, TAIL  # TAIL: loss, then flags
 
 
 def _group(p: nn.Parameter, tied: dict) -> int:
@@ -92,16 +99,29 @@ def _merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _into_fp32(main: torch.Tensor):
+    """The post-accumulate hook of a bf16/fp16 parameter: its gradient into its fp32 view, then
+    dropped (autograd gives the next backward a fresh one)."""
+    def hook(p: nn.Parameter) -> None:
+        main.add_(p.grad)
+        p.grad = None
+    return hook
+
+
 class VersionedWeights:
     def __init__(self, module: nn.Module, num_slots: int, dtype: str, device,
                  tied: dict[str, nn.Parameter] | None = None, shard_count: int = 1,
                  shard_rank: int = 0, split_tied: bool = False, separate_master: bool = False,
-                 grad_buffers: int | None = None):
+                 grad_buffers: int | None = None, grad_accumulation: str = "fp32"):
         """`shard_count`/`shard_rank`: the data-parallel size and rank of a distributed optimizer
         (1/0: none); `split_tied`: the tied weight is a region of its own (a stage holding one
         copy of a cross-stage tied weight, see shards.py); `separate_master`: keep an fp32 master
         in fp32 runs too (a 2BW compensation whose slots hold predictions, compensation.py);
-        `grad_buffers`: fp32 gradient buffers (None: one per slot; see the module docstring)."""
+        `grad_buffers`: fp32 gradient buffers (None: one per slot; see the module docstring);
+        `grad_accumulation`: "fp32" or "buffer", how bf16/fp16 gradients reach them (ditto)."""
+        if grad_accumulation not in GRAD_ACCUMULATIONS:
+            raise ValueError(f"grad_accumulation must be one of {GRAD_ACCUMULATIONS}, got "
+                             f"{grad_accumulation!r}")
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device)
         self.num_slots = num_slots
@@ -151,15 +171,25 @@ class VersionedWeights:
         self.losses = [torch.zeros(1, dtype=torch.float32, device=self.device)
                        if self.separate_losses else b[self.numel:self.numel + 1]
                        for b in self.grads]
+        buffered = mixed and grad_accumulation == "buffer"
         self.model_grad = torch.zeros(self.numel, dtype=self.dtype, device=self.device) \
-            if mixed else None
+            if buffered else None
+        hooked = mixed and not buffered  # fp32 accumulation through per-parameter hooks
 
         module.to(self.device)
-        views = [[self._view_param(self.slots[k], self.model_grad if mixed else self.grads[k], i)
+        grad_flats = [self.model_grad if buffered else (None if hooked else self.grads[k])
+                      for k in range(num_slots)]
+        views = [[self._view_param(self.slots[k], grad_flats[k], i)
                   for i in range(len(params))] for k in range(num_slots)]
         self._install(module, params, views[0])
         self.modules = [module] + [copy.deepcopy(module, {id(a): b for a, b in zip(views[0], v)})
                                    for v in views[1:]]
+        if hooked:
+            for k in range(num_slots):
+                for i, p in enumerate(views[k]):
+                    o, shape = self.offsets[i], self.shapes[i]
+                    main = self.grads[k][o:o + shape.numel()].view(shape)
+                    p.register_post_accumulate_grad_hook(_into_fp32(main))
 
     # -- construction helpers ---------------------------------------------------------------------
     @staticmethod
@@ -168,11 +198,12 @@ class VersionedWeights:
         named.sort(key=lambda item: _group(item[1], tied))  # stable within each group
         return [p for _, p in named], [n for n, _ in named]
 
-    def _view_param(self, flat: torch.Tensor, grad_flat: torch.Tensor, i: int) -> nn.Parameter:
+    def _view_param(self, flat: torch.Tensor, grad_flat, i: int) -> nn.Parameter:
         o, shape = self.offsets[i], self.shapes[i]
         n = shape.numel()
         p = nn.Parameter(flat[o:o + n].view(shape))
-        p.grad = grad_flat[o:o + n].view(shape)
+        if grad_flat is not None:  # None: the fp32 hook's parameters keep no .grad
+            p.grad = grad_flat[o:o + n].view(shape)
         p.partition_dim = self.partition_dims[i]
         p.sequence_parallel = self.sequence_parallel[i]
         p.tensor_model_parallel = p.partition_dim is not None

@@ -159,7 +159,8 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
                       rank_orders=_only(cfg, "parallel.rank_order") or RANK_ORDERS,
                       top_k=top_k, arch=cfg.model.family, compensation=cfg.compensation,
                       # a given --2bw-grad-buffers 2 keeps two: no one-buffer fallback
-                      one_buffer=cfg.grad_buffers in (None, 1))
+                      one_buffer=cfg.grad_buffers in (None, 1),
+                      grad_accumulation=cfg.precision.grad_accumulation)
     except PlanError as e:
         fixed = [f.source for f in cfg.fixed
                  if f.path in PLANNED + ("batch.global_batch_size",)]

@@ -118,6 +118,7 @@ class Setup:
     # buffers (4); Megatron-LM of 2020, which the PipeDream-2BW paper ran, reduced the fp16
     # gradients unless --fp32-allreduce (2: bench/paper_table.py)
     grad_reduce_bytes: float = 4.0
+    grad_accumulation: str = "fp32"  # --grad-accumulation (memory: `state_bytes`)
 
 
 # ---- the plan of one layout ------------------------------------------------------------------
@@ -305,7 +306,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         params = stage_params(costs, lo, hi, P)
         mem, peak = cached[s] if cached else stage_memory(
             costs, lo, hi, L.schedule, d, m, s, setup.dtype, setup.optimizer, L.recompute, P,
-            L.selective, shards, setup.compensation, logits, L.grad_buffers)
+            L.selective, shards, setup.compensation, logits, L.grad_buffers,
+            setup.grad_accumulation)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)

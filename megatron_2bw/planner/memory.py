@@ -17,14 +17,16 @@ OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
 
 def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam",
                 shards: int = 1, tied: int = 0, compensation: str = NO_COMPENSATION,
-                grad_buffers: int | None = None) -> dict:
+                grad_buffers: int | None = None, grad_accumulation: str = "fp32") -> dict:
     """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
     the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
     which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
     hold predictions keeps an fp32 master in fp32 runs too, sharded like the bf16/fp16 one; one
     that keeps the latest gradient adds one fp32 copy to the optimizer state, sharded like it);
     `grad_buffers`: fp32 gradient buffers (None: one per slot; fewer, a one-buffer 2BW, keeps
-    each slot's loss in one fp32 element of its own: pipeline/weights.py)."""
+    each slot's loss in one fp32 element of its own: pipeline/weights.py); `grad_accumulation`:
+    --grad-accumulation (bf16/fp16 "buffer" keeps a low-precision gradient of the stage; "fp32"
+    none: each parameter's exists only while its hook adds it into fp32, as in Megatron)."""
     p = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
     n = padded_numel(params, tied, shards) if shards > 1 else params
@@ -33,7 +35,7 @@ def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam"
     return {"weights": num_slots * n * p,
             "master": shard * 4 if keeps_master(dtype, compensation) else 0,
             "grads": g * (n + TAIL) * 4 + (num_slots * 4 if g < num_slots else 0),
-            "model_grad": n * p if mixed else 0,
+            "model_grad": n * p if mixed and grad_accumulation == "buffer" else 0,
             "optimizer": (OPTIMIZER_COPIES[optimizer]
                           + compensation_method(compensation).keeps_grad) * shard * 4}
 
@@ -95,7 +97,8 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
                  dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
                  selective: bool = False, shards: int = 1,
                  compensation: str = NO_COMPENSATION,
-                 logits_bytes: float = 0.0, grad_buffers: int | None = None) -> tuple[dict, int]:
+                 logits_bytes: float = 0.0, grad_buffers: int | None = None,
+                 grad_accumulation: str = "fp32") -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
     "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
     layout's sequence parallelism; `shards` is w with the distributed optimizer.
@@ -107,10 +110,11 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     GPipe ran, the same). The fp32 logits beside it exist only while one microbatch's loss is
     computed: one more copy, once (1F1B schedules run that backward right after the forward;
     their transient is left out as it was). `grad_buffers`: --2bw-grad-buffers (None: the
-    kind's)."""
+    kind's); `grad_accumulation`: --grad-accumulation (`state_bytes`)."""
     kind = schedule_kind_of(schedule, grad_buffers)
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
-                      shards, stage_tied(costs, lo, hi, d), compensation, kind.grad_buffers)
+                      shards, stage_tied(costs, lo, hi, d), compensation, kind.grad_buffers,
+                      grad_accumulation)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
     if kind.stashes_logits and hi == len(costs):
         extra += logits_bytes  # the fp32 logits beside the kept softmax: one microbatch's, once

@@ -117,3 +117,31 @@ def test_low_precision_folds_into_the_one_buffer_bitwise_like_two(precision):
         assert out["one"] == out["two"]
         for a, b in zip(newest_weights(f"{d}/two"), newest_weights(f"{d}/one")):
             assert torch.equal(a["newest"], b["newest"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,w,method,distributed", [
+    (d, w, method, dist) for d in (2, 4) for w in (1, 2)
+    for method in ("none", "predict", "predict-spike", "predict-nesterov")
+    for dist in ((False, True) if w > 1 else (False,))])
+def test_one_buffer_equivalence_matrix(d, w, method, distributed):
+    """Issue 32 acceptance: the one-buffer mode at the existing matrix's layouts (d 2/4, w 1/2),
+    every compensation method, with and without the distributed optimizer (fp32, rtol 1e-5)."""
+    extra = ("--2bw-compensation", method) + (("--use-distributed-optimizer",)
+                                             if distributed else ())
+    cfg, _ = parse(flags(d, w, *extra))
+    rep = run(cfg, timeout_minutes=1, engine_class=OneBufferEngine)
+    assert rep.passed(1e-5), rep
+    assert rep.clipped_steps > 0 and rep.tied_equal and rep.replicas_equal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t,d,w,extra", [
+    (2, 2, 1, ()), (2, 2, 2, ("--sequence-parallel",)),
+    (2, 2, 1, ("--recompute-granularity", "full", "--recompute-method", "uniform",
+               "--recompute-num-layers", "1"))], ids=["t2d2", "t2d2w2-sp", "t2d2-full-recompute"])
+def test_one_buffer_with_tensor_parallelism(t, d, w, extra):
+    cfg, _ = parse(flags(d, w, "--tensor-model-parallel-size", str(t), *extra))
+    rep = run(cfg, timeout_minutes=2, engine_class=OneBufferEngine)
+    assert rep.passed(1e-5), rep
+    assert rep.tied_equal and rep.replicas_equal and not rep.problems

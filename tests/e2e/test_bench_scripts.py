@@ -116,15 +116,17 @@ def test_memory_tiny_accounting_matches_the_planner_model(tmp_path):
 
 
 @pytest.mark.parametrize("run,precision,w", [
-    ("2bw", ["--bf16"], 2), pytest.param("2bw", ["--bf16"], 4, marks=pytest.mark.slow),
+    ("2bw", ["--bf16"], 2), ("flush", ["--bf16", "--grad-accumulation", "buffer"], 2),
+    pytest.param("2bw", ["--bf16"], 4, marks=pytest.mark.slow),
     pytest.param("2bw+predict", [], 2, marks=pytest.mark.slow)],
-    ids=["bf16-w2", "bf16-w4", "fp32-predict-w2"])
+    ids=["bf16-w2", "bf16-flush-w2-buffer", "bf16-w4", "fp32-predict-w2"])
 def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, run, precision,
                                                                        w):
     """2BW (bf16; fp32 with --2bw-compensation predict, whose master is sharded too) at w with
     and without --use-distributed-optimizer: every buffer equals the memory model's bytes, and
     master weights + optimizer state shrink to 1/w (exactly, up to the padding of each of the
-    stage's at most two regions to a multiple of w)."""
+    stage's at most two regions to a multiple of w). bf16 keeps a low-precision gradient
+    buffer only with --grad-accumulation buffer (issue 32: by default backward adds into fp32)."""
     out = _run(["bench/memory.py", "--tiny", "--schedules", run, "--data-parallel-size", str(w),
                 *precision, "--distributed-optimizer", "both", "--json", tmp_path / "m.json"])
     data = json.loads((tmp_path / "m.json").read_text())
@@ -135,6 +137,8 @@ def test_memory_tiny_distributed_optimizer_holds_one_wth_of_the_state(tmp_path, 
         for s in r["stages"]:
             for key in ("weights", "master", "grads", "model_grad", "optimizer"):
                 assert s[key] == s["model"][key], (dist, s["stage"], key)
+            assert (s["model_grad"] >= 2 * s["params"]) == ("buffer" in precision) and \
+                (s["model_grad"] == 0) == ("buffer" not in precision), (dist, s["stage"])
     for sharded, whole in zip(rows[True]["stages"], rows[False]["stages"]):
         for key, per_element in (("master", 4), ("optimizer", 8)):  # fp32; Adam's two moments
             padding = (sharded[key] * w - whole[key]) // per_element

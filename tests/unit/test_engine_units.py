@@ -84,7 +84,7 @@ def test_versions_are_views_switched_without_copies():
 
 def test_bf16_weights_keep_fp32_master_and_fold_grads():
     m = _model()
-    w = VersionedWeights(m, 2, "bf16", "cpu", tied=m.tied)
+    w = VersionedWeights(m, 2, "bf16", "cpu", tied=m.tied, grad_accumulation="buffer")
     assert w.master.dtype == torch.float32 and w.slots[0].dtype == torch.bfloat16
     w.model_grad.fill_(1.0)
     w.fold_model_grad(1)

@@ -305,11 +305,13 @@ def test_the_planner_turns_on_the_distributed_optimizer_and_recomputation_when_t
     """GPT 1.3B, bf16 2BW at d=2 w=2 on 18 GB GPUs: without the distributed optimizer nothing
     fits, even with full recomputation; with it, full recomputation fits and is chosen (two
     gradient buffers). With the one-buffer mode allowed (issue 32 point 3) the 4 bytes per
-    parameter it frees let the distributed optimizer run without recomputation, which is faster."""
+    parameter it frees let the distributed optimizer run without recomputation, which is faster.
+    All of that with the low-precision gradient buffer (--grad-accumulation buffer); without it
+    (the default fp32 accumulation) its 2 bytes per parameter are enough for that with two."""
     topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=18)
     args = (named_model("gpt-1.3b"), topo, AnalyticProfile(), 64)
     kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,),
-              one_buffer=False)
+              one_buffer=False, grad_accumulation="buffer")
     with pytest.raises(PlanError, match="does not fit"):
         search(*args, distributed_optimizer=(False,), **kw)
     two = search(*args, **kw).best
@@ -321,6 +323,9 @@ def test_the_planner_turns_on_the_distributed_optimizer_and_recomputation_when_t
     L = one.layout
     assert (L.data, L.distributed_optimizer, L.recompute, L.grad_buffers) == (2, True, False, 1)
     assert one.time_per_batch < two.time_per_batch
+    hooked = search(*args, **dict(kw, grad_accumulation="fp32")).best
+    L = hooked.layout
+    assert (L.data, L.distributed_optimizer, L.recompute, L.grad_buffers) == (2, True, False, None)
 
 
 def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
