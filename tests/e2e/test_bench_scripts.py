@@ -395,3 +395,14 @@ def test_memory_tiny_one_gradient_buffer_matches_the_planner_model(tmp_path):
             assert s[key] == s["model"][key], (s["stage"], key)
         assert s["versions"] == 2 and s["weights"] == 2 * 4 * s["params"]
         assert s["grads"] == (s["params"] + TAIL) * 4 + 2 * 4
+
+
+def test_grad_accumulation_tiny_both_modes_train_bitwise_alike(tmp_path):
+    """Issue 32 point 2: bench/grad_accumulation.py times bf16 --grad-accumulation fp32 against
+    buffer side by side and checks their losses are bitwise equal on every batch."""
+    out = _run(["bench/grad_accumulation.py", "--tiny", "--shapes", "small", "--json",
+                tmp_path / "g.json"])
+    rows = json.loads((tmp_path / "g.json").read_text())["results"]["small"]["rows"]
+    assert {r["schedule"] for r in rows} == {"2bw", "flush"}
+    assert all(r["losses_equal"] and r["fp32"] > 0 and r["buffer"] > 0 for r in rows)
+    assert out.count("bitwise equal") == 2

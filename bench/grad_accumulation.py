@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""bf16 training with --grad-accumulation fp32 (the default: each parameter's gradient added into
+the fp32 buffer by its post-accumulate hook, Megatron's main_grad) vs --grad-accumulation buffer
+(a stage-sized bf16 gradient folded into fp32 by one flat add per microbatch), side by side.
+
+    python bench/grad_accumulation.py                  # both shapes below, 2bw and flush, 7 rounds
+    python bench/grad_accumulation.py --shapes small --repeats 9 --json ga.json
+
+Shapes (GPT, d=1, one spawned process, one thread, mock data, Adam, clipping at 1.0):
+    default  4 layers, hidden 256, seq 64, micro batch 4, m 8 (bench/overhead.py's)
+    small    2 layers, hidden 64, seq 32, micro batch 1, m 8: tiny microbatches, where one hook
+             call per parameter and microbatch weighs most against the one flat add
+
+For each shape the engines of every (schedule, mode) are built once and timed `--batches`
+batches at a time, interleaved and rotated, for `--repeats` rounds; the table shows median
+samples/s and the paired ratio fp32/buffer (median of the per-round ratios, with its 95%
+interval). Both modes give bitwise the same losses (checked on every batch: the numbers do not
+depend on the mode, only the memory: 2 bytes per parameter more for the buffer).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+from overhead import make_config  # noqa: E402
+
+SHAPES = {"default": dict(layers=4, hidden=256, heads=4, seq=64, vocab=2048, micro=4, m=8),
+          "small": dict(layers=2, hidden=64, heads=4, seq=32, vocab=2048, micro=1, m=8)}
+MODES = ("fp32", "buffer")
+
+
+def _engine(spec: dict, schedule: str, mode: str):
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
+    cfg = make_config(spec, schedule)
+    cfg = cfg.replace(precision={"dtype": "bf16", "grad_accumulation": mode}).validate(1)
+    return build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu"), mock_batches(cfg, 1, 0)
+
+
+def run(rank, world, spec, names):
+    C.framework_warmup()
+    runners = {n: _engine(spec, *n.split(":")) for n in names}
+    losses = {n: [] for n in names}
+    times = {n: [] for n in names}
+    for n, (engine, it) in runners.items():
+        losses[n] += [float(engine.train_batch(it)) for _ in range(spec["warmup"])]
+    for rep in range(spec["repeats"]):
+        k = rep % len(names)
+        for n in names[k:] + names[:k]:
+            engine, it = runners[n]
+            t0 = time.perf_counter()
+            out = [engine.train_batch(it) for _ in range(spec["batches"])]
+            times[n].append(time.perf_counter() - t0)
+            losses[n] += [float(x) for x in out]
+    return {"times": times, "losses": losses}
+
+
+def summarize(spec: dict, res: dict, schedules) -> dict:
+    samples = spec["micro"] * spec["m"] * spec["batches"]
+    out = {n: {"samples_per_s_runs": [samples / t for t in ts]} for n, ts in res["times"].items()}
+    for e in out.values():
+        e["samples_per_s"] = C.median(e["samples_per_s_runs"])
+    rows = []
+    for s in schedules:
+        a, b = f"{s}:fp32", f"{s}:buffer"
+        rows.append({"schedule": s, "fp32": out[a]["samples_per_s"],
+                     "buffer": out[b]["samples_per_s"], "ratio": C.paired(out, a, b),
+                     "interval": C.paired_interval(out, a, b),
+                     "losses_equal": res["losses"][a] == res["losses"][b]})
+    return {"spec": spec, "rows": rows}
+
+
+def format_summary(name: str, summary: dict) -> str:
+    spec = summary["spec"]
+    rows = [[r["schedule"], f"{r['fp32']:.2f}", f"{r['buffer']:.2f}",
+             C.with_interval(r["ratio"], r["interval"]),
+             "bitwise equal" if r["losses_equal"] else "DIFFER"] for r in summary["rows"]]
+    return "\n".join([
+        f"{name}: GPT layers={spec['layers']} hidden={spec['hidden']} seq={spec['seq']} "
+        f"micro-batch={spec['micro']} m={spec['m']} bf16, d=1, 1 thread; {spec['repeats']} "
+        f"interleaved rounds of {spec['batches']} batches",
+        C.table(["schedule", "fp32 samples/s", "buffer samples/s", "fp32 / buffer (paired)",
+                 "losses"], rows)])
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="default,small",
+                   help=f"comma-separated subset of {','.join(SHAPES)}")
+    p.add_argument("--schedules", default="2bw,flush")
+    p.add_argument("--warmup-batches", type=int, default=2)
+    p.add_argument("--batches", type=int, default=4, help="timed batches per round")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", default=None)
+    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tests)")
+    args = p.parse_args(argv)
+    args.shape_names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    args.schedule_names = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    bad = [s for s in args.shape_names if s not in SHAPES]
+    if bad:
+        p.error(f"unknown shape(s) {', '.join(bad)}: use {', '.join(SHAPES)}")
+    from megatron_2bw.schedule.kinds import schedule_names
+    bad = [s for s in args.schedule_names if s not in schedule_names()]
+    if bad:
+        p.error(f"unknown schedule(s) {', '.join(bad)}: use {', '.join(schedule_names())}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    print(f"# bench/grad_accumulation.py  {C.stamp()}\n# {C.command_line()}", flush=True)
+    results, ok = {}, True
+    for shape in args.shape_names:
+        spec = dict(SHAPES[shape], warmup=args.warmup_batches, batches=args.batches,
+                    repeats=args.repeats)
+        if args.tiny:
+            spec.update(layers=1, hidden=16, heads=2, seq=8, vocab=64, m=2, warmup=1,
+                        batches=1, repeats=2)
+        names = [f"{s}:{mode}" for s in args.schedule_names for mode in MODES]
+        res = C.run_spawned(run, 1, (spec, names), timeout=args.timeout)[0]
+        results[shape] = summarize(spec, res, args.schedule_names)
+        ok = ok and all(r["losses_equal"] for r in results[shape]["rows"])
+        print(format_summary(shape, results[shape]), flush=True)
+    if args.json:
+        C.write_json(args.json, {"date": C.stamp(), "command": C.command_line(),
+                                 "results": results})
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
