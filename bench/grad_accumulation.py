@@ -3,7 +3,7 @@
 the fp32 buffer by its post-accumulate hook, Megatron's main_grad) vs --grad-accumulation buffer
 (a stage-sized bf16 gradient folded into fp32 by one flat add per microbatch), side by side.
 
-    python bench/grad_accumulation.py                  # both shapes below, 2bw and flush, 7 rounds
+    python bench/grad_accumulation.py                  # both shapes, every schedule, 7 rounds
     python bench/grad_accumulation.py --shapes small --repeats 9 --json ga.json
 
 Shapes (GPT, d=1, one spawned process, one thread, mock data, Adam, clipping at 1.0):
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 from overhead import make_config  # noqa: E402
+from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
 
 SHAPES = {"default": dict(layers=4, hidden=256, heads=4, seq=64, vocab=2048, micro=4, m=8),
           "small": dict(layers=2, hidden=64, heads=4, seq=32, vocab=2048, micro=1, m=8)}
@@ -93,7 +94,7 @@ def parse(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="default,small",
                    help=f"comma-separated subset of {','.join(SHAPES)}")
-    p.add_argument("--schedules", default="2bw,flush")
+    p.add_argument("--schedules", default=",".join(schedule_names()))
     p.add_argument("--warmup-batches", type=int, default=2)
     p.add_argument("--batches", type=int, default=4, help="timed batches per round")
     p.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
@@ -106,7 +107,6 @@ def parse(argv=None):
     bad = [s for s in args.shape_names if s not in SHAPES]
     if bad:
         p.error(f"unknown shape(s) {', '.join(bad)}: use {', '.join(SHAPES)}")
-    from megatron_2bw.schedule.kinds import schedule_names
     bad = [s for s in args.schedule_names if s not in schedule_names()]
     if bad:
         p.error(f"unknown schedule(s) {', '.join(bad)}: use {', '.join(schedule_names())}")

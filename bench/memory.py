@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from memory_report import STATE, format_rows, targets  # noqa: E402
 from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
+from megatron_2bw.config.flags import grad_buffers_arg
 from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
 from megatron_2bw.schedule.kinds import (schedule_kind, schedule_kind_of,  # noqa: E402
                                          schedule_names)
@@ -187,7 +188,7 @@ def predict(spec: dict, schedule: str, m: int, stage: int, bounds: list, dist: b
     params = stage_params(costs, lo, hi)
     mem = state_bytes(params, kind.num_slots, spec["dtype"], "adam",
                       spec["w"] if dist else 1, stage_tied(costs, lo, hi, spec["d"]),
-                      cfg.compensation, kind.grad_buffers, spec["accumulate"])
+                      cfg.compensation, kind.grad_buffers_of(stage), spec["accumulate"])
     mem["params"] = params
     per_mb, extra = activation_bytes(costs, lo, hi, spec["recompute"], stage == spec["d"] - 1)
     peak = kind.in_flight(spec["d"], m, stage)
@@ -247,9 +248,10 @@ def parse(argv=None):
     p.add_argument("--batches", type=int, default=3, help="batches trained per run")
     p.add_argument("--recompute", action="store_true", help="recompute transformer layers")
     p.add_argument("--data-parallel-size", "-w", type=int, default=1)
-    p.add_argument("--2bw-grad-buffers", dest="grad_buffers", type=int, choices=(1, 2),
-                   default=None, help="fp32 gradient buffers per stage of the 2bw runs "
-                                      "(default: one per weight version)")
+    p.add_argument("--2bw-grad-buffers", dest="grad_buffers", type=grad_buffers_arg,
+                   choices=(1, 2, "first"), default=None,
+                   help="fp32 gradient buffers per stage of the 2bw runs (default: one per "
+                        "weight version; first: one on stage 0, two on the others)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--grad-accumulation", choices=GRAD_ACCUMULATIONS, default="fp32",

@@ -71,7 +71,7 @@ def run_ours(rank, world, spec, schedule):
     schedule, _, compensation = schedule.partition("+")  # 2bw+predict: a 2BW compensation
     schedule, _, buffers = schedule.partition("-g")  # 2bw-g1: --2bw-grad-buffers 1
     cfg = Config(schedule=schedule, compensation=compensation or "none",
-                 grad_buffers=int(buffers) if buffers else None,
+                 grad_buffers=(int(buffers) if buffers.isdigit() else buffers) or None,
                  parallel=ParallelConfig(pipeline=d),
                  batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m),
                  optimizer=OptimizerConfig(lr=spec["lr"], weight_decay=0.0, clip_grad=0.0),

@@ -18,7 +18,7 @@ once; the reference on one):
     ours-2bw-ds                        the same engine through its DeepSpeed API (the
                                        run_deepspeed script with `import megatron_2bw as
                                        deepspeed`), to compare both paths in one run
-    ours-2bw-g1                        2BW with one fp32 gradient buffer (--2bw-grad-buffers 1)
+    ours-2bw-g1, ours-2bw-gfirst       2BW, --2bw-grad-buffers 1 and first (pipeline/weights.py)
     ours-2bw+predict, ...+predict-spike  the same with --2bw-compensation, one run per method
                                        (their losses are checked on batches 0, 1: batch 2 runs
                                        on a prediction)
@@ -64,7 +64,7 @@ from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind, schedul
 OURS = tuple(f"ours-{s}" for s in schedule_names()) + tuple(
     f"ours-{s}+{m}" for s in schedule_names() if schedule_kind(s).delay == 1
     for m in method_names() if m != NONE) + tuple(
-    f"ours-{s}-g1" for s in schedule_names() if 1 in schedule_kind(s).grad_buffers_choices[1:])
+    f"ours-{s}-g{g}" for s in schedule_names() for g in schedule_kind(s).grad_buffers_choices[1:])
 DS_API = (f"ours-{DEFAULT_SCHEDULE}-ds",)  # our engine through its DeepSpeed API
 PEERS = ("deepspeed-1f1b", "torch-gpipe", "torch-1f1b")
 BOUNDS = ("single", "no-comm")
@@ -80,7 +80,7 @@ def schedule_of(name: str) -> str | None:
     if not name.startswith("ours-"):
         return None
     rest = name[len("ours-"):-len("-ds") if name.endswith("-ds") else None].partition("+")[0]
-    return rest.removesuffix("-g1")  # ours-2bw-g1: 2BW with one gradient buffer
+    return rest.partition("-g")[0]  # ours-2bw-g1: 2BW with --2bw-grad-buffers 1
 
 
 def method_of(name: str) -> str:
@@ -216,7 +216,7 @@ def targets(out: dict, best_peer, fb, d) -> list:
         res.append(("2bw through the DeepSpeed API >= 0.97 x the native engine (paired)",
                     C.with_interval(v, C.paired_interval(out, native, ours)), v >= 0.97))
     for name in OURS:  # a compensation's cost (issue 19), one gradient buffer's (32): under 3%
-        if ("+" in name or name.endswith("-g1")) and tb and rate(name):
+        if ("+" in name or name.startswith(f"{ours}-g")) and tb and rate(name):
             v = C.paired(out, name, ours)
             res.append((f"{name} >= 0.97 x 2bw (paired)",
                         C.with_interval(v, C.paired_interval(out, name, ours)), v >= 0.97))

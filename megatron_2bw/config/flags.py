@@ -16,7 +16,7 @@ from megatron_2bw.config.precision_flags import add_precision_args, precision_fr
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
-from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, default_schedule
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, FIRST_STAGE, default_schedule
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -165,10 +165,13 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "form; the optimizer keeps it: one more stage-sized fp32 buffer; "
                         "closest to GPipe at high constant lr; bench/README.md); "
                         "none = plain 2BW (docs/ARCHITECTURE.md section 1)")
-    g.add_argument("--2bw-grad-buffers", dest="grad_buffers", type=int, default=None,
+    g.add_argument("--2bw-grad-buffers", dest="grad_buffers", type=grad_buffers_arg,
+                   default=None,
                    help="2bw's fp32 gradient buffers per stage: 2 (default) = one per version; "
                         "1 = one stage-sized buffer less, S(t) before batch t+1's first backward "
-                        "(it waits for batch t's grad norm there); the same numbers either way")
+                        "(it waits for batch t's grad norm there); first = one on the first "
+                        "stage (the one with the most microbatches in flight, which posts the "
+                        "norm last: about no wait), two on the others; the same numbers always")
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -341,6 +344,17 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
                   precision=precision, train=train, schedule=schedule_of_args(args),
                   compensation=getattr(args, "compensation", NO_COMPENSATION),
                   grad_buffers=getattr(args, "grad_buffers", None))
+
+
+def grad_buffers_arg(value: str):
+    """--2bw-grad-buffers: an integer, or `first` (schedule/kinds.py FIRST_STAGE)."""
+    if value == FIRST_STAGE:
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 2, 1 or {FIRST_STAGE}, got {value!r}") \
+            from None
 
 
 def schedule_given(args) -> bool:

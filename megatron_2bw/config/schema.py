@@ -256,7 +256,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     schedule: str = DEFAULT_SCHEDULE
     compensation: str = NO_COMPENSATION  # 2BW staleness compensation (pipeline/compensation.py)
-    grad_buffers: int | None = None  # --2bw-grad-buffers: fp32 gradient buffers per stage
+    grad_buffers: int | str | None = None  # --2bw-grad-buffers: fp32 gradient buffers per stage
     # (schedule/kinds.py `with_grad_buffers`; None: the kind's own, one per weight version)
 
     fixed: tuple[Fixed, ...] = field(default=(), compare=False, repr=False)

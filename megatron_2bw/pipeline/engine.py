@@ -74,7 +74,7 @@ class PipelineEngine(Interpreter):
             shard_count=shards, shard_rank=grid.dp_rank if shards > 1 else 0,
             split_tied=grid.pipeline > 1,
             separate_master=compensation_method(cfg.compensation).separate_weights,
-            grad_buffers=self.kind.grad_buffers,
+            grad_buffers=self.kind.grad_buffers_of(self.stage),
             grad_accumulation=cfg.precision.grad_accumulation)
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)

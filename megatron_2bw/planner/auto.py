@@ -22,7 +22,7 @@ from megatron_2bw.planner.profile import AnalyticProfile, load_profile
 from megatron_2bw.planner.search import RECOMPUTE, SCHEDULES, SearchResult, search
 from megatron_2bw.planner.simulate import Estimate
 from megatron_2bw.planner.topology import GB, PlanError, resolve_topology
-from megatron_2bw.schedule.kinds import schedule_kind
+from megatron_2bw.schedule.kinds import FIRST_STAGE, schedule_kind
 
 TOPOLOGY_FLAGS = ("gpus_per_node", "gpu_memory_gb", "intra_node_bandwidth_gbps",
                   "inter_node_bandwidth_gbps", "intra_node_latency_us", "inter_node_latency_us")
@@ -103,14 +103,21 @@ def layout_flags(L) -> str:
 
 
 def grad_buffers_reason(est, topology) -> str:
-    """Why the chosen layout runs 2BW on one fp32 gradient buffer ('' when it does not): the
-    search falls back to it only for a layout whose two buffers do not fit (search.py)."""
-    if est.layout.grad_buffers != 1:
+    """Why the chosen layout runs 2BW on fewer fp32 gradient buffers ('' when it does not): the
+    search falls back to them only for a layout whose two buffers do not fit (search.py)."""
+    g = est.layout.grad_buffers
+    if g not in (1, FIRST_STAGE):
         return ""
-    return (f"one gradient buffer (--2bw-grad-buffers 1): two do not fit "
-            f"({est.plan.two_buffer_memory / GB:.3g} GB > {topology.usable_memory_gb:.3g} GB "
-            f"usable per GPU; one needs {est.plan.max_memory / GB:.3g} GB, and each stage waits "
-            "for its all-reduce before the next batch's first backward)")
+    why = (f"two do not fit ({est.plan.two_buffer_memory / GB:.3g} GB > "
+           f"{topology.usable_memory_gb:.3g} GB usable per GPU; ")
+    if g == FIRST_STAGE:
+        return (f"one gradient buffer on the first stage (--2bw-grad-buffers first): {why}"
+                f"so needs {est.plan.max_memory / GB:.3g} GB, and the first stage, which posts "
+                "the norm's all-reduce last, waits only for its latency before the next batch's "
+                "first backward)")
+    return (f"one gradient buffer (--2bw-grad-buffers 1): {why}one needs "
+            f"{est.plan.max_memory / GB:.3g} GB, and each stage waits for its all-reduce before "
+            "the next batch's first backward)")
 
 
 def planner_inputs(args, world_size: int):
@@ -159,7 +166,7 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
                       rank_orders=_only(cfg, "parallel.rank_order") or RANK_ORDERS,
                       top_k=top_k, arch=cfg.model.family, compensation=cfg.compensation,
                       # a given --2bw-grad-buffers 2 keeps two: no one-buffer fallback
-                      one_buffer=cfg.grad_buffers in (None, 1),
+                      one_buffer=cfg.grad_buffers in (None, 1, FIRST_STAGE),
                       grad_accumulation=cfg.precision.grad_accumulation)
     except PlanError as e:
         fixed = [f.source for f in cfg.fixed

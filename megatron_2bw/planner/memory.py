@@ -97,7 +97,7 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
                  dtype: str, optimizer: str, recompute: bool, prefix: dict | None = None,
                  selective: bool = False, shards: int = 1,
                  compensation: str = NO_COMPENSATION,
-                 logits_bytes: float = 0.0, grad_buffers: int | None = None,
+                 logits_bytes: float = 0.0, grad_buffers: int | str | None = None,
                  grad_accumulation: str = "fp32") -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
     "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
@@ -113,7 +113,8 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     kind's); `grad_accumulation`: --grad-accumulation (`state_bytes`)."""
     kind = schedule_kind_of(schedule, grad_buffers)
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
-                      shards, stage_tied(costs, lo, hi, d), compensation, kind.grad_buffers,
+                      shards, stage_tied(costs, lo, hi, d), compensation,
+                      kind.grad_buffers_of(stage),
                       grad_accumulation)
     per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
     if kind.stashes_logits and hi == len(costs):

@@ -30,7 +30,7 @@ from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.planner.cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology
-from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
+from megatron_2bw.schedule.kinds import FIRST_STAGE, schedule_kind, schedule_names
 
 SCHEDULES = schedule_names()
 TIE = 1e-5  # relative difference of two predictions that counts as a tie
@@ -137,13 +137,18 @@ def _options(recompute, distributed_optimizer, sequence_parallel, t: int, w: int
                 yield rc, do, sp
 
 
-def _one_buffer(setup, layout, times, topology, two):
-    """The layout in the one-gradient-buffer mode (--2bw-grad-buffers 1) when its two buffers
-    do not fit: it can only fit with fewer bytes, at the price its own table simulates (the
-    stage waits for N(t) before batch t+1's first backward), so it is tried only here and the
-    search's work grows only by the layouts that are over memory."""
-    plan = stage_plan(setup, replace(layout, grad_buffers=1), times, topology)
-    plan.two_buffer_memory = two.max_memory
+def _fewer_buffers(setup, layout, times, topology, two, usable):
+    """The layout with fewer fp32 gradient buffers when its two per stage do not fit: first one
+    on stage 0 only (--2bw-grad-buffers first: the stage with the most microbatches in flight,
+    at about no time), and if that does not fit either, one on every stage (1: each stage waits
+    for N(t) before batch t+1's first backward). At an equal layout neither is faster than two
+    (tests/unit/test_planner_grad_buffers.py), so they are tried only here and the search's work
+    grows only by the layouts that are over memory."""
+    for g in [c for c in layout.kind.grad_buffers_choices[1:] if c == FIRST_STAGE] + [1]:
+        plan = stage_plan(setup, replace(layout, grad_buffers=g), times, topology)
+        plan.two_buffer_memory = two.max_memory
+        if plan.max_memory <= usable:
+            break
     return plan
 
 
@@ -157,7 +162,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            group=None, grad_reduce_bytes: float = 4.0,
            one_buffer: bool = True, grad_accumulation: str = "fp32") -> SearchResult:
     """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
-    try a 2BW layout whose two gradient buffers do not fit with one (False: two only).
+    try a 2BW layout whose two gradient buffers do not fit with fewer (`_fewer_buffers`; False:
+    two only).
     `grad_accumulation`: --grad-accumulation (Setup's, the memory of bf16/fp16 gradients).
     `group(layout) -> key`, when given, also finds the best layout of every group (in
     `best_by`, as a search restricted to that group would; `smallest_by` for the footprints)
@@ -178,7 +184,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
         considered += 1
         plan = stage_plan(setup, layout, times, topology)
         if one_buffer and plan.max_memory > usable and 1 in layout.kind.grad_buffers_choices[1:]:
-            plan = _one_buffer(setup, layout, times, topology, plan)
+            plan = _fewer_buffers(setup, layout, times, topology, plan, usable)
         smallest = min(smallest, plan.max_memory)
         g = group(layout) if group else None
         if group:

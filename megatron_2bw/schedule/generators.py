@@ -121,6 +121,42 @@ def twobw(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     return out
 
 
+def _with_steps(base: list, m: int, t0: int, T: int, before=(), after=()) -> list:
+    """R/N/S into the 1F1B list `base`: R(t) right after B of batch t's last microbatch, N(t)
+    right after the next compute action, S(t) right before base[i] for each (i, t) of `before`
+    or right after the compute action base[i] for each (i, t) of `after` (a pending N first);
+    S(last) at the very end."""
+    before, after = dict(before), dict(after)
+    out, pending = [], []
+
+    def norms():
+        out.extend(N(t) for t in pending)
+        pending.clear()
+    for i, a in enumerate(base):
+        if i in before:
+            norms()
+            out.append(S(before[i]))
+        out.append(a)
+        if not a.is_compute:
+            continue
+        norms()
+        if a.kind == BACKWARD and (a.mb + 1) % m == 0:
+            out.append(R((a.mb + 1) // m - 1))
+            pending.append((a.mb + 1) // m - 1)
+        if i in after:
+            norms()
+            out.append(S(after[i]))
+    norms()
+    out.append(S(t0 + T - 1))
+    return out
+
+
+def _first_backwards(base: list, m: int, t0: int, T: int):
+    """(index in `base`, t) of B((t+1)m), the first backward of batch t+1, for t0 <= t < last."""
+    return [(i, a.mb // m - 1) for i, a in enumerate(base)
+            if a.kind == BACKWARD and a.mb % m == 0 and t0 <= a.mb // m - 1 < t0 + T - 1]
+
+
 def twobw_one_buffer(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     """2BW with one gradient buffer per stage: 1F1B over the whole segment as in `twobw`, R(t)
     right after B of the batch's last microbatch, but S(t) must consume and zero the buffer
@@ -131,30 +167,24 @@ def twobw_one_buffer(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     channel. The stage waits there for N(t)'s all-reduce (what the one buffer costs).
     S(last) at the very end."""
     base = one_f_one_b(s, d, list(range(t0 * m, (t0 + T) * m)), slot)
-    last = t0 + T - 1
     computes = [i for i, a in enumerate(base) if a.is_compute]
-    step_after = {}  # index of a compute action in `base` -> the batch whose S follows it
-    for j, i in enumerate(computes):
-        a = base[i]
-        if j and a.kind == BACKWARD and a.mb % m == 0 and t0 <= a.mb // m - 1 < last:
-            step_after[computes[j - 1]] = a.mb // m - 1
-    out, pending = [], []
-    for i, a in enumerate(base):
-        out.append(a)
-        if not a.is_compute:
-            continue
-        out += [N(t) for t in pending]
-        pending = []
-        if a.kind == BACKWARD and (a.mb + 1) % m == 0:
-            out.append(R((a.mb + 1) // m - 1))
-            pending.append((a.mb + 1) // m - 1)
-        if i in step_after:
-            out += [N(t) for t in pending]
-            pending = []
-            out.append(S(step_after[i]))
-    out += [N(t) for t in pending]
-    out.append(S(last))
-    return out
+    previous = {i: computes[j - 1] for j, i in enumerate(computes) if j}
+    return _with_steps(base, m, t0, T, after=[(previous[i], t) for i, t in
+                                              _first_backwards(base, m, t0, T) if i in previous])
+
+
+def twobw_first_stage_one_buffer(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
+    """2BW with one gradient buffer on stage 0 and two on the others: stages > 0 run `twobw`;
+    stage 0 runs 1F1B with R(t) and N(t) placed as there, and S(t) right before B((t+1)m), its
+    first backward of batch t+1, after the communication group that receives that backward's
+    gradient (so that receive stays in window t, as its send on stage 1 does). Stage 0 posts
+    N(t) last of all stages, so its S(t) waits only for that all-reduce's own latency, and what
+    it steps is the stage's only gradient buffer: the stage that keeps the most microbatches in
+    flight saves one buffer at about no time. S(last) at the very end."""
+    if s > 0:
+        return twobw(s, d, m, T, t0, slot)
+    base = one_f_one_b(s, d, list(range(t0 * m, (t0 + T) * m)), slot)
+    return _with_steps(base, m, t0, T, before=_first_backwards(base, m, t0, T))
 
 
 def forward(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
@@ -169,4 +199,5 @@ def forward(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     return out
 
 
-__all__ = ["one_f_one_b", "gpipe", "flush", "twobw", "twobw_one_buffer", "forward"]
+__all__ = ["one_f_one_b", "gpipe", "flush", "twobw", "twobw_one_buffer",
+           "twobw_first_stage_one_buffer", "forward"]

@@ -20,7 +20,9 @@ names or restates a rule (`tests/unit/test_rule_owners.py` fails if one does).
     grad_buffers         fp32 gradient buffers a stage holds (today's 2BW: one per slot; its
                          `with_grad_buffers(1)` variant: one, which S(t) consumes and zeroes
                          before the stage's first backward of batch t+1)
-    grad_buffer_of_batch(t)  the gradient buffer batch t's backwards accumulate into
+    grad_buffers_of(s)   the same for stage s (2BW's `with_grad_buffers("first")`: one on stage
+                         0, two on the others)
+    grad_buffer_of_batch(t, s)  the gradient buffer batch t's backwards accumulate into
     segments             batches the planner simulates: steady state = makespan(b) - makespan(a)
     forwards_between_reduce_and_norm  forwards that hide R(t)'s all-reduce before N(t) waits
     stashes_logits       the last stage keeps each in-flight microbatch's fp32 logits beside
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 from megatron_2bw.schedule import generators
 
+FIRST_STAGE = "first"  # --2bw-grad-buffers first: one buffer on stage 0, two on the others
 DEFAULT_FIX = ("raise --global-batch-size or lower --micro-batch-size (or use fewer pipeline "
                "stages)")
 
@@ -86,10 +89,13 @@ class ScheduleKind:
     def grad_buffers(self) -> int:
         return self.num_slots
 
-    def grad_buffer_of_batch(self, t: int) -> int:
-        return t % self.grad_buffers
+    def grad_buffers_of(self, stage: int) -> int:
+        return self.grad_buffers
 
-    def with_grad_buffers(self, g: int | None) -> "ScheduleKind":
+    def grad_buffer_of_batch(self, t: int, stage: int = 0) -> int:
+        return t % self.grad_buffers_of(stage)
+
+    def with_grad_buffers(self, g: int | str | None) -> "ScheduleKind":
         """This kind with `g` fp32 gradient buffers per stage (None: its default); a one-line
         ValueError when it has no such mode."""
         if g is None or g == self.grad_buffers:
@@ -179,7 +185,7 @@ class TwoBW(Flush):
     forwards_between_reduce_and_norm = 1  # N(t) follows the first forward after R(t)
     generator = staticmethod(generators.twobw)
 
-    grad_buffers_choices = (2, 1)
+    grad_buffers_choices = (2, 1, FIRST_STAGE)
 
     def min_microbatches(self, d):
         return d  # S(t) must fit before batch t+2's first forward on every stage
@@ -196,6 +202,8 @@ class TwoBW(Flush):
         if g not in self.grad_buffers_choices:
             raise ValueError(f"--2bw-grad-buffers must be one of "
                              f"{', '.join(map(str, self.grad_buffers_choices))}, got {g}")
+        if g == FIRST_STAGE:
+            return _FIRST_STAGE_ONE_BUFFER_2BW
         return _ONE_BUFFER_2BW if g == 1 else schedule_kind(self.name)  # (the variant asked: 2)
 
 
@@ -213,6 +221,28 @@ class TwoBWOneBuffer(TwoBW):
     @property
     def grad_buffers(self) -> int:
         return 1
+
+
+class TwoBWFirstStageOneBuffer(TwoBW):
+    """2BW with one fp32 gradient buffer on stage 0 and two on every other stage
+    (`--2bw-grad-buffers first`): the same versions, steps and numbers; stage 0's S(t) runs
+    right before its first backward of batch t+1 (`generators.twobw_first_stage_one_buffer`).
+    Stage 0 is the last to post N(t), so it waits there for that all-reduce's latency only,
+    while it is the stage that keeps the most microbatches in flight (d): its memory drops by a
+    buffer at about no time. (Stages > 0 cannot join it: their S(t) before that backward would
+    put the gradient of microbatch (t+1)m in two windows of a channel, or wait for N(t).) Not
+    registered: asked for by `TwoBW().with_grad_buffers("first")`, it answers to the name 2bw."""
+    generator = staticmethod(generators.twobw_first_stage_one_buffer)
+
+    def __repr__(self) -> str:
+        return f"<schedule kind {self.name} (one gradient buffer on the first stage)>"
+
+    @property
+    def grad_buffers(self) -> str:
+        return FIRST_STAGE
+
+    def grad_buffers_of(self, stage: int) -> int:
+        return 1 if stage == 0 else 2
 
 
 class ForwardOnly(ScheduleKind):
@@ -283,10 +313,12 @@ def kind_with_slots(num_slots: int) -> ScheduleKind:
 for _kind in (TwoBW(), Flush(), GPipe(), ForwardOnly()):
     register_kind(_kind)
 _ONE_BUFFER_2BW = TwoBWOneBuffer()
+_FIRST_STAGE_ONE_BUFFER_2BW = TwoBWFirstStageOneBuffer()
 DEFAULT_SCHEDULE = TwoBW.name
 FORWARD_ONLY = ForwardOnly.name
 
-__all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "TwoBWOneBuffer", "ForwardOnly",
+__all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "TwoBWOneBuffer",
+           "TwoBWFirstStageOneBuffer", "FIRST_STAGE", "ForwardOnly",
            "register_kind", "schedule_names", "schedule_kind", "schedule_kind_of",
            "kind_with_slots", "DEFAULT_SCHEDULE",
            "default_schedule", "one_stage_note",

@@ -255,10 +255,10 @@ class _Sim:
             if st.slots[slot] != weight:
                 fail(f"slot {slot} now holds W({st.slots[slot]}) but the forward of microbatch "
                      f"{a.mb} used W({weight}): a step overwrote it too early")
-            g = sched.grad_buffers
+            g = sched.grad_buffers_of(s)
             if st.window <= t - g:  # batch t - g's step has not consumed the buffer yet
                 fail(f"backward of microbatch {a.mb} (batch {t}) accumulates into gradient "
-                     f"buffer {sched.grad_buffer_of_batch(t)} before S{t - g} consumed batch "
+                     f"buffer {sched.grad_buffer_of_batch(t, s)} before S{t - g} consumed batch "
                      f"{t - g}'s gradient there ({g} buffer{'s' * (g != 1)} per stage)")
             st.b.add(a.mb)
             st.b_per_batch[t] = st.b_per_batch.get(t, 0) + 1

@@ -134,8 +134,11 @@ class Schedule:
     def grad_buffers(self) -> int:
         return self.kind.grad_buffers
 
-    def grad_buffer_of_batch(self, t: int) -> int:
-        return self.kind.grad_buffer_of_batch(t)
+    def grad_buffers_of(self, stage: int) -> int:
+        return self.kind.grad_buffers_of(stage)
+
+    def grad_buffer_of_batch(self, t: int, stage: int = 0) -> int:
+        return self.kind.grad_buffer_of_batch(t, stage)
 
     def weight_of_batch(self, t: int) -> int:
         """k such that batch t runs forward and backward on W(k)."""

@@ -19,10 +19,10 @@ TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 ONE = ["--2bw-grad-buffers", "1"]
 
 
-def flags(d, w, *extra, m=4):
+def flags(d, w, *extra, m=4, mode=ONE):
     return (["--schedule", "2bw", "--pipeline-model-parallel-size", str(d),
              "--data-parallel-size", str(w), "--global-batch-size", str(2 * m * w)]
-            + TINY + ONE + list(extra))
+            + TINY + list(mode) + list(extra))
 
 
 class OneBufferEngine(PipelineEngine):

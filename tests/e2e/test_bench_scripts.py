@@ -403,6 +403,7 @@ def test_grad_accumulation_tiny_both_modes_train_bitwise_alike(tmp_path):
     out = _run(["bench/grad_accumulation.py", "--tiny", "--shapes", "small", "--json",
                 tmp_path / "g.json"])
     rows = json.loads((tmp_path / "g.json").read_text())["results"]["small"]["rows"]
-    assert {r["schedule"] for r in rows} == {"2bw", "flush"}
+    from megatron_2bw.schedule.kinds import schedule_names
+    assert [r["schedule"] for r in rows] == list(schedule_names())
     assert all(r["losses_equal"] and r["fp32"] > 0 and r["buffer"] > 0 for r in rows)
-    assert out.count("bitwise equal") == 2
+    assert out.count("bitwise equal") == len(rows)

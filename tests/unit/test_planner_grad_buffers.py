@@ -157,8 +157,8 @@ def test_at_the_peers_shape_where_one_buffer_loses_the_planner_keeps_two():
     """Issue 32's bar: where one buffer costs more than 3% of 2BW's samples/s, the planner must
     pick two. bench/peers.py's transformer shape (4 layers, hidden 256, seq 64, micro batch 8,
     d=2, m=8) on two roomy devices: the simulator puts one buffer at < 0.97 of two's throughput
-    (the stage waits for N(t)), and the planner's 2BW pick keeps two buffers; where only one
-    fits it takes one and says why."""
+    (the stage waits for N(t)), and the planner's 2BW pick keeps two buffers; where two do not
+    fit it takes one on the first stage (--2bw-grad-buffers first, about free) and says why."""
     model = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=64,
                         vocab_size=512)
     topo = _topo(16)
@@ -168,12 +168,19 @@ def test_at_the_peers_shape_where_one_buffer_loses_the_planner_keeps_two():
     assert (L.pipeline, L.num_microbatches, L.grad_buffers) == (2, 8, None)
     two, one = _times(model, topo, L)
     assert two / one < 0.97
-    need = max(m["total"] for m in stage_plan(
-        Setup(model, "fp32", "adam"), L, LayerTimes(Setup(model, "fp32", "adam"),
-                                                    AnalyticProfile(), topo), topo).memory)
-    tight = Topology(num_nodes=1, gpus_per_node=2,
-                     gpu_memory_gb=need * 0.97 / GB / (topo.usable_memory_gb / 16))
+    setup = Setup(model, "fp32", "adam")
+    times = LayerTimes(setup, AnalyticProfile(), topo)
+    need = {g: stage_plan(setup, replace(L, grad_buffers=g), times, topo).max_memory
+            for g in (None, "first", 1)}
+    # stage 0 (d microbatches in flight) is the fullest: one buffer there is all one buffer
+    # everywhere would save from the peak, at about no time (the first stage posts N(t) last)
+    assert need[None] > need["first"] == need[1]
+    first = stage_plan(setup, replace(L, grad_buffers="first"), times, topo)
+    assert predict(first).time_per_batch <= two * (1 + 1e-3)
+    tight = Topology(num_nodes=1, gpus_per_node=2, gpu_memory_gb=(need[None] + need["first"])
+                     / 2 / GB / (topo.usable_memory_gb / 16))
     forced = search(model, tight, AnalyticProfile(), 64, schedules=("2bw",),
                     pipeline_sizes=(2,), micro_batches=(8,), recompute=(False,))
-    assert forced.best.layout.grad_buffers == 1
-    assert "two do not fit" in grad_buffers_reason(forced.best, tight)
+    assert forced.best.layout.grad_buffers == "first"
+    why = grad_buffers_reason(forced.best, tight)
+    assert "two do not fit" in why and "--2bw-grad-buffers first" in why
