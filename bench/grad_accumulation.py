@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
-from overhead import make_config  # noqa: E402
+from overhead import make_config, timed_rounds  # noqa: E402
 from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
 
 SHAPES = {"default": dict(layers=4, hidden=256, heads=4, seq=64, vocab=2048, micro=4, m=8),
@@ -46,18 +45,7 @@ def _engine(spec: dict, schedule: str, mode: str):
 def run(rank, world, spec, names):
     C.framework_warmup()
     runners = {n: _engine(spec, *n.split(":")) for n in names}
-    losses = {n: [] for n in names}
-    times = {n: [] for n in names}
-    for n, (engine, it) in runners.items():
-        losses[n] += [float(engine.train_batch(it)) for _ in range(spec["warmup"])]
-    for rep in range(spec["repeats"]):
-        k = rep % len(names)
-        for n in names[k:] + names[:k]:
-            engine, it = runners[n]
-            t0 = time.perf_counter()
-            out = [engine.train_batch(it) for _ in range(spec["batches"])]
-            times[n].append(time.perf_counter() - t0)
-            losses[n] += [float(x) for x in out]
+    times, losses = timed_rounds(runners, names, spec)
     return {"times": times, "losses": losses}
 
 

@@ -91,14 +91,13 @@ def build(name: str, spec: dict):
     return build_engine(cfg, ProcessGrid(1, 1, 1, rank=0), "cpu"), data
 
 
-def run(rank, world, spec, names, profile, breakdown=False):
-    import torch
-    C.framework_warmup()
-    runners = {n: build(n, spec) for n in names}
+def timed_rounds(runners: dict, names: list, spec: dict) -> tuple[dict, dict]:
+    """`warmup` untimed batches of each runner (name -> (object with train_batch, data)), then
+    `repeats` rounds of `batches` timed batches each, interleaved and rotated every round:
+    ({name: [seconds per round]}, {name: [loss per batch, warm-up included]})."""
     losses = {n: [] for n in names}
     for n, (r, it) in runners.items():
-        for _ in range(spec["warmup"]):
-            losses[n].append(float(r.train_batch(it)))
+        losses[n] += [float(r.train_batch(it)) for _ in range(spec["warmup"])]
     times = {n: [] for n in names}
     for rep in range(spec["repeats"]):
         k = rep % len(names)
@@ -108,6 +107,14 @@ def run(rank, world, spec, names, profile, breakdown=False):
             out = [r.train_batch(it) for _ in range(spec["batches"])]
             times[n].append(time.perf_counter() - t0)
             losses[n] += [float(x) for x in out]
+    return times, losses
+
+
+def run(rank, world, spec, names, profile, breakdown=False):
+    import torch
+    C.framework_warmup()
+    runners = {n: build(n, spec) for n in names}
+    times, losses = timed_rounds(runners, names, spec)
     prof = None
     if profile:
         prof = {n: _profile(runners[n], spec) for n in names}
