@@ -50,17 +50,12 @@ def run(rank, world, spec, names):
 
 
 def summarize(spec: dict, res: dict, schedules) -> dict:
-    samples = spec["micro"] * spec["m"] * spec["batches"]
-    out = {n: {"samples_per_s_runs": [samples / t for t in ts]} for n, ts in res["times"].items()}
-    for e in out.values():
-        e["samples_per_s"] = C.median(e["samples_per_s_runs"])
+    out = C.samples_per_s(res["times"], spec["micro"] * spec["m"] * spec["batches"])
     rows = []
     for s in schedules:
         a, b = f"{s}:fp32", f"{s}:buffer"
         rows.append({"schedule": s, "fp32": out[a]["samples_per_s"],
-                     "buffer": out[b]["samples_per_s"], "ratio": C.paired(out, a, b),
-                     "interval": C.paired_interval(out, a, b),
-                     "losses_equal": res["losses"][a] == res["losses"][b]})
+                     "buffer": out[b]["samples_per_s"], **C.paired_row(out, res["losses"], a, b)})
     return {"spec": spec, "rows": rows}
 
 
@@ -80,24 +75,11 @@ def format_summary(name: str, summary: dict) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="default,small",
-                   help=f"comma-separated subset of {','.join(SHAPES)}")
+    C.add_round_args(p, SHAPES)
     p.add_argument("--schedules", default=",".join(schedule_names()))
-    p.add_argument("--warmup-batches", type=int, default=2)
-    p.add_argument("--batches", type=int, default=4, help="timed batches per round")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
-    p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--json", default=None)
-    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tests)")
     args = p.parse_args(argv)
-    args.shape_names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    args.schedule_names = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    bad = [s for s in args.shape_names if s not in SHAPES]
-    if bad:
-        p.error(f"unknown shape(s) {', '.join(bad)}: use {', '.join(SHAPES)}")
-    bad = [s for s in args.schedule_names if s not in schedule_names()]
-    if bad:
-        p.error(f"unknown schedule(s) {', '.join(bad)}: use {', '.join(schedule_names())}")
+    args.shape_names = C.chosen(p, args.shapes, SHAPES, "shape")
+    args.schedule_names = C.chosen(p, args.schedules, schedule_names(), "schedule")
     return args
 
 
@@ -106,11 +88,8 @@ def main(argv=None) -> int:
     print(f"# bench/grad_accumulation.py  {C.stamp()}\n# {C.command_line()}", flush=True)
     results, ok = {}, True
     for shape in args.shape_names:
-        spec = dict(SHAPES[shape], warmup=args.warmup_batches, batches=args.batches,
-                    repeats=args.repeats)
-        if args.tiny:
-            spec.update(layers=1, hidden=16, heads=2, seq=8, vocab=64, m=2, warmup=1,
-                        batches=1, repeats=2)
+        spec = C.round_spec(SHAPES[shape], args,
+                            dict(layers=1, hidden=16, heads=2, seq=8, vocab=64, m=2))
         names = [f"{s}:{mode}" for s in args.schedule_names for mode in MODES]
         res = C.run_spawned(run, 1, (spec, names), timeout=args.timeout)[0]
         results[shape] = summarize(spec, res, args.schedule_names)

@@ -41,7 +41,8 @@ from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind  # noqa:
 VARIANTS = ("plain", "engine-flush", "engine-2bw")
 
 
-def make_config(spec: dict, schedule: str):
+def make_config(spec: dict, schedule: str, data: int = 1, **parallel):
+    """The bench's GPT at d=1 on `data` replicas (`parallel`: more ParallelConfig fields)."""
     from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig,
                                      ParallelConfig, TrainConfig)
     b, m = spec["micro"], spec["m"]
@@ -49,10 +50,11 @@ def make_config(spec: dict, schedule: str):
                         num_attention_heads=spec["heads"], seq_length=spec["seq"],
                         vocab_size=spec["vocab"], init_method_std=0.02)
     total = spec["warmup"] + spec["repeats"] * spec["batches"]
-    return Config(model=model, schedule=schedule, parallel=ParallelConfig(pipeline=1),
-                  batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m),
+    return Config(model=model, schedule=schedule,
+                  parallel=ParallelConfig(pipeline=1, data=data, **parallel),
+                  batch=BatchConfig(micro_batch_size=b, global_batch_size=b * m * data),
                   optimizer=OptimizerConfig(lr=1e-4),
-                  train=TrainConfig(train_iters=total, seed=1234)).validate(1)
+                  train=TrainConfig(train_iters=total, seed=1234)).validate(data)
 
 
 class Plain:

@@ -82,8 +82,10 @@ class SlowStage(FaultHooks):
 
 class PoisonGradient(FaultHooks):
     """Rank `rank`'s gradient of batch `iteration` (1-based) gets `value` in its last element
-    (a parameter of its own stage, never the tied embedding) just before R starts reducing it: a
-    non-finite gradient on one stage, whatever the schedule runs in that iteration's window."""
+    (a parameter of its own stage, never the tied embedding) before each of its backwards of
+    that batch, so the backwards add into it and the reduction (whose buckets start during the
+    last of them, pipeline/grad_reduce.py) carries it: a non-finite gradient on one stage,
+    whatever the schedule runs in that iteration's window."""
 
     def __init__(self, rank: int, iteration: int, value: float = float("nan")):
         self.rank, self.iteration, self.value = rank, iteration, value
@@ -91,13 +93,14 @@ class PoisonGradient(FaultHooks):
     def on_engine(self, engine):
         if engine.grid.rank != self.rank:
             return
-        stepper, reduce = engine.stepper, engine.stepper.reduce
+        reduction = engine.stepper.reduction
+        before = reduction.before_backward
 
         def poisoned(batch, slot):
             if batch + 1 == self.iteration:
                 engine.weights.grads[slot][engine.weights.numel - 1] = self.value
-            reduce(batch, slot)
-        stepper.reduce = poisoned
+            before(batch, slot)
+        reduction.before_backward = poisoned
 
 
 class SlowIterations(FaultHooks):

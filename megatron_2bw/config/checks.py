@@ -43,6 +43,9 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(f"unknown rank order {p.rank_order!r}: use one of {', '.join(RANK_ORDERS)}")
     if p.timeout_minutes <= 0:
         _fail(f"--distributed-timeout-minutes must be > 0, got {p.timeout_minutes}")
+    if p.grad_bucket_size is not None and p.grad_bucket_size < 1:
+        _fail(f"--ddp-bucket-size must be a positive number of parameters per bucket, got "
+              f"{p.grad_bucket_size}: drop it for Megatron's default, max(40M, 1M x w)")
     for name, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--num-attention-heads", m.num_attention_heads),
                         ("--seq-length", m.seq_length), ("vocab size", m.vocab_size),

@@ -54,9 +54,6 @@ NOTED = {
     "--grad-reduce-in-bf16": (dict(action="store_true", default=None),
                               "gradients are reduced in fp32 (the master gradients' type): "
                               "more exact than bf16, twice the bytes"),
-    "--overlap-grad-reduce": (dict(action="store_true", default=None),
-                              "the engine reduces gradients once per batch, bucketed; under 2bw "
-                              "the reduction overlaps the next batch's forwards (always on)"),
     "--overlap-param-gather": (dict(action="store_true", default=None),
                                "with --use-distributed-optimizer the engine all-gathers the new "
                                "weights asynchronously and waits only where the next forward "
@@ -89,8 +86,6 @@ NOTED = {
         "gradients are always accumulated and reduced in fp32"),
     "--ddp-average-in-collective": (dict(action="store_true", default=None),
                                     "the data-parallel reduction averages (the same numbers)"),
-    "--ddp-bucket-size": (dict(type=int, default=None),
-                          "the engine buckets the gradient reduction its own way"),
     "--auto-detect-ckpt-format": (dict(action="store_true", default=None),
                                   "loading always reads either checkpoint format"),
     "--ckpt-fully-parallel-save": (dict(action="store_true", default=None),

@@ -14,6 +14,7 @@ from megatron_2bw.config.compat import refusals
 from megatron_2bw.config.log_flags import add_observability_args
 from megatron_2bw.config.precision_flags import add_precision_args, precision_from_args
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
+from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, FIRST_STAGE, default_schedule
@@ -179,6 +180,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="shard fp32 master weights and optimizer state across the data-parallel "
                         "ranks of each stage (gradients reduce-scattered, new weights "
                         "all-gathered)")
+    add_reduce_args(g)
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tensor-model-parallel-size > 1: split norms, dropout and "
                         "residuals along the sequence (all-reduces become all-gather + "
@@ -302,7 +304,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         data=args.data_parallel_size, rank_order=args.rank_order,
         backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
         distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
-        sequence_parallel=getattr(args, "sequence_parallel", False))
+        sequence_parallel=getattr(args, "sequence_parallel", False), **reduce_config(args))
     ramp_batch, _ = resolve_ramp(args, shape["seq_length"])
     batch = BatchConfig(micro_batch_size=args.micro_batch_size,
                         global_batch_size=ramp_batch or args.global_batch_size)

@@ -133,6 +133,11 @@ class ParallelConfig:
     partition: tuple[int, ...] | None = None  # stage boundaries over [embedding, blocks..., head]
     distributed_optimizer: bool = False  # shard master weights + optimizer state over w ranks
     sequence_parallel: bool = False      # norms, dropout, residuals split along the sequence (t>1)
+    # the data-parallel gradient reduction (pipeline/grad_reduce.py): elements per bucket
+    # (--ddp-bucket-size; None: Megatron's max(40M, 1M * w)), and whether a bucket starts as
+    # soon as the batch's last backward produced it (--no-overlap-grad-reduce: all at R)
+    grad_bucket_size: int | None = None
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self):
         if self.partition is not None and not isinstance(self.partition, tuple):

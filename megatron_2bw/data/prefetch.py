@@ -127,9 +127,10 @@ class Loader:
         try:
             item = next(self._it)
         except Exception as e:  # noqa: BLE001 - the loader's own failure (a worker died)
+            dead = _dead_worker(self._it)  # before close(), which ends the others
             self.close()
             first = str(e).splitlines()[0] if str(e) else ""
-            raise DataError(f"{self.name}: the loader failed before {where}: "
+            raise DataError(f"{self.name}: the loader failed before {where}{dead}: "
                             f"{type(e).__name__}: {first}") from e
         if isinstance(item, _Failure):
             self.close()
@@ -166,3 +167,16 @@ def close_pipelines(*iterators) -> None:
     for it in iterators:
         if isinstance(it, Loader):
             it.close()
+
+
+def _dead_worker(it) -> str:
+    """", worker <pid> exited unexpectedly (killed by signal N | exit code N)" for the first
+    worker process of a DataLoader iterator that is gone, else "" (the message can then only
+    be the loader's own, e.g. a connection reset while a dying worker was sending)."""
+    for w in getattr(it, "_workers", ()):
+        if not w.is_alive():
+            code = w.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else \
+                f"exit code {code}"
+            return f", worker {w.pid} exited unexpectedly ({how})"
+    return ""

@@ -4,12 +4,17 @@ Pure arithmetic (unit-tested without processes); `weights.py` lays the flat buff
 padding this asks for, `batch_step.py` runs the collectives over the pieces, and
 `optim/distributed.py` steps them.
 
-Regions. The flat layout (weights.py) is cut into one or two regions, each padded with zeros to a
-multiple of w so that it splits into w equal pieces:
+Regions. The flat layout (weights.py) is cut into regions, each padded with zeros to a multiple
+of w so that it splits into w equal pieces:
 
-    [ tied | pad ][ everything else | pad ]     a stage holding one copy of a cross-stage tied
-                                                weight (first or last stage, d > 1)
-    [ everything | pad ]                        every other stage
+    [ tied | pad ][ bucket 1 | pad ] ... [ bucket k | pad ]   a stage holding one copy of a
+                                                cross-stage tied weight (first or last stage, d > 1)
+    [ bucket 1 | pad ] ... [ bucket k | pad ]   every other stage
+
+A bucket is at most `bucket` elements (`--ddp-bucket-size`; `bucket_elements`: Megatron's
+default, max(40M, 1M * w)), cut in layout order: the unit of the data-parallel reduction
+(pipeline/grad_reduce.py), which starts as soon as the batch's last backward has produced it. An
+unsharded layout (w = 1 pieces) has the same regions without padding.
 
 The tied region is separate because its gradient is summed by the tied all-reduce (first and last
 stage of every replica), not by the data-parallel reduce-scatter, and both stages must cut it at
@@ -101,11 +106,45 @@ class ShardLayout:
         return [(g.lo, g.real_hi) for g in self.regions]
 
 
-def padded_numel(params: int, tied: int, count: int) -> int:
+def bucket_elements(size: int | None, width: int) -> int:
+    """Elements per data-parallel reduction bucket: `size` (--ddp-bucket-size), or Megatron's
+    default for `width` data-parallel ranks, max(40M, 1M * w) (larger groups need larger buckets
+    to stay bandwidth-bound)."""
+    if size is None:
+        return max(40_000_000, 1_000_000 * width)
+    if size < 1:
+        raise ValueError(f"--ddp-bucket-size must be a positive number of elements, got {size}")
+    return size
+
+
+def region_lengths(sizes: list[int], tied: int, bucket: int | None) -> list[int]:
+    """Real elements per region of a stage whose parameters have `sizes` (layout order), the
+    first `tied` of them (a count of parameters) forming a separate tied region (0: none); the
+    rest cut into buckets of whole parameters, at most `bucket` elements each unless one
+    parameter is larger (it is then a bucket alone); None: one bucket."""
+    cuts: list[int] = []
+    for n in sizes[tied:]:
+        if cuts and (not bucket or cuts[-1] + n <= bucket):
+            cuts[-1] += n
+        else:
+            cuts.append(n)
+    return ([sum(sizes[:tied])] if tied else []) + (cuts or [0])
+
+
+def _even_lengths(params: int, tied: int, bucket: int | None) -> list[int]:
+    rest = params - tied
+    k = max(1, -(-rest // bucket)) if bucket else 1
+    return ([tied] if tied else []) + [rest // k + (i < rest % k) for i in range(k)]
+
+
+def padded_numel(params: int, tied: int, count: int, bucket: int | None = None) -> int:
     """Length of the padded flat buffer of a stage with `params` parameters of which `tied` form
-    a separate tied region (0: one region), sharded `count` ways (the memory model's count)."""
-    lengths = [tied, params - tied] if tied else [params]
-    return ShardLayout(lengths, count).numel
+    a separate tied region (0: none), sharded `count` ways (the memory model's count). The rest
+    is one region when it fits in one `bucket` (exact); otherwise the model does not know the
+    parameters' sizes and cuts it into equal buckets: within count - 1 elements per bucket of
+    the engine's `region_lengths`."""
+    return ShardLayout(_even_lengths(params, tied, bucket), count).numel
 
 
-__all__ = ["ShardLayout", "Region", "Piece", "padded_numel", "round_up"]
+__all__ = ["ShardLayout", "Region", "Piece", "bucket_elements", "padded_numel",
+           "region_lengths", "round_up"]

@@ -35,3 +35,14 @@ def default_device(local_rank: int = 0, backend: str | None = None) -> torch.dev
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def to_device(obj, device):
+    """Move a tensor, or a tuple/list/dict of them, to `device` (non-blocking)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj

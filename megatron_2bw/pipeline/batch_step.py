@@ -5,10 +5,11 @@ R(t)  mark this rank's raised control flags in the buffer's tail (flags.py); und
       tensor group; scale the batch's fp32 gradient buffer by 1/w and start, asynchronously, the
       data-parallel reduction and the tied-weight all-reduce (first and last stage of every
       replica; the tied gradient is summed across the two stages and averaged across replicas in
-      one collective). The data-parallel reduction is an all-reduce in buckets of the whole buffer
-      but the tied slice, tail included, or, with the distributed optimizer, one reduce-scatter
-      per region (shards.py) that leaves each rank the sum over its own shard (the tail stays
-      out of it).
+      one collective). The data-parallel reduction is an all-reduce of the whole buffer but the
+      tied slice, tail included, in buckets, or, with the distributed optimizer, one
+      reduce-scatter per bucket that leaves each rank the sum over its own piece of it (the tail
+      stays out of it); most buckets started already, during the batch's last backward
+      (grad_reduce.py): R starts the rest.
 N(t)  wait for the data-parallel reduction (and, on the first stage, the tied one), compute this
       stage's share of the squared global gradient norm (distributed: of this rank's shard), and
       start the all-reduce of [norm^2, loss, *flags, *stage_nonfinite] over the model-parallel
@@ -50,11 +51,9 @@ from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.compensation import Compensator, compensation_method
 from megatron_2bw.pipeline.flags import ControlFlags
+from megatron_2bw.pipeline.grad_reduce import GradReduction
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.training.reliability import NumericsError, describe
-
-BUCKET_ELEMENTS = 2 ** 24  # 64 MB of fp32 per all-reduce call
-
 
 class BatchStepper:
     def __init__(self, cfg: Config, grid: ProcessGrid, weights: VersionedWeights, device,
@@ -93,6 +92,8 @@ class BatchStepper:
                                         self._gather, self.wait_weights,
                                         defer=torch.device(device).type == "cpu")
         self.cross_stage_tied = grid.pipeline > 1 and weights.tied_end > 0
+        self.reduction = GradReduction(weights, grid, self.sequence_parallel,
+                                       cfg.parallel.overlap_grad_reduce, cfg.num_microbatches)
         self.pending: dict[int, dict] = {}
         self.skipped = 0
         self.skipped_in_a_row = 0
@@ -111,20 +112,7 @@ class BatchStepper:
         if self.sequence_parallel:  # partial gradients of each tensor rank's part of the sequence
             lo, hi = self.w.sequence_parallel_range
             self.comm.all_reduce(buf[lo:hi], self.grid.group("tp"))
-        if self.dp_size > 1:
-            buf.mul_(1.0 / self.dp_size)
-        start = self.w.tied_end if self.cross_stage_tied else 0
-        dp_group = self.grid.group("dp")
-        if self.sharded:
-            for region, piece in zip(self.w.layout.regions, self.w.pieces):
-                if region.lo >= start:  # the group's rank order is the dp rank (grid.py)
-                    works["dp"].append(self.comm.reduce_scatter(
-                        buf[piece.lo:piece.hi], buf[region.lo:region.hi], dp_group,
-                        async_op=True))
-        elif dp_group is not None:
-            for lo in range(start, buf.numel(), BUCKET_ELEMENTS):
-                chunk = buf[lo:lo + BUCKET_ELEMENTS]
-                works["dp"].append(self.comm.all_reduce(chunk, dp_group, async_op=True))
+        works["dp"] = self.reduction.reduce(batch, buf)  # buckets (grad_reduce.py), scaled 1/w
         if self.cross_stage_tied:
             works["tied"].append(self.comm.all_reduce(buf[:self.w.tied_end],
                                                       self.grid.group("tied"), async_op=True))

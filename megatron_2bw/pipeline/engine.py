@@ -28,6 +28,8 @@ import torch
 
 from megatron_2bw.config import Config
 from megatron_2bw.models.stage import LayerSpec, StageModule
+from megatron_2bw.optim.shard_layout import bucket_elements
+from megatron_2bw.parallel.devices import to_device
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.parallel.p2p import P2P
 from megatron_2bw.pipeline.batch_step import BatchStepper
@@ -75,7 +77,8 @@ class PipelineEngine(Interpreter):
             split_tied=grid.pipeline > 1,
             separate_master=compensation_method(cfg.compensation).separate_weights,
             grad_buffers=self.kind.grad_buffers_of(self.stage),
-            grad_accumulation=cfg.precision.grad_accumulation)
+            grad_accumulation=cfg.precision.grad_accumulation,
+            bucket=bucket_elements(cfg.parallel.grad_bucket_size, grid.data))
         self.stepper = BatchStepper(cfg, grid, self.weights, self.device, lr_schedule)
         self.p2p = P2P(grid, self.device)
         if self.stepper.compensation.defer:
@@ -99,6 +102,7 @@ class PipelineEngine(Interpreter):
                                       num_batches=num_batches or UNBOUNDED,
                                       first_batch=self.iteration)
         self._plan_receives(self.schedule)
+        self.stepper.reduction.reset()
         self.p2p.reset()
         self._clear_stash()
 
@@ -328,7 +332,7 @@ class PipelineEngine(Interpreter):
         except StopIteration:
             raise RuntimeError(f"data iterator ran out at iteration {self.iteration}: give "
                                "train_batch an iterator with enough microbatches") from None
-        return _to(inputs, self.device), _to(labels, self.device)
+        return to_device(inputs, self.device), to_device(labels, self.device)
 
     def _seed_microbatch(self, mb: int) -> None:
         """Dropout randomness is a function of (seed, stage, microbatch) only, so a forward gives
@@ -363,6 +367,8 @@ class PipelineEngine(Interpreter):
             self.act_out[a.mb] = tuple(t.detach() for t in out)
 
     def _backward(self, a: A.Action) -> None:
+        reduction = self.stepper.reduction  # the batch's last backward: buckets start in it
+        reduction.before_backward(a.mb // self.m, a.version)
         out = self.outputs.pop(a.mb)
         if self.last:
             torch.autograd.backward(out * (self.stepper.scaler.scale / self.m))
@@ -375,6 +381,7 @@ class PipelineEngine(Interpreter):
             x = self.inputs.pop(a.mb)
             self.grad_out[a.mb] = tuple(t.grad for t in x if t.requires_grad)
             self.p2p.release(x)
+        reduction.disarm()
         self.weights.fold_model_grad(a.version)
 
     def _reduce(self, a: A.Action) -> None:
@@ -387,14 +394,3 @@ class PipelineEngine(Interpreter):
         k, t = self.kind, a.batch
         self.stepper.step(t, k.slot_of_batch(t), k.newest_slot(t), k.step_writes_slot(t))
         self.iteration = t + 1
-
-
-def _to(obj, device):
-    """Move a tensor, or a tuple/list/dict of them, to `device` (non-blocking)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj

@@ -32,7 +32,8 @@ from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.compensation import compensation_method
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.nccl_order import early_receives_safe
-from megatron_2bw.schedule.nccl_posts import CommLayout, comm_groups
+from megatron_2bw.schedule.comm_layout import CommLayout
+from megatron_2bw.schedule.nccl_posts import comm_groups
 
 _TIMER_NAMES = {A.FORWARD: "forward", A.BACKWARD: "backward", A.REDUCE: "all-reduce",
                 A.NORM: "all-reduce", A.STEP: "optimizer"}
@@ -51,7 +52,7 @@ def comm_layout(cfg: Config, grid: ProcessGrid, specs: list[LayerSpec],
         distributed_optimizer=cfg.parallel.distributed_optimizer,
         sequence_parallel=cfg.parallel.sequence_parallel and grid.tensor > 1,
         compensation=compensation_method(cfg.compensation).predicts, views=True,
-        shapes=shapes)
+        shapes=shapes, early_reduce=cfg.parallel.overlap_grad_reduce and grid.data > 1)
 
 
 class Interpreter:

@@ -51,8 +51,9 @@ have added their losses: so each slot keeps its loss apart (`losses[k]`, one fp3
 copies it into the buffer's tail and zeroes it (`take_loss`).
 
 Distributed optimizer (`shard_count` w > 1, --use-distributed-optimizer): the flat layout is cut
-into regions padded to multiples of w (`shards.py`: the tied weight is its own region on the
-stages that hold one copy of it) and `pieces` are this data-parallel rank's parts of them. The
+into regions padded to multiples of w (`shard_layout.py`: the tied weight is its own region on the
+stages that hold one copy of it, the rest is cut into the data-parallel reduction's buckets; the
+same regions, unpadded, without the distributed optimizer) and `pieces` are this data-parallel rank's parts of them. The
 weight slots, `grads` and `model_grad` keep the whole padded stage (forward and backward need
 every weight, and every microbatch's gradient); `master` (bf16/fp16, or `separate_master`)
 holds only this rank's shard: the pieces' fp32 weights back to back. Padding elements are zero in
@@ -67,7 +68,7 @@ import copy
 import torch
 from torch import nn
 
-from megatron_2bw.optim.shard_layout import ShardLayout
+from megatron_2bw.optim.shard_layout import ShardLayout, region_lengths
 from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS, TAIL  # TAIL: loss, then flags
 
 
@@ -112,13 +113,16 @@ class VersionedWeights:
     def __init__(self, module: nn.Module, num_slots: int, dtype: str, device,
                  tied: dict[str, nn.Parameter] | None = None, shard_count: int = 1,
                  shard_rank: int = 0, split_tied: bool = False, separate_master: bool = False,
-                 grad_buffers: int | None = None, grad_accumulation: str = "fp32"):
+                 grad_buffers: int | None = None, grad_accumulation: str = "fp32",
+                 bucket: int | None = None):
         """`shard_count`/`shard_rank`: the data-parallel size and rank of a distributed optimizer
         (1/0: none); `split_tied`: the tied weight is a region of its own (a stage holding one
         copy of a cross-stage tied weight, see shards.py); `separate_master`: keep an fp32 master
         in fp32 runs too (a 2BW compensation whose slots hold predictions, compensation.py);
         `grad_buffers`: fp32 gradient buffers (None: one per slot; see the module docstring);
-        `grad_accumulation`: "fp32" or "buffer", how bf16/fp16 gradients reach them (ditto)."""
+        `grad_accumulation`: "fp32" or "buffer", how bf16/fp16 gradients reach them (ditto);
+        `bucket`: elements per data-parallel reduction bucket (None: one bucket; shard_layout.py
+        `region_lengths`)."""
         if grad_accumulation not in GRAD_ACCUMULATIONS:
             raise ValueError(f"grad_accumulation must be one of {GRAD_ACCUMULATIONS}, got "
                              f"{grad_accumulation!r}")
@@ -134,7 +138,8 @@ class VersionedWeights:
                                 for p in params]
         groups = [_group(p, tied or {}) for p in params]
         real = [sum(p.numel() for p, g in zip(params, groups) if g <= k) for k in range(6)]
-        lengths = [real[0], real[5] - real[0]] if (split_tied and real[0]) else [real[5]]
+        tied_params = sum(g == 0 for g in groups) if split_tied else 0
+        lengths = region_lengths([p.numel() for p in params], tied_params, bucket)
         self.layout = ShardLayout(lengths, shard_count)
         self.sharded, self.shard_rank = shard_count > 1, shard_rank
         self.pieces = self.layout.pieces(shard_rank)
@@ -182,6 +187,7 @@ class VersionedWeights:
         views = [[self._view_param(self.slots[k], grad_flats[k], i)
                   for i in range(len(params))] for k in range(num_slots)]
         self._install(module, params, views[0])
+        self.params = views  # per slot: its module's parameters, in layout order
         self.modules = [module] + [copy.deepcopy(module, {id(a): b for a, b in zip(views[0], v)})
                                    for v in views[1:]]
         if hooked:

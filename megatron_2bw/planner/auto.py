@@ -167,7 +167,9 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
                       top_k=top_k, arch=cfg.model.family, compensation=cfg.compensation,
                       # a given --2bw-grad-buffers 2 keeps two: no one-buffer fallback
                       one_buffer=cfg.grad_buffers in (None, 1, FIRST_STAGE),
-                      grad_accumulation=cfg.precision.grad_accumulation)
+                      grad_accumulation=cfg.precision.grad_accumulation,
+                      overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                      bucket=cfg.parallel.grad_bucket_size)
     except PlanError as e:
         fixed = [f.source for f in cfg.fixed
                  if f.path in PLANNED + ("batch.global_batch_size",)]

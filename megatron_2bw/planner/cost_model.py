@@ -13,10 +13,12 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   layer's input gradient, and the cross-entropy's three small ones.
 - p2p: an activation (or its gradient) of b*s*h elements in the model dtype crosses the link the
   placement implies between stage c and c+1 (inter-node if any replica's pair sits on two nodes).
-- R/N/S: R launches the data-parallel all-reduce (ring over the slowest link of the group; the
-  tied embedding gradient goes over the 2w-rank tied group); N waits for it, so N costs what is
-  left after the compute between R and N (the kind's `forwards_between_reduce_and_norm`: one
-  forward in 2BW, nothing in flush/gpipe); S is the
+- R/N/S: the data-parallel all-reduce (ring over the slowest link of the group) starts in
+  buckets during the stage's last backward of the batch (`_after_last_backward`: what that
+  backward cannot hide; pipeline/grad_reduce.py), R launches the rest and the tied embedding
+  gradient's (over the 2w-rank tied group); N waits for them, so N costs what is left after the
+  compute between R and N (the kind's `forwards_between_reduce_and_norm`: one forward in 2BW,
+  nothing in flush/gpipe); S is the
   local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce,
   plus, in 2BW with --2bw-compensation, the method's work beyond the step
   (`profile.compensation_time`: measured by `measure_profile(compensation=)`, else from its
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
 from megatron_2bw.models.partition import partition
+from megatron_2bw.optim.shard_layout import bucket_elements
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.pipeline.flag_names import TAIL
 from megatron_2bw.planner.memory import (OPTIMIZER_COPIES, _kept, _recomputed,  # noqa: F401
@@ -119,6 +122,10 @@ class Setup:
     # gradients unless --fp32-allreduce (2: bench/paper_table.py)
     grad_reduce_bytes: float = 4.0
     grad_accumulation: str = "fp32"  # --grad-accumulation (memory: `state_bytes`)
+    # the data-parallel reduction (pipeline/grad_reduce.py): buckets start in the stage's last
+    # backward of the batch (--no-overlap-grad-reduce: False), of --ddp-bucket-size elements
+    overlap_grad_reduce: bool = True
+    bucket: int | None = None
 
 
 # ---- the plan of one layout ------------------------------------------------------------------
@@ -268,6 +275,18 @@ def _selective_time(cost, fwd: float) -> float:
     return fwd * cost.core_attention_flops / cost.fwd_flops
 
 
+def _after_last_backward(t_dp: float, bwd: float, params: int, w: int, setup: Setup) -> float:
+    """What of a stage's data-parallel reduction (`t_dp`) is left when its last backward of the
+    batch (`bwd`) ends: k buckets, produced evenly through that backward and reduced one after
+    another, hide all but max(t_dp / k, t_dp - bwd (k - 1) / k); all of it when the buckets wait
+    for R (--no-overlap-grad-reduce, bf16/fp16 --grad-accumulation buffer, one bucket)."""
+    if w == 1 or not setup.overlap_grad_reduce or (
+            setup.dtype != "fp32" and setup.grad_accumulation == "buffer"):
+        return t_dp
+    k = max(1, -(-params // bucket_elements(setup.bucket, w)))
+    return max(t_dp / k, t_dp - bwd * (k - 1) / k)
+
+
 def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                bounds: list | None = None) -> StagePlan:
     """Everything the simulator and the memory check need for one layout."""
@@ -313,18 +332,18 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
         tied = stage_tied(costs, lo, hi, d)
         g_bytes = setup.grad_reduce_bytes
-        t_ar = topology.ring_time(g_bytes * (params + TAIL - tied), w, dp_inter[s], dp_flows)
+        t_dp = topology.ring_time(g_bytes * (params + TAIL - tied), w, dp_inter[s], dp_flows)
         gather = 0.0
         if shards > 1:  # reduce-scatter now, all-gather of the new weights after the step
             p_bytes = DTYPE_BYTES[setup.dtype]
             gather = topology.ring_time(p_bytes * params, w, dp_inter[s], dp_flows) / 2
-            t_ar /= 2
-        if tied:
-            t_ar += topology.ring_time(g_bytes * tied, 2 * w, tied_inter)
-        ar.append(t_ar)
+            t_dp /= 2
+        t_tied = topology.ring_time(g_bytes * tied, 2 * w, tied_inter) if tied else 0.0
+        ar.append(t_dp + t_tied)
         overlap = kind.forwards_between_reduce_and_norm * f  # compute between R and N
         reduce_.append(0.0)
-        norm.append(max(0.0, t_ar - overlap))
+        exposed = _after_last_backward(t_dp, bwd[-1], params - tied, w, setup)
+        norm.append(max(0.0, exposed + t_tied - overlap))
         local = -(-params // shards)  # what this rank steps
         step.append(times.profile.step_time(local) + norm_ar + gather + comp(local))
     if not cached:

@@ -6,7 +6,7 @@ docstring of cost_model.py says what is counted.
 from __future__ import annotations
 
 from megatron_2bw.models.flops import DTYPE_BYTES
-from megatron_2bw.optim.shard_layout import padded_numel
+from megatron_2bw.optim.shard_layout import bucket_elements, padded_numel
 from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
                                                 keeps_master)
 from megatron_2bw.pipeline.flag_names import TAIL
@@ -17,7 +17,8 @@ OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}
 
 def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam",
                 shards: int = 1, tied: int = 0, compensation: str = NO_COMPENSATION,
-                grad_buffers: int | None = None, grad_accumulation: str = "fp32") -> dict:
+                grad_buffers: int | None = None, grad_accumulation: str = "fp32",
+                bucket: int | None = None) -> dict:
     """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
     the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
     which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
@@ -26,10 +27,13 @@ def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam"
     `grad_buffers`: fp32 gradient buffers (None: one per slot; fewer, a one-buffer 2BW, keeps
     each slot's loss in one fp32 element of its own: pipeline/weights.py); `grad_accumulation`:
     --grad-accumulation (bf16/fp16 "buffer" keeps a low-precision gradient of the stage; "fp32"
-    none: each parameter's exists only while its hook adds it into fp32, as in Megatron)."""
+    none: each parameter's exists only while its hook adds it into fp32, as in Megatron);
+    `bucket`: --ddp-bucket-size (None: Megatron's default for w; with the distributed optimizer
+    every bucket is padded to a multiple of w, shard_layout.py `padded_numel`)."""
     p = DTYPE_BYTES[dtype]
     mixed = dtype != "fp32"
-    n = padded_numel(params, tied, shards) if shards > 1 else params
+    n = padded_numel(params, tied, shards, bucket_elements(bucket, shards)) if shards > 1 \
+        else params
     shard = n // shards
     g = num_slots if grad_buffers is None else grad_buffers
     return {"weights": num_slots * n * p,

@@ -15,7 +15,7 @@ have a member on one node (a ring leaves a node once per direction). On a topolo
 """
 from __future__ import annotations
 
-from megatron_2bw.schedule.nccl_posts import rank_of  # the grid's arithmetic, without torch
+from megatron_2bw.schedule.comm_layout import rank_of  # the grid's arithmetic, without torch
 
 
 def placement(layout, topology) -> tuple:

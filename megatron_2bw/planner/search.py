@@ -160,11 +160,13 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            num_microbatches=None, distributed_optimizer=(False, True),
            sequence_parallel=(False, True), compensation: str = NO_COMPENSATION,
            group=None, grad_reduce_bytes: float = 4.0,
-           one_buffer: bool = True, grad_accumulation: str = "fp32") -> SearchResult:
+           one_buffer: bool = True, grad_accumulation: str = "fp32",
+           overlap_grad_reduce: bool = True, bucket: int | None = None) -> SearchResult:
     """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
     try a 2BW layout whose two gradient buffers do not fit with fewer (`_fewer_buffers`; False:
     two only).
     `grad_accumulation`: --grad-accumulation (Setup's, the memory of bf16/fp16 gradients).
+    `overlap_grad_reduce`, `bucket`: Setup's (--no-overlap-grad-reduce, --ddp-bucket-size).
     `group(layout) -> key`, when given, also finds the best layout of every group (in
     `best_by`, as a search restricted to that group would; `smallest_by` for the footprints)
     within the same branch and bound: no second search."""
@@ -173,7 +175,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
     profile.check_model(model, dtype)
     setup = Setup(model, dtype, optimizer, arch, compensation=compensation,
-                  grad_reduce_bytes=grad_reduce_bytes, grad_accumulation=grad_accumulation)
+                  grad_reduce_bytes=grad_reduce_bytes, grad_accumulation=grad_accumulation,
+                  overlap_grad_reduce=overlap_grad_reduce, bucket=bucket)
     times = LayerTimes(setup, profile, topology)
     usable = topology.usable_memory_gb * GB
     considered, smallest, cands, smallest_by, left = 0, float("inf"), [], {}, {}

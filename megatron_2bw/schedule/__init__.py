@@ -16,7 +16,7 @@ training, planner, deepspeed, testing, pretrain, generate, fs, pipe.
 
 from megatron_2bw.schedule.nccl_order import (NcclOrderError, NcclReport, check_nccl_order,
                                               early_receives_safe)
-from megatron_2bw.schedule.nccl_posts import CommLayout
+from megatron_2bw.schedule.comm_layout import CommLayout
 
 __all__ = ["CommLayout", "NcclOrderError", "NcclReport", "check_nccl_order",
            "early_receives_safe"]

@@ -15,8 +15,12 @@ action(s) the engine runs when it posts or waits. It mirrors, step for step:
     parallel/p2p.py          activations on the pair's activation group (s -> s+1), gradients on
                              its gradient group (s+1 -> s): one group each under NCCL
                              (`split_pairs`), one shared group under gloo's layout;
+    pipeline/grad_reduce.py  with `early_reduce`, the data-parallel buckets the stage's last
+                             backward of batch t produces start inside it (before that
+                             backward's tensor-parallel all-reduces: a bound on when they post);
     pipeline/batch_step.py   R: the sequence-parallel all-reduce over tp (blocking), then the
-                             data-parallel all-reduce (distributed optimizer: reduce-scatter) and
+                             data-parallel all-reduce of the other buckets (distributed
+                             optimizer: reduce-scatter) and
                              the tied all-reduce (first and last stage) started async; N: waits
                              for dp (and tied on the first stage), starts the norm all-reduce
                              over mp (distributed optimizer: the world); S: waits for tied and
@@ -37,51 +41,12 @@ it posts and waits exactly as `stage_program` says.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from megatron_2bw.schedule.actions import (BACKWARD, FORWARD, NORM, RECV_ACT, RECV_GRAD, REDUCE,
                                            SEND_ACT, SEND_GRAD, STEP, header_period, is_header)
+from megatron_2bw.schedule.comm_layout import CommLayout, rank_of
 
 POST, WAIT = "post", "wait"
 INIT = "communicator init"  # what the first use of a pair communicator is (lazy_p2p_init)
-
-
-@dataclass(frozen=True)
-class CommLayout:
-    """What decides a rank's communication besides its table: the tensor and data-parallel sizes
-    (the pipeline size is the schedule's), the rank order and the options that add collectives."""
-    tensor: int = 1
-    data: int = 1
-    rank_order: str = "tp-dp-pp"
-    tied: bool = True                   # tied embeddings: the first and last stage all-reduce
-    distributed_optimizer: bool = False  # reduce-scatter, world norm, all-gather after S
-    sequence_parallel: bool = False     # R all-reduces part of the gradient over tp first
-    compensation: bool = False          # a predicting 2BW compensation (views re-publish)
-    views: bool = False                 # a view (eval / checkpoint) between every two windows
-    split_pairs: bool = True            # a group per direction of a stage pair (NCCL's layout)
-    early_receives: bool = True         # post the next group's receives early
-    lazy_p2p_init: bool = True          # a pair communicator's first post blocks both ranks
-                                        # until both reach it (NCCL may create p2p lazily)
-    shapes: str = "batch"               # which microbatches carry a header (actions.SHAPE_MODES)
-
-    def __post_init__(self):
-        for name in ("tensor", "data"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"CommLayout.{name} must be an integer >= 1, got {value!r}")
-        if self.rank_order not in ("tp-dp-pp", "tp-pp-dp"):
-            raise ValueError(f"CommLayout.rank_order {self.rank_order!r}: use 'tp-dp-pp' or "
-                             "'tp-pp-dp'")
-
-    @property
-    def sharded(self) -> bool:
-        return self.distributed_optimizer and self.data > 1
-
-
-def rank_of(tp: int, pp: int, dp: int, t: int, d: int, w: int, order: str) -> int:
-    """The global rank of (tp, pp, dp) at t x d x w in rank order `order`: parallel/grid.py's
-    arithmetic, pure, for this validator and the planner (tests check the three agree)."""
-    return tp + t * (dp + w * pp) if order == "tp-dp-pp" else tp + t * (pp + d * dp)
 
 
 def comm_groups(actions: list) -> list[tuple[int, int]]:
@@ -209,6 +174,7 @@ class _Rank:
         self.inputs, self.grad_in, self.outputs = set(), set(), set()
         self.pending, self.sends = {}, []
         self.reductions, self.gathers, self.showing = {}, {}, False
+        self.backwards = {}  # batch -> its backwards run (GradReduction.before_backward)
 
     def run(self, actions, forward_only=False):
         groups = comm_groups(actions)
@@ -305,6 +271,11 @@ class _Rank:
         if k in (FORWARD, BACKWARD):
             if k == FORWARD and not forward_only:
                 self.wait(self.gathers.pop(a.version, ()))  # wait_weights(slot)
+            if k == BACKWARD and self.L.early_reduce:  # buckets start inside the last one
+                t = a.mb // self.sched.num_microbatches
+                self.backwards[t] = self.backwards.get(t, 0) + 1
+                if self.backwards[t] == self.sched.num_microbatches:
+                    self.reductions[t] = {"early": self.coll("dp", self._dp_what(t, a))}
             if "tp" in self.comms:
                 self.blocking("tp", None, f"tensor-parallel all-reduce in {a}")
             if k == FORWARD:
@@ -319,10 +290,13 @@ class _Rank:
             t = a.batch
             if self.L.sequence_parallel and "tp" in self.comms:
                 self.blocking("tp", None, f"sequence-parallel all-reduce R{t}")
-            dp = self.coll("dp", f"{'reduce-scatter' if self.L.sharded else 'all-reduce'} "
-                                 f"of the gradients R{t}")
+            early = self.reductions.pop(t, {}).get("early", [])
+            # what R starts itself: the tail (all-reduced with the gradients) and the
+            # sequence-parallel buckets; the distributed optimizer's tail rides with the norm
+            rest = not early or not self.L.sharded or self.L.sequence_parallel
+            dp = self.coll("dp", self._dp_what(t)) if rest else []
             tied = self.coll("tied", f"tied-embedding all-reduce R{t}") if self.tied else []
-            self.reductions[t] = {"dp": dp, "tied": tied}
+            self.reductions[t] = {"dp": early + dp, "tied": tied}
         elif k == NORM:
             t = a.batch
             works = self.reductions[t]
@@ -338,6 +312,10 @@ class _Rank:
             self.wait(works.pop("norm"))  # fp16: the inf check reads it on the host
             if self.L.sharded:
                 self.publish(self.kind.step_writes_slot(t), f"S{t}")
+
+    def _dp_what(self, t, backward=None):
+        what = f"{'reduce-scatter' if self.L.sharded else 'all-reduce'} of the gradients R{t}"
+        return what + (f" (buckets started in {backward})" if backward is not None else "")
 
     def publish(self, slot, why):
         """Compensator.publish on sharded weights: wait for the slot's gather, start the next."""

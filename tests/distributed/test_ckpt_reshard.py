@@ -202,15 +202,19 @@ def saved_distributed(tmp_path_factory):
     return saved
 
 
-@pytest.mark.parametrize("t,d,w,schedule,extra", [(1, 2, 1, "flush", ()),
-                                                  (2, 1, 2, "2bw", DISTRIBUTED)],
-                         ids=["t1d2w1-flush", "t2d1w2-2bw-distributed"])
+@pytest.mark.parametrize("t,d,w,schedule,extra", [
+    (1, 2, 1, "flush", ()), (2, 1, 2, "2bw", DISTRIBUTED),
+    (1, 2, 2, "flush", DISTRIBUTED + ("--ddp-bucket-size", "3000"))],
+    ids=["t1d2w1-flush", "t2d1w2-2bw-distributed", "t1d2w2-flush-distributed-buckets"])
 def test_a_distributed_optimizer_checkpoint_loads_into_another_layout_and_sharding(
         saved_distributed, t, d, w, schedule, extra):
     """Saved at (1, 2, 2) 2bw with --use-distributed-optimizer: loads without it at (1, 2, 1)
-    flush, and with it at (2, 1, 2) 2bw, where every rank's pieces cover other parameters."""
+    flush, and with it at (2, 1, 2) 2bw, where every rank's pieces cover other parameters, and
+    at (1, 2, 2) cut into reduction buckets of 3000 parameters (one piece per bucket)."""
     dumps = check_load(saved_distributed, t, d, w, schedule, extra)
     assert all((x["pieces"] is not None) == bool(extra) for x in dumps)
+    if "--ddp-bucket-size" in extra:
+        assert all(len(x["pieces"]["pieces"]) >= 3 for x in dumps)
 
 
 def test_the_checkpoint_reads_with_dcp_alone_as_full_tensors(saved, tmp_path):

@@ -2,7 +2,8 @@
 a gloo run records each operation it posts and each wait, with its communicator, through its
 Comm (p2p, the data-parallel reduce-scatter or all-reduce, the tied and norm all-reduces, the
 distributed optimizer's all-gathers, the compensation's), and the sequence is exactly
-`schedule.nccl_posts.stage_program`'s for that rank; the run stays exact."""
+`schedule.nccl_posts.stage_program`'s for that rank, with the data-parallel buckets started in
+the batch's last backward and without; the run stays exact."""
 import json
 import os
 
@@ -92,7 +93,7 @@ class RecordingEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self.log = []
         comm = _RecordingComm(self.grid.comm, self.grid, self.log)
-        self.stepper.comm = self.p2p.comm = comm
+        self.stepper.comm = self.stepper.reduction.comm = self.p2p.comm = comm
 
     def fp32_state(self):
         state = super().fp32_state()  # the end of the run: a view (show_newest, every gather)
@@ -136,7 +137,8 @@ def _model(cfg, grid_coords, layout):
 
 @pytest.mark.parametrize("schedule,extra", [
     ("2bw", ["--use-distributed-optimizer", "--2bw-compensation", "predict"]),
-    pytest.param("flush", [], marks=pytest.mark.slow)])
+    ("flush", ["--ddp-bucket-size", "3000"]),
+    pytest.param("flush", ["--no-overlap-grad-reduce"], marks=pytest.mark.slow)])
 def test_the_engine_posts_and_waits_as_the_validator_replays(schedule, extra, tmp_path,
                                                              monkeypatch):
     d, w = 2, 2
@@ -150,6 +152,7 @@ def test_the_engine_posts_and_waits_as_the_validator_replays(schedule, extra, tm
     assert rep.passed(1e-5) and not rep.problems, rep
     layout = CommLayout(data=w, distributed_optimizer="--use-distributed-optimizer" in extra,
                         compensation="--2bw-compensation" in extra,
+                        early_reduce="--no-overlap-grad-reduce" not in extra,
                         shapes="fixed")  # build_engine's: every batch [b, seq], no headers
     grid = ProcessGrid(1, d, w)
     for r in range(d * w):

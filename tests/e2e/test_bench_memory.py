@@ -1,6 +1,7 @@
-"""bench/memory.py and bench/grad_accumulation.py end to end (--tiny): every engine buffer equals
-the memory model's bytes (distributed optimizer, gradient buffers, low-precision gradient), and
-both bf16 gradient-accumulation modes train bitwise alike."""
+"""bench/memory.py, bench/grad_accumulation.py and bench/grad_reduce.py end to end (--tiny):
+every engine buffer equals the memory model's bytes (distributed optimizer, gradient buffers,
+low-precision gradient), both bf16 gradient-accumulation modes train bitwise alike, and so do
+buckets started in the last backward and at R."""
 import json
 
 import pytest
@@ -90,4 +91,17 @@ def test_grad_accumulation_tiny_both_modes_train_bitwise_alike(tmp_path):
     from megatron_2bw.schedule.kinds import schedule_names
     assert [r["schedule"] for r in rows] == list(schedule_names())
     assert all(r["losses_equal"] and r["fp32"] > 0 and r["buffer"] > 0 for r in rows)
+    assert out.count("bitwise equal") == len(rows)
+
+
+def test_grad_reduce_tiny_starts_buckets_early_and_trains_bitwise_alike(tmp_path):
+    """Issue 32 point 1: bench/grad_reduce.py times buckets started in the last backward against
+    all at R on two data-parallel ranks; the losses are bitwise equal and buckets did start
+    early (the script fails otherwise)."""
+    out = _run(["bench/grad_reduce.py", "--tiny", "--shapes", "small", "--json",
+                tmp_path / "r.json"])
+    rows = json.loads((tmp_path / "r.json").read_text())["results"]["small"]["rows"]
+    from megatron_2bw.schedule.kinds import schedule_names
+    assert [r["schedule"] for r in rows] == list(schedule_names())
+    assert all(r["losses_equal"] and r["buckets"] >= 2 and r["started_early"] > 0 for r in rows)
     assert out.count("bitwise equal") == len(rows)

@@ -51,10 +51,10 @@ def test_fp8_flags_are_refused_in_one_line(capsys):
 def test_neutral_values_are_accepted_and_selectors_are_stated():
     b = built(["--context-parallel-size", "1", "--expert-model-parallel-size", "1",
                "--fp8-amax-compute-algo", "most_recent", "--attention-backend", "fused",
-               "--use-mcore-models", "--transformer-impl", "local", "--overlap-grad-reduce"])
+               "--use-mcore-models", "--transformer-impl", "local", "--overlap-param-gather"])
     notes = "\n".join(b.notes)
     for flag in ("--attention-backend fused", "--use-mcore-models", "--transformer-impl local",
-                 "--overlap-grad-reduce"):
+                 "--overlap-param-gather"):
         assert f"megatron-2bw: {flag}: " in notes, flag
     assert len([n for n in b.notes if "pipeline stage" not in n]) == 4  # + the d=1 schedule line
     help_text = build_parser("gpt").format_help()

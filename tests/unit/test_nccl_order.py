@@ -32,21 +32,22 @@ def _cases(stages):
             if not kind.accepts(d, m):
                 continue
             for t0 in (range(2 * kind.num_slots) if kind.is_training else (0,)):
-                for sharded, comp, views in itertools.product(
+                for sharded, comp, views, early in itertools.product(
                         (False, True) if w > 1 else (False,),
-                        (False, True) if kind.delay == 1 else (False,), (False, True)):
+                        (False, True) if kind.delay == 1 else (False,), (False, True),
+                        (False, True) if w > 1 else (False,)):
                     if views and not (sharded or comp):
                         continue  # (a view posts nothing then)
                     yield kind, d, m, t0, CommLayout(
                         tensor=t, data=w, distributed_optimizer=sharded, compensation=comp,
-                        views=views, sequence_parallel=t > 1, tied=True)
+                        views=views, sequence_parallel=t > 1, tied=True, early_reduce=early)
 
 
 def _ids(case):
     kind, d, m, t0, L = case
     return (f"{kind.name}-d{d}-m{m}-t0{t0}-t{L.tensor}w{L.data}"
             f"{'-distopt' if L.distributed_optimizer else ''}{'-comp' if L.compensation else ''}"
-            f"{'-views' if L.views else ''}")
+            f"{'-views' if L.views else ''}{'-early' if L.early_reduce else ''}")
 
 
 ALL = list(_cases(range(1, 9)))

@@ -177,8 +177,10 @@ def test_the_engine_asks_one_layout_on_every_rank():
              LayerSpec(build=None, tied_key="embed")]
     layouts = {comm_layout(cfg, ProcessGrid(2, 2, 4, rank=r), specs) for r in range(16)}
     assert layouts == {CommLayout(tensor=1, data=2, tied=True, distributed_optimizer=True,
-                                  views=True)}
+                                  views=True, early_reduce=True)}
     assert not comm_layout(cfg, ProcessGrid(2, 2, 4), specs[1:2]).tied
+    late = cfg.replace(parallel={"overlap_grad_reduce": False})
+    assert not comm_layout(late, ProcessGrid(2, 2, 4), specs).early_reduce
 
 
 # one microbatch at a time (a custom table the simulator accepts): safe with each receive at its
