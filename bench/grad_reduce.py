@@ -89,6 +89,9 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_round_args(p, SHAPES)
+    p.add_argument("--bucket", type=int, default=None,
+                   help="parameters per bucket for every shape (default: the shape's; "
+                        "40000000 is Megatron's default at w=2: one bucket here)")
     args = p.parse_args(argv)
     args.shape_names = C.chosen(p, args.shapes, SHAPES, "shape")
     return args
@@ -101,6 +104,7 @@ def main(argv=None) -> int:
     for shape in args.shape_names:
         spec = C.round_spec(SHAPES[shape], args, dict(layers=1, hidden=16, heads=2, seq=8,
                                                       vocab=64, m=2, bucket=300))
+        spec["bucket"] = args.bucket or spec["bucket"]
         names = [f"{s}:{mode}" for s in SCHEDULES for mode in MODES]
         res = C.run_spawned(run, 2, (spec, names), timeout=args.timeout)[0]
         results[shape] = summarize(spec, res)
