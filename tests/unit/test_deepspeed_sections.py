@@ -1,5 +1,6 @@
 """DeepSpeed JSON sections beyond the batch and optimizer (issue 33), no processes: strict mode
-at the pretrain and initialize front doors, ZeRO stage 1 as the distributed optimizer, the
+at the pretrain and initialize front doors, ZeRO stage 1 as the distributed optimizer (its
+reduce_bucket_size and overlap_comm as the gradient reduction's buckets and overlap), the
 monitor sections, activation_checkpointing and fp16.auto_cast (the rest of the JSON mapping:
 test_deepspeed_config.py)."""
 import importlib.util
@@ -45,6 +46,23 @@ def test_zero_stage_1_is_the_distributed_optimizer():
         assert cfg.parallel.distributed_optimizer is False
     one_line_error(config_from_deepspeed, {**BASE, "zero_optimization": {"stage": "1"}},
                    world_size=4, num_stages=2, num_layers=4, match="must be 0, 1, 2 or 3")
+
+
+def test_zero_stage_1_bucket_size_and_overlap_are_the_reductions():
+    """reduce_bucket_size (elements) and overlap_comm at stage 1: the reduce-scatter's buckets
+    and whether they start during the last backward (pipeline/grad_reduce.py)."""
+    zero = {"stage": 1, "reduce_bucket_size": 5e8, "overlap_comm": False}
+    cfg, _ = config_from_deepspeed({**BASE, "zero_optimization": zero}, world_size=4,
+                                   num_stages=2, num_layers=4)
+    assert cfg.parallel.grad_bucket_size == 500_000_000 and not cfg.parallel.overlap_grad_reduce
+    cfg, _ = config_from_deepspeed({**BASE, "zero_optimization": {"stage": 1}}, world_size=4,
+                                   num_stages=2, num_layers=4)
+    assert cfg.parallel.grad_bucket_size is None and cfg.parallel.overlap_grad_reduce
+    for bad in (0, 1.5, "big", True):
+        one_line_error(config_from_deepspeed,
+                       {**BASE, "zero_optimization": {"stage": 1, "reduce_bucket_size": bad}},
+                       world_size=4, num_stages=2, num_layers=4,
+                       match="zero_optimization.reduce_bucket_size must be a positive")
 
 
 def test_monitor_sections_keys_types_and_packages():

@@ -29,6 +29,8 @@ What maps where (DeepSpeed key -> Config field, Megatron flag):
                                       schedule, model.recompute_*  --pipeline-schedule ...
     zero_optimization {stage}         1: parallel.distributed_optimizer  --use-distributed-optimizer
                                       (sharded over the replicas); 0: none; 2, 3: refused
+      {reduce_bucket_size, overlap_comm}  at stage 1: parallel.grad_bucket_size,
+                                      parallel.overlap_grad_reduce  --ddp-bucket-size ...
 
 Any two of the batch triple imply the third (train_batch = micro x accumulation x data-parallel
 size). Every bad setting is a one-line `ConfigError` naming the JSON key, raised before any

@@ -69,10 +69,26 @@ def _zero_settings(ds: dict) -> list[Setting]:
     distributed optimizer: master weights and optimizer state sharded over the replicas, the
     same arithmetic (stages 2 and 3 are refused in _check_keys_and_zero)."""
     zero = ds.get("zero_optimization") or {}
-    if isinstance(zero, dict) and zero.get("stage", 0) == 1:
-        return [Setting("zero_optimization.stage", "--use-distributed-optimizer",
-                        "parallel.distributed_optimizer", True)]
-    return []
+    if not (isinstance(zero, dict) and zero.get("stage", 0) == 1):
+        return []
+    out = [Setting("zero_optimization.stage", "--use-distributed-optimizer",
+                   "parallel.distributed_optimizer", True)]
+    # the gradient reduce-scatter's buckets and whether they overlap the backward
+    # (pipeline/grad_reduce.py), in DeepSpeed's units: elements, and a switch
+    if "reduce_bucket_size" in zero:
+        size = zero["reduce_bucket_size"]
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 1 or \
+                size != int(size):
+            fail("DeepSpeed config: zero_optimization.reduce_bucket_size must be a positive "
+                 f"number of elements, got {size!r}")
+        out.append(Setting("zero_optimization.reduce_bucket_size", "--ddp-bucket-size",
+                           "parallel.grad_bucket_size", int(size)))
+    if "overlap_comm" in zero:
+        on = bool(zero["overlap_comm"])
+        out.append(Setting("zero_optimization.overlap_comm",
+                           "--overlap-grad-reduce" if on else "--no-overlap-grad-reduce",
+                           "parallel.overlap_grad_reduce", on))
+    return out
 
 
 def _logging_settings(ds: dict) -> list[Setting]:
