@@ -26,6 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+import _rounds as R  # noqa: E402
 from overhead import make_config, timed_rounds  # noqa: E402
 from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
 
@@ -50,12 +51,12 @@ def run(rank, world, spec, names):
 
 
 def summarize(spec: dict, res: dict, schedules) -> dict:
-    out = C.samples_per_s(res["times"], spec["micro"] * spec["m"] * spec["batches"])
+    out = R.samples_per_s(res["times"], spec["micro"] * spec["m"] * spec["batches"])
     rows = []
     for s in schedules:
         a, b = f"{s}:fp32", f"{s}:buffer"
         rows.append({"schedule": s, "fp32": out[a]["samples_per_s"],
-                     "buffer": out[b]["samples_per_s"], **C.paired_row(out, res["losses"], a, b)})
+                     "buffer": out[b]["samples_per_s"], **R.paired_row(out, res["losses"], a, b)})
     return {"spec": spec, "rows": rows}
 
 
@@ -75,30 +76,26 @@ def format_summary(name: str, summary: dict) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_round_args(p, SHAPES)
+    R.add_round_args(p, SHAPES)
     p.add_argument("--schedules", default=",".join(schedule_names()))
     args = p.parse_args(argv)
-    args.shape_names = C.chosen(p, args.shapes, SHAPES, "shape")
-    args.schedule_names = C.chosen(p, args.schedules, schedule_names(), "schedule")
+    args.shape_names = R.chosen(p, args.shapes, SHAPES, "shape")
+    args.schedule_names = R.chosen(p, args.schedules, schedule_names(), "schedule")
     return args
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    print(f"# bench/grad_accumulation.py  {C.stamp()}\n# {C.command_line()}", flush=True)
-    results, ok = {}, True
-    for shape in args.shape_names:
-        spec = C.round_spec(SHAPES[shape], args,
-                            dict(layers=1, hidden=16, heads=2, seq=8, vocab=64, m=2))
-        names = [f"{s}:{mode}" for s in args.schedule_names for mode in MODES]
+    names = [f"{s}:{mode}" for s in args.schedule_names for mode in MODES]
+
+    def measure(shape, spec):
         res = C.run_spawned(run, 1, (spec, names), timeout=args.timeout)[0]
-        results[shape] = summarize(spec, res, args.schedule_names)
-        ok = ok and all(r["losses_equal"] for r in results[shape]["rows"])
-        print(format_summary(shape, results[shape]), flush=True)
-    if args.json:
-        C.write_json(args.json, {"date": C.stamp(), "command": C.command_line(),
-                                 "results": results})
-    return 0 if ok else 1
+        summary = summarize(spec, res, args.schedule_names)
+        ok = all(r["losses_equal"] for r in summary["rows"])
+        return summary, format_summary(shape, summary), ok
+
+    return R.run_shapes("bench/grad_accumulation.py", args, SHAPES,
+                        dict(layers=1, hidden=16, heads=2, seq=8, vocab=64, m=2), measure)
 
 
 if __name__ == "__main__":

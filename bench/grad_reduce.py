@@ -27,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
+import _rounds as R  # noqa: E402
 import overhead  # noqa: E402
 from megatron_2bw.schedule.kinds import schedule_names  # noqa: E402
 
@@ -60,12 +61,12 @@ def run(rank, world, spec, names):
 
 
 def summarize(spec: dict, res: dict) -> dict:
-    out = C.samples_per_s(res["times"], spec["micro"] * spec["m"] * 2 * spec["batches"])
+    out = R.samples_per_s(res["times"], spec["micro"] * spec["m"] * 2 * spec["batches"])
     rows = []
     for s in SCHEDULES:
         a, b = f"{s}:early", f"{s}:at-R"
         rows.append({"schedule": s, "early": out[a]["samples_per_s"],
-                     "at_r": out[b]["samples_per_s"], **C.paired_row(out, res["losses"], a, b),
+                     "at_r": out[b]["samples_per_s"], **R.paired_row(out, res["losses"], a, b),
                      "buckets": res["buckets"][a]["buckets"],
                      "started_early": res["buckets"][a]["early"]})
     return {"spec": spec, "rows": rows}
@@ -88,35 +89,31 @@ def format_summary(name: str, summary: dict) -> str:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_round_args(p, SHAPES)
+    R.add_round_args(p, SHAPES)
     p.add_argument("--bucket", type=int, default=None,
                    help="parameters per bucket for every shape (default: the shape's; "
                         "40000000 is Megatron's default at w=2: one bucket here)")
     args = p.parse_args(argv)
-    args.shape_names = C.chosen(p, args.shapes, SHAPES, "shape")
+    args.shape_names = R.chosen(p, args.shapes, SHAPES, "shape")
     return args
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    print(f"# bench/grad_reduce.py  {C.stamp()}\n# {C.command_line()}", flush=True)
-    results, ok = {}, True
-    for shape in args.shape_names:
-        spec = C.round_spec(SHAPES[shape], args, dict(layers=1, hidden=16, heads=2, seq=8,
-                                                      vocab=64, m=2, bucket=300))
+    names = [f"{s}:{mode}" for s in SCHEDULES for mode in MODES]
+
+    def measure(shape, spec):
         spec["bucket"] = args.bucket or spec["bucket"]
-        names = [f"{s}:{mode}" for s in SCHEDULES for mode in MODES]
-        res = C.run_spawned(run, 2, (spec, names), timeout=args.timeout)[0]
-        results[shape] = summarize(spec, res)
-        ok = ok and all(r["losses_equal"] and r["started_early"] > 0
-                        for r in results[shape]["rows"])
-        print(format_summary(shape, results[shape]), flush=True)
-    if args.json:
-        C.write_json(args.json, {"date": C.stamp(), "command": C.command_line(),
-                                 "results": results})
-    if not ok:
+        summary = summarize(spec, C.run_spawned(run, 2, (spec, names), timeout=args.timeout)[0])
+        ok = all(r["losses_equal"] and r["started_early"] > 0 for r in summary["rows"])
+        return summary, format_summary(shape, summary), ok
+
+    rc = R.run_shapes("bench/grad_reduce.py", args, SHAPES,
+                      dict(layers=1, hidden=16, heads=2, seq=8, vocab=64, m=2, bucket=300),
+                      measure)
+    if rc:
         print("FAILED: the modes' losses differ, or no bucket started early", file=sys.stderr)
-    return 0 if ok else 1
+    return rc
 
 
 if __name__ == "__main__":
