@@ -112,21 +112,17 @@ class GradReduction:
         """R: start what the backward did not (buffer order), then the tail; returns every work
         of the batch's data-parallel reduction (N waits for them)."""
         started = self.started.pop(batch, {})
-        n = self.w.numel
-        scale = 1.0 / self.dp_size
-        last = len(self.buckets) - 1
-        works = []
-        for b in range(len(self.buckets)):
-            if b in started:
-                works.append(started[b])
-            else:
-                works.append(self._start(buf, b, tail=b == last))
+        n, last = self.w.numel, len(self.buckets) - 1
+        # unsharded, the tail is all-reduced with the last bucket when that one starts here
+        tail_rides = not self.sharded and self.buckets and last not in started
+        works = [started[b] if b in started else self._start(buf, b, tail=b == last)
+                 for b in range(len(self.buckets))]
         if self.dp_size > 1:
             if self.cross_stage_tied:  # the tied all-reduce averages it across replicas
-                buf[:self.w.tied_end].mul_(scale)
-            if self.sharded or last in started or not self.buckets:
-                buf[n:].mul_(scale)
-        if last in started and not self.sharded:
+                buf[:self.w.tied_end].mul_(1.0 / self.dp_size)
+            if not tail_rides:
+                buf[n:].mul_(1.0 / self.dp_size)
+        if not self.sharded and self.buckets and not tail_rides:  # the tail on its own
             works.append(self.comm.all_reduce(buf[n:], self.group, async_op=True))
         return works
 
