@@ -12,7 +12,6 @@ import json
 import math
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -93,12 +92,6 @@ def microbatches(n: int, b: int, s: int, h: int, seed: int = 0) -> list:
 # ---- processes ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RunError(RuntimeError):
     """A run failed or timed out; str() is one line."""
 
@@ -116,7 +109,9 @@ def _worker(rank, world, port, outdir, fn, args, threads):
     try:
         if world > 1:
             from megatron_2bw.parallel.distributed import init_process_group
-            init_process_group(rank, world, "gloo", timeout_minutes=5)
+            from megatron_2bw.testing.launch import connect_store
+            init_process_group(rank, world, "gloo", timeout_minutes=5,
+                               store=connect_store(port, world, 5))
         result = {"ok": fn(rank, world, *args)}
     except BaseException as e:  # noqa: BLE001 - reported to the parent as text
         traceback.print_exc()
@@ -157,8 +152,9 @@ def run_spawned(fn, world: int, args: tuple = (), timeout: float = 600.0, thread
     or a timeout) and kills the processes when a rank fails or hangs."""
     ctx = _context()
     outdir = tempfile.mkdtemp(prefix="bench_")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, outdir, fn, args, threads))
+    from megatron_2bw.testing.launch import host_store
+    store = host_store(world, 5)  # held until the ranks have exited
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, outdir, fn, args, threads))
              for r in range(world)]
     for p in procs:
         p.start()

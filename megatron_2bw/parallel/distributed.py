@@ -44,20 +44,24 @@ def nccl_error_handling(environ=os.environ) -> dict[str, str]:
 
 def init_process_group(rank: int, world_size: int, backend: str | None = None,
                        timeout_minutes: float = 10.0, init_method: str | None = None,
-                       device: torch.device | None = None) -> str:
+                       device: torch.device | None = None, store=None) -> str:
     """Initialize the default group (idempotent). Returns the backend used. With NCCL, `device`
     (the rank's GPU, already current) binds the group to it (`device_id`): communicators are
-    created eagerly on the right GPU instead of lazily on whatever device is current."""
+    created eagerly on the right GPU instead of lazily on whatever device is current. `store`:
+    a rendezvous store a launcher already hosts (this rank a client of it), instead of
+    `init_method`."""
     backend = backend or default_backend()
     if dist.is_initialized():
         return dist.get_backend()
-    if init_method is None:
+    extra = {}
+    if store is not None:
+        extra["store"] = store
+    elif init_method is None:
         if "RANK" not in os.environ:
             slurm_rendezvous()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         init_method = "env://"
-    extra = {}
     if backend == "nccl":
         nccl_error_handling()
     if backend == "nccl" and device is not None and device.type == "cuda" and _HAS_DEVICE_ID:
@@ -71,13 +75,14 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None,
 
 def start_process_group(rank: int, world_size: int, local_rank: int = 0,
                         backend: str | None = None, timeout_minutes: float = 10.0,
-                        init_method: str | None = None):
+                        init_method: str | None = None, store=None):
     """The set-up order clusters need, in one place: the rank's device from its local rank (made
     current), then the default group bound to it, then a `Comm` on that device carrying the
     timeout (the grid creates its groups through it afterwards). Returns the Comm."""
     backend = backend or default_backend()
     device = default_device(local_rank, backend)
-    backend = init_process_group(rank, world_size, backend, timeout_minutes, init_method, device)
+    backend = init_process_group(rank, world_size, backend, timeout_minutes, init_method, device,
+                                 store)
     return Comm(device, backend, timeout_minutes)
 
 
