@@ -107,11 +107,12 @@ def _worker(rank, world, port, outdir, fn, args, threads):
     torch.set_num_threads(threads)
     result = {}
     try:
-        if world > 1:
-            from megatron_2bw.parallel.distributed import init_process_group
-            from megatron_2bw.testing.launch import connect_store
-            init_process_group(rank, world, "gloo", timeout_minutes=5,
-                               store=connect_store(port, world, 5))
+        # every run, one rank too, joins the parent's store: MASTER_PORT names a port the
+        # parent holds, so a later env:// rendezvous (a DeepSpeed-style initialize) would fail
+        from megatron_2bw.parallel.distributed import init_process_group
+        from megatron_2bw.testing.launch import connect_store
+        init_process_group(rank, world, "gloo", timeout_minutes=5,
+                           store=connect_store(port, world, 5))
         result = {"ok": fn(rank, world, *args)}
     except BaseException as e:  # noqa: BLE001 - reported to the parent as text
         traceback.print_exc()

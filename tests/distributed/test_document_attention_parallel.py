@@ -1,7 +1,9 @@
 """--reset-attention-mask on real gloo processes (issue 34): two pipeline stages (the second gets
 the document ids with the hidden state), two tensor ranks with sequence parallelism and grouped
 queries equal the single-process reference (testing/verify.py, fp32, rtol 1e-5). The data's
-documents are real ones: the mock token chosen as the eod ends documents inside the samples."""
+documents are real ones: the mock token chosen as the eod ends documents inside the samples.
+lr 1e-3: at 1e-2 Adam magnifies the tensor ranks' reassociation to 7e-6 here and 2.4e-5 on
+another CPU (CI); at 1e-3 it is 8e-7, and a wrong mask still shows in the first loss."""
 import torch
 
 from megatron_2bw.testing.verify import parse, run
@@ -11,7 +13,7 @@ EOD = 5
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention "
          "--num-query-groups 2 --seq-length 16 --max-position-embeddings 16 --vocab-size 32 "
          "--micro-batch-size 2 --global-batch-size 8 "
-         "--train-iters 3 --lr 1e-2 --schedule 2bw "
+         "--train-iters 3 --lr 1e-3 --schedule 2bw "
          "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
          "--sequence-parallel").split()
 
