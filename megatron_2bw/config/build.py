@@ -25,7 +25,8 @@ from typing import Callable, NamedTuple
 
 from megatron_2bw.config import Config, Fixed
 from megatron_2bw.config.compat import notes as compat_notes
-from megatron_2bw.config.flags import config_from_args, schedule_given
+from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.config.schedule_flags import schedule_given
 from megatron_2bw.config.ramps import resolve_ramp
 from megatron_2bw.schedule.kinds import default_schedule, one_stage_note, schedule_kind
 
@@ -61,7 +62,8 @@ class BuiltConfig(NamedTuple):
 
 
 FLAG_DESTS = {"--2bw-compensation": "compensation",  # flags whose dest is not their name
-              "--2bw-grad-buffers": "grad_buffers"}
+              "--2bw-grad-buffers": "grad_buffers",
+              "--gpipe-microbatches-per-flush": "microbatches_per_flush"}
 
 
 def _typed_value(args, flag: str) -> str:

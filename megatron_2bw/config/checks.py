@@ -136,7 +136,7 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     if error:
         _fail(error)
     try:
-        schedule_kind_of(cfg.schedule, cfg.grad_buffers)
+        schedule_kind_of(cfg.schedule, cfg.grad_buffers, cfg.microbatches_per_flush)
     except ValueError as e:
         _fail(str(e))
     tr = cfg.train

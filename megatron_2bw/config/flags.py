@@ -6,7 +6,7 @@ import sys
 from dataclasses import replace
 
 from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
-                                 RECOMPUTE_GRANULARITIES, SCHEDULES, BatchConfig, Config,
+                                 RECOMPUTE_GRANULARITIES, BatchConfig, Config,
                                  ConfigError, ModelConfig, OptimizerConfig, ParallelConfig,
                                  TrainConfig)
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
@@ -15,9 +15,8 @@ from megatron_2bw.config.log_flags import add_observability_args
 from megatron_2bw.config.precision_flags import add_precision_args, precision_from_args
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
 from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
+from megatron_2bw.config.schedule_flags import add_schedule_args, schedule_fields
 from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
-from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
-from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, FIRST_STAGE, default_schedule
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -152,27 +151,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="default: world size / (tensor x pipeline), as Megatron derives it")
-    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=None,
-                   help=f"default: {default_schedule(1)} at one pipeline stage (a delayed "
-                        f"gradient gains nothing there), else {DEFAULT_SCHEDULE}")
-    g.add_argument("--2bw-compensation", dest="compensation", choices=method_names(),
-                   default=NO_COMPENSATION,
-                   help="2BW staleness compensation: predict = each batch runs forward and "
-                        "backward on the optimizer's prediction of the weights it would run on "
-                        "synchronously (bf16/fp16: no extra memory; fp32: one stage-sized "
-                        "buffer); predict-spike = predict plus spike compensation of Adam's "
-                        "momentum (ahead of GPipe at the usual settings); predict-nesterov = "
-                        "predict whose Adam update also takes the latest gradient (Nesterov "
-                        "form; the optimizer keeps it: one more stage-sized fp32 buffer; "
-                        "closest to GPipe at high constant lr; bench/README.md); "
-                        "none = plain 2BW (docs/ARCHITECTURE.md section 1)")
-    g.add_argument("--2bw-grad-buffers", dest="grad_buffers", type=grad_buffers_arg,
-                   default=None,
-                   help="2bw's fp32 gradient buffers per stage: 2 (default) = one per version; "
-                        "1 = one stage-sized buffer less, S(t) before batch t+1's first backward "
-                        "(it waits for batch t's grad norm there); first = one on the first "
-                        "stage (the one with the most microbatches in flight, which posts the "
-                        "norm last: about no wait), two on the others; the same numbers always")
+    add_schedule_args(g)
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -343,32 +322,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         num_workers=getattr(args, "num_workers", None),
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
     return Config(model=model, parallel=parallel, batch=batch, optimizer=optimizer,
-                  precision=precision, train=train, schedule=schedule_of_args(args),
-                  compensation=getattr(args, "compensation", NO_COMPENSATION),
-                  grad_buffers=getattr(args, "grad_buffers", None))
-
-
-def grad_buffers_arg(value: str):
-    """--2bw-grad-buffers: an integer, or `first` (schedule/kinds.py FIRST_STAGE)."""
-    if value == FIRST_STAGE:
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 2, 1 or {FIRST_STAGE}, got {value!r}") \
-            from None
-
-
-def schedule_given(args) -> bool:
-    """Whether the flags ask for a schedule (--2bw-compensation asks for 2BW)."""
-    return (getattr(args, "pipeline_schedule", None) is not None
-            or getattr(args, "compensation", NO_COMPENSATION) != NO_COMPENSATION)
-
-
-def schedule_of_args(args) -> str:
-    if not schedule_given(args):
-        return default_schedule(args.pipeline_model_parallel_size)
-    return args.pipeline_schedule or DEFAULT_SCHEDULE
+                  precision=precision, train=train, **schedule_fields(args))
 
 
 def recompute_from_args(args) -> tuple:

@@ -263,6 +263,8 @@ class Config:
     compensation: str = NO_COMPENSATION  # 2BW staleness compensation (pipeline/compensation.py)
     grad_buffers: int | str | None = None  # --2bw-grad-buffers: fp32 gradient buffers per stage
     # (schedule/kinds.py `with_grad_buffers`; None: the kind's own, one per weight version)
+    microbatches_per_flush: int | None = None  # --gpipe-microbatches-per-flush: GPipe runs each
+    # batch as flushes of at most this many microbatches (None: one flush of all m)
 
     fixed: tuple[Fixed, ...] = field(default=(), compare=False, repr=False)
 

@@ -69,7 +69,8 @@ class PipelineEngine(Interpreter):
         module = StageModule(specs, start, end, seed=cfg.train.seed,
                              recompute_method=cfg.model.recompute_method,
                              recompute_num_layers=cfg.model.recompute_num_layers)
-        self.kind = schedule_kind_of(cfg.schedule, cfg.grad_buffers)  # --2bw-grad-buffers
+        self.kind = schedule_kind_of(cfg.schedule, cfg.grad_buffers,  # --2bw-grad-buffers,
+                                     cfg.microbatches_per_flush)  # --gpipe-microbatches-per-flush
         shards = grid.data if cfg.parallel.distributed_optimizer else 1
         self.weights = VersionedWeights(
             module, self.kind.num_slots, cfg.precision.dtype, self.device, tied=module.tied,

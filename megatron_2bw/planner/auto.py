@@ -70,6 +70,8 @@ class Plan:
                 new = new.replace(**{path: value})
         if cfg.grad_buffers is None:  # None unless --2bw-grad-buffers was given (kept then)
             new = new.replace(grad_buffers=L.grad_buffers)
+        if cfg.microbatches_per_flush is None:  # likewise --gpipe-microbatches-per-flush
+            new = new.replace(microbatches_per_flush=L.microbatches_per_flush)
         return new
 
     def flags(self) -> str:
@@ -80,7 +82,8 @@ class Plan:
         return (f"auto-plan: {self.flags()} | predicted {e.samples_per_s:.3g} samples/s, "
                 f"bubble {e.bubble:.1%}, max memory {max(e.memory_gb):.2f} GB/GPU, "
                 f"partition {self.partition}"
-                + (f" | {why}" if (why := grad_buffers_reason(e, self.result.topology)) else ""))
+                + "".join(f" | {why}" for why in (grad_buffers_reason(e, self.result.topology),
+                                                  flushes_reason(e, self.result.topology)) if why))
 
 
 def layout_flags(L) -> str:
@@ -99,6 +102,8 @@ def layout_flags(L) -> str:
         flags += " --sequence-parallel"
     if L.grad_buffers is not None:
         flags += f" --2bw-grad-buffers {L.grad_buffers}"
+    if L.microbatches_per_flush is not None:
+        flags += f" --gpipe-microbatches-per-flush {L.microbatches_per_flush}"
     return flags
 
 
@@ -118,6 +123,19 @@ def grad_buffers_reason(est, topology) -> str:
     return (f"one gradient buffer (--2bw-grad-buffers 1): {why}one needs "
             f"{est.plan.max_memory / GB:.3g} GB, and each stage waits for its all-reduce before "
             "the next batch's first backward)")
+
+
+def flushes_reason(est, topology) -> str:
+    """Why the chosen GPipe layout runs each batch in flushes of k microbatches ('' when it does
+    not): the search splits a GPipe layout only when all m stashes do not fit (search.py)."""
+    k, L = est.layout.microbatches_per_flush, est.layout
+    if not k:
+        return ""
+    return (f"gpipe in flushes of {k} microbatches (--gpipe-microbatches-per-flush {k}): all "
+            f"{L.num_microbatches} in flight do not fit ({est.plan.all_in_flight_memory / GB:.3g}"
+            f" GB > {topology.usable_memory_gb:.3g} GB usable per GPU), {k} need "
+            f"{est.plan.max_memory / GB:.3g} GB, for {-(-L.num_microbatches // k)} pipeline "
+            "fills per batch instead of one")
 
 
 def planner_inputs(args, world_size: int):
@@ -197,4 +215,5 @@ def plan(cfg: Config, topology, profile, log=None) -> Config:
     return chosen.config(cfg)
 
 
-__all__ = ["Plan", "plan", "planner_inputs", "search_for", "layout_flags", "grad_buffers_reason"]
+__all__ = ["Plan", "plan", "planner_inputs", "search_for", "layout_flags", "grad_buffers_reason",
+           "flushes_reason"]

@@ -23,7 +23,7 @@ import sys
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.config.flags import add_architecture_args, apply_architecture_args
 from megatron_2bw.models.flops import model_names, named_model, num_parameters
-from megatron_2bw.planner.auto import grad_buffers_reason, layout_flags
+from megatron_2bw.planner.auto import flushes_reason, grad_buffers_reason, layout_flags
 from megatron_2bw.planner.measure import measure_profile
 from megatron_2bw.planner.profile import AnalyticProfile, load_profile, save_profile
 from megatron_2bw.planner.search import RECOMPUTE, SCHEDULES, search
@@ -123,7 +123,8 @@ def _table(result, model, topo) -> str:
         per = " ".join(f"{x:.1f}" for x in gb[:6]) + (" ..." if len(gb) > 6 else "")
         bounds = e.plan.bounds
         part = str(bounds) if len(bounds) <= 9 else f"[{bounds[0]}, {bounds[1]}, ..., {bounds[-1]}]"
-        sched = L.schedule + (f"-g{L.grad_buffers}" if L.grad_buffers else "")  # 2bw-g1
+        sched = L.schedule + (f"-g{L.grad_buffers}" if L.grad_buffers else "") + (
+            f"-f{L.microbatches_per_flush}" if L.microbatches_per_flush else "")  # 2bw-g1, gpipe-f2
         rows.append(f"{i:>2} {sched:6} {L.tensor:>2} {L.pipeline:>3} {L.data:>4} "
                     f"{L.micro_batch:>4} {L.num_microbatches:>5} {L.recompute_name:4} "
                     f"{_yes(L.distributed_optimizer):3} {_yes(L.sequence_parallel):3} "
@@ -221,10 +222,10 @@ def run(argv=None, out=sys.stdout) -> int:
         return search(model, topo, profile, a.global_batch_size, top_k=1,
                       distributed_optimizer=(flag,), **kwargs).best
     why = explain_distributed_optimizer(best, best_with)
-    buffers = grad_buffers_reason(best, topo)
+    buffers, flushes = grad_buffers_reason(best, topo), flushes_reason(best, topo)
     if a.json:
         json.dump({"chosen": best.to_dict(), "flags": flags, "distributed_optimizer": why,
-                   "grad_buffers": buffers,
+                   "grad_buffers": buffers, "gpipe_flushes": flushes,
                    "candidates": [e.to_dict() for e in result.ranked[:a.top]],
                    "considered": result.considered, "fitting": result.fitting,
                    "simulated": result.simulated, "seconds": result.seconds,
@@ -238,8 +239,9 @@ def run(argv=None, out=sys.stdout) -> int:
     print(f"  stage partition (spec indices, embedding=0, head={model.num_layers + 1}): "
           f"{best.plan.bounds}", file=out)
     print(f"  {why}", file=out)
-    if buffers:
-        print(f"  {buffers}", file=out)
+    for reason in (buffers, flushes):
+        if reason:
+            print(f"  {reason}", file=out)
     return 0
 
 

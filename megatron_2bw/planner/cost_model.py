@@ -40,7 +40,8 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   with a compensation that keeps it: `Method.keeps_grad`); with the distributed optimizer
   every buffer is padded to a multiple of w (`optim/shard_layout.py`) and master weights and
   optimizer state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
-  `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m, whose last stage so keeps each
+  `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m (k in flushes of k microbatches:
+  --gpipe-microbatches-per-flush), whose last stage so keeps each
   microbatch's loss state, one fp32 copy of its logits, and the fp32 logits beside it for the
   microbatch being computed: `stage_memory`); full recomputation stashes only each transformer
   layer's input and needs one layer's full activations while recomputing. The data-parallel
@@ -77,6 +78,7 @@ class Layout:
     sequence_parallel: bool = False
     selective: bool = False      # selective recomputation (core attention)
     grad_buffers: int | None = None  # --2bw-grad-buffers (None: the kind's own, one per slot)
+    microbatches_per_flush: int | None = None  # --gpipe-microbatches-per-flush (None: all m)
 
     @property
     def global_batch(self) -> int:
@@ -88,7 +90,7 @@ class Layout:
 
     @property
     def kind(self) -> ScheduleKind:
-        return schedule_kind_of(self.schedule, self.grad_buffers)
+        return schedule_kind_of(self.schedule, self.grad_buffers, self.microbatches_per_flush)
 
     @property
     def recompute_name(self) -> str:
@@ -105,7 +107,9 @@ class Layout:
                 f"m{self.num_microbatches}{' rc' if self.recompute else ''}"
                 f"{' sel' if self.selective else ''}{' do' if self.distributed_optimizer else ''}"
                 f"{' sp' if self.sequence_parallel else ''}"
-                f"{f' g{self.grad_buffers}' if self.grad_buffers else ''} {self.rank_order}")
+                f"{f' g{self.grad_buffers}' if self.grad_buffers else ''}"
+                f"{f' f{self.microbatches_per_flush}' if self.microbatches_per_flush else ''}"
+                f" {self.rank_order}")
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,7 @@ class StagePlan:
     # a one-buffer 2BW the search fell back to: the largest stage total with today's two
     # buffers (which did not fit), for the plan line's reason; 0.0 otherwise
     two_buffer_memory: float = 0.0
+    all_in_flight_memory: float = 0.0  # GPipe in flushes: its footprint with all m in flight
 
     @property
     def max_memory(self) -> float:
@@ -172,13 +177,17 @@ class StagePlan:
         bound = max(self.busy(s) + self.comm_floor(s) for s in range(d))
         if not self.layout.kind.flushes:
             return bound
-        chain = 0.0  # flush/gpipe: the batch drains, so the first microbatch's round trip counts
-        tail = self.reduce[0] + self.norm[0] + self.step[0]
+        # flush/gpipe: the batch drains, so the first microbatch's round trip counts, once per
+        # flush (GPipe in flushes of k: m // k of k and one of the rest, one after another)
+        chains, chain = [], 0.0
         for s in range(d):
-            bound = max(bound, chain + m * (self.fwd[s] + self.bwd[s]) + tail)
-            if s < d - 1:
-                chain += self.fwd[s] + self.bwd[s] + 2 * self.p2p[s]
-        return bound
+            chains.append(chain)
+            chain += self.fwd[s] + self.bwd[s] + (2 * self.p2p[s] if s < d - 1 else 0.0)
+        k = self.layout.kind.microbatches_per_flush or m
+        flushes = [(n, x) for n, x in ((m // k, k), (1 if m % k else 0, m % k)) if n]
+        tail = self.reduce[0] + self.norm[0] + self.step[0]
+        return max(bound, tail + sum(n * max(chains[s] + x * (self.fwd[s] + self.bwd[s])
+                                             for s in range(d)) for n, x in flushes))
 
     def durations(self):
         """(durations callable, comm callable) for `pipeline.simulate.simulate`."""
@@ -312,8 +321,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         return times.profile.compensation_time(n, setup.compensation, setup.dtype) \
             if compensated else 0.0
     # memory depends on neither the rank order nor the links: computed once for the others
-    mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, d, m, L.recompute, L.selective, shards,
-            tuple(bounds))
+    mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, L.microbatches_per_flush, d, m,
+            L.recompute, L.selective, shards, tuple(bounds))
     cached = times._cache.get(mkey)
     for s in range(d):
         lo, hi = bounds[s], bounds[s + 1]
@@ -326,7 +335,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         mem, peak = cached[s] if cached else stage_memory(
             costs, lo, hi, L.schedule, d, m, s, setup.dtype, setup.optimizer, L.recompute, P,
             L.selective, shards, setup.compensation, logits, L.grad_buffers,
-            setup.grad_accumulation)
+            setup.grad_accumulation, L.microbatches_per_flush)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)

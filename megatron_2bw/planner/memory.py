@@ -102,7 +102,8 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
                  selective: bool = False, shards: int = 1,
                  compensation: str = NO_COMPENSATION,
                  logits_bytes: float = 0.0, grad_buffers: int | str | None = None,
-                 grad_accumulation: str = "fp32") -> tuple[dict, int]:
+                 grad_accumulation: str = "fp32",
+                 microbatches_per_flush: int | None = None) -> tuple[dict, int]:
     """(bytes stage `stage` (layers [lo, hi)) holds at its peak, by kind (state_bytes' keys,
     "activations", "total"), peak in-flight microbatches). `costs` must be computed with the
     layout's sequence parallelism; `shards` is w with the distributed optimizer.
@@ -114,8 +115,9 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     GPipe ran, the same). The fp32 logits beside it exist only while one microbatch's loss is
     computed: one more copy, once (1F1B schedules run that backward right after the forward;
     their transient is left out as it was). `grad_buffers`: --2bw-grad-buffers (None: the
-    kind's); `grad_accumulation`: --grad-accumulation (`state_bytes`)."""
-    kind = schedule_kind_of(schedule, grad_buffers)
+    kind's); `grad_accumulation`: --grad-accumulation (`state_bytes`);
+    `microbatches_per_flush`: --gpipe-microbatches-per-flush (GPipe's in-flight microbatches)."""
+    kind = schedule_kind_of(schedule, grad_buffers, microbatches_per_flush)
     mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
                       shards, stage_tied(costs, lo, hi, d), compensation,
                       kind.grad_buffers_of(stage),

@@ -59,7 +59,8 @@ def stage_estimates(cfg: Config, world_size: int) -> list[dict]:
     return [stage_memory(costs, bounds[s], bounds[s + 1], cfg.schedule, d, m, s,
                          cfg.precision.dtype, cfg.optimizer.name, cfg.model.full_recompute,
                          None, cfg.model.selective_recompute, shards, cfg.compensation,
-                         logits, cfg.grad_buffers, cfg.precision.grad_accumulation)[0]
+                         logits, cfg.grad_buffers, cfg.precision.grad_accumulation,
+                         cfg.microbatches_per_flush)[0]
             for s in range(d)]
 
 

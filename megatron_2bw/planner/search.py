@@ -152,6 +152,25 @@ def _fewer_buffers(setup, layout, times, topology, two, usable):
     return plan
 
 
+def _fewer_in_flight(setup, layout, times, topology, full, usable):
+    """A GPipe layout whose m in-flight microbatches do not fit, in flushes of the most
+    microbatches that fit (--gpipe-microbatches-per-flush k, as the paper's GPipe runs a global
+    batch whose stashes do not fit): memory grows with k and time falls with it (fewer pipeline
+    fills), so the largest k that fits is the one (a bisection over 1 .. m - 1). The plan over
+    memory at k = 1 when none fits."""
+    lo, hi, best = 1, layout.num_microbatches - 1, None
+    while lo <= hi:  # when none fits, k = 1 is the last one tried
+        k = (lo + hi) // 2
+        plan = stage_plan(setup, replace(layout, microbatches_per_flush=k), times, topology)
+        if plan.max_memory <= usable:
+            best, lo = plan, k + 1
+        else:
+            hi = k - 1
+    best = best or plan
+    best.all_in_flight_memory = full.max_memory
+    return best
+
+
 def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            schedules=SCHEDULES, dtype: str = "fp32", optimizer: str = "adam",
            recompute=RECOMPUTE, tensor_sizes=None, micro_batches=None,
@@ -161,10 +180,12 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            sequence_parallel=(False, True), compensation: str = NO_COMPENSATION,
            group=None, grad_reduce_bytes: float = 4.0,
            one_buffer: bool = True, grad_accumulation: str = "fp32",
-           overlap_grad_reduce: bool = True, bucket: int | None = None) -> SearchResult:
+           overlap_grad_reduce: bool = True, bucket: int | None = None,
+           gpipe_flushes: bool = True) -> SearchResult:
     """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
     try a 2BW layout whose two gradient buffers do not fit with fewer (`_fewer_buffers`; False:
-    two only).
+    two only). `gpipe_flushes`: run a GPipe layout whose m stashes do not fit in flushes of
+    fewer microbatches (`_fewer_in_flight`; False: one flush of all m).
     `grad_accumulation`: --grad-accumulation (Setup's, the memory of bf16/fp16 gradients).
     `overlap_grad_reduce`, `bucket`: Setup's (--no-overlap-grad-reduce, --ddp-bucket-size).
     `group(layout) -> key`, when given, also finds the best layout of every group (in
@@ -188,6 +209,9 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
         plan = stage_plan(setup, layout, times, topology)
         if one_buffer and plan.max_memory > usable and 1 in layout.kind.grad_buffers_choices[1:]:
             plan = _fewer_buffers(setup, layout, times, topology, plan, usable)
+        if gpipe_flushes and plan.max_memory > usable and layout.kind.splits_into_flushes \
+                and layout.num_microbatches > 1:
+            plan = _fewer_in_flight(setup, layout, times, topology, plan, usable)
         smallest = min(smallest, plan.max_memory)
         g = group(layout) if group else None
         if group:

@@ -9,7 +9,8 @@ refinements keep the search fast and honest:
 
 - many microbatches: with m > M = max(2d, 8) the simulator runs m' = M and M - M/2 microbatches
   and the increment is extended linearly in m (pipelines are affine in m once the bottleneck stage
-  dominates; `full=True` simulates the real m instead);
+  dominates; `full=True` simulates the real m instead); GPipe in flushes of k microbatches is
+  composed from one-flush GPipe increments (`_in_flushes`: its flushes run one after another);
 - the result is never below `StagePlan.lower_bound()` (what the busiest stage alone needs), which
   also corrects a 2BW warm-up transient that can outlast three batches when stages are uneven.
 
@@ -17,7 +18,7 @@ refinements keep the search fast and honest:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_2bw.planner.cost_model import StagePlan
 from megatron_2bw.planner.topology import GB
@@ -60,6 +61,7 @@ class Estimate:
                 "distributed_optimizer": L.distributed_optimizer,
                 "sequence_parallel": L.sequence_parallel, "rank_order": L.rank_order,
                 "grad_buffers": L.kind.grad_buffers,
+                "microbatches_per_flush": L.kind.microbatches_per_flush,
                 "partition": self.plan.bounds, "time_per_batch_s": self.time_per_batch,
                 "samples_per_s": self.samples_per_s, "bubble": self.bubble,
                 "memory_gb_per_stage": [round(x, 4) for x in self.memory_gb],
@@ -92,17 +94,46 @@ def steady_increment(plan: StagePlan, m: int | None = None) -> float:
     return b - a
 
 
+def _increment(plan: StagePlan, m: int, full: bool) -> tuple[float, bool]:
+    """(steady increment of the layout's schedule at m microbatches, extrapolated?): past
+    M = max(2d, 8) microbatches from M and M - M/2 (unless `full`)."""
+    cap = max(2 * plan.layout.pipeline, 8)
+    if full or m <= cap:
+        return steady_increment(plan, m), False
+    k = cap // 2
+    hi, lo = steady_increment(plan, cap), steady_increment(plan, cap - k)
+    return hi + (m - cap) * (hi - lo) / k, True
+
+
+def _in_flushes(plan: StagePlan) -> tuple[float, bool]:
+    """GPipe in flushes of k: the flushes run strictly one after another (a flush ends with
+    stage 0's backward of its first microbatch, after every other stage's last action of it,
+    and the next starts with stage 0's forward), so a batch of n full flushes and a remainder
+    of r lasts n T(k) + T(r) + tail, where T(x) + tail is one-flush GPipe's increment at x
+    microbatches (extrapolated as GPipe's) and tail (R N S and the wait for them) is
+    2 (T(1) + tail) - (2 T(1) + tail), from two one-microbatch runs."""
+    L = plan.layout
+    k = L.microbatches_per_flush
+    n, r = divmod(L.num_microbatches, k)
+    one = replace(plan, layout=replace(L, microbatches_per_flush=None))  # a single flush
+    ones = replace(plan, layout=replace(L, microbatches_per_flush=1))
+    tail = 2 * steady_increment(one, 1) - steady_increment(ones, 2)
+    t, extrapolated = _increment(one, k, False)
+    t = n * (t - tail) + tail
+    if r:
+        tr, more = _increment(one, r, False)
+        t, extrapolated = t + tr - tail, extrapolated or more
+    return t, extrapolated
+
+
 def predict(plan: StagePlan, full: bool = False) -> Estimate:
     L = plan.layout
-    d, m = L.pipeline, L.num_microbatches
-    cap = max(2 * d, 8)
     bound = plan.lower_bound()
-    if full or m <= cap:
-        t, source = steady_increment(plan), "simulated"
+    if L.microbatches_per_flush and L.microbatches_per_flush < L.num_microbatches and not full:
+        t, extrapolated = _in_flushes(plan)
     else:
-        k = cap // 2
-        hi, lo = steady_increment(plan, cap), steady_increment(plan, cap - k)
-        t, source = hi + (m - cap) * (hi - lo) / k, "extrapolated"
+        t, extrapolated = _increment(plan, L.num_microbatches, full)
+    source = "extrapolated" if extrapolated else "simulated"
     if t < bound:
         source = "bound" if bound - t > 1e-9 * bound else source  # not for rounding noise
         t = bound

@@ -6,6 +6,8 @@ microbatch k, which only the schedule kind knows (`kinds.py`). Sizes and m >= d-
 requirements are checked by the kind before a generator runs.
 
     gpipe    all forwards of a batch, then all backwards (reverse order), then R N S.
+    gpipe in flushes  the same over chunks of at most k microbatches, R N S once per batch
+             (`gpipe_in_flushes`: --gpipe-microbatches-per-flush k).
     1f1b     Megatron's 1F1B (warm-up, steady one-forward-one-backward, cool-down).
     flush    1F1B with a flush at every batch boundary, then R N S.
     2bw      1F1B run continuously over the whole segment, with R/N/S inserted (see `twobw`).
@@ -78,6 +80,24 @@ def gpipe(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     out = []
     for t, mbs in _batches(m, T, t0):
         out += _gpipe_batch(s, d, mbs, slot) + [R(t), N(t), S(t)]
+    return out
+
+
+def gpipe_in_flushes(s: int, d: int, m: int, T: int, t0: int, slot, per_flush: int) -> list:
+    """GPipe admitting at most `per_flush` microbatches at a time: each batch's m microbatches
+    run as ceil(m / per_flush) GPipe flushes in order (all forwards of a flush, then its
+    backwards in reverse), their gradients accumulating into the batch's one buffer, then R N S
+    once per batch. What the paper's GPipe does at a global batch whose m stashes do not fit
+    (Narayanan et al., ICML 2021, Sec. 5.3: "the maximum number of microbatches it can admit is
+    small, leading to a larger pipeline bubble"). For d = 2, m = 4, per_flush = 2, stage 0:
+
+        F0 F1 B1 B0 F2 F3 B3 B2 R N S
+    """
+    out = []
+    for t, mbs in _batches(m, T, t0):
+        for i in range(0, m, per_flush):
+            out += _gpipe_batch(s, d, mbs[i:i + per_flush], slot)
+        out += [R(t), N(t), S(t)]
     return out
 
 
@@ -199,5 +219,5 @@ def forward(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
     return out
 
 
-__all__ = ["one_f_one_b", "gpipe", "flush", "twobw", "twobw_one_buffer",
+__all__ = ["one_f_one_b", "gpipe", "gpipe_in_flushes", "flush", "twobw", "twobw_one_buffer",
            "twobw_first_stage_one_buffer", "forward"]

@@ -27,6 +27,9 @@ names or restates a rule (`tests/unit/test_rule_owners.py` fails if one does).
     forwards_between_reduce_and_norm  forwards that hide R(t)'s all-reduce before N(t) waits
     stashes_logits       the last stage keeps each in-flight microbatch's fp32 logits beside
                          their softmax until its backward (GPipe: all forwards run first)
+    microbatches_per_flush  GPipe's `with_microbatches_per_flush(k)` variant: each batch runs
+                         as flushes of at most k microbatches (in_flight k), one step per batch;
+                         None: one flush of all m (every other kind: not applicable)
     stage_actions(s, d, m, T, t0)     stage s's table for batches t0 .. t0+T-1 (generators.py)
 
 Every rule follows from `num_slots` where it can (the slot of batch t is t % num_slots, once,
@@ -105,6 +108,18 @@ class ScheduleKind:
                          f"{'s' * (self.grad_buffers != 1)}): drop --2bw-grad-buffers, or use "
                          f"--pipeline-schedule {DEFAULT_SCHEDULE}")
 
+    microbatches_per_flush = None
+    splits_into_flushes = False  # `with_microbatches_per_flush` has variants (GPipe)
+
+    def with_microbatches_per_flush(self, k: int | None) -> "ScheduleKind":
+        """This kind running each batch in flushes of at most `k` microbatches (None: its
+        default); a one-line ValueError when it has no such mode."""
+        if k is None:
+            return self
+        raise ValueError(f"--gpipe-microbatches-per-flush applies to --pipeline-schedule "
+                         f"{GPipe.name} only, not {self.name}: drop it, or use "
+                         f"--pipeline-schedule {GPipe.name}")
+
     def initial_slot_weights(self, t0: int) -> list:
         w = [0] * self.num_slots
         for t in range(t0, t0 + self.num_slots):
@@ -164,9 +179,45 @@ class GPipe(ScheduleKind):
     name = "gpipe"
     generator = staticmethod(generators.gpipe)
     stashes_logits = True
+    splits_into_flushes = True
 
     def in_flight(self, d, m, s):
         return m
+
+    def with_microbatches_per_flush(self, k):
+        if k is None:
+            return self
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"--gpipe-microbatches-per-flush must be a positive integer, got "
+                             f"{k!r}")
+        if k not in _GPIPE_IN_FLUSHES:
+            _GPIPE_IN_FLUSHES[k] = GPipeInFlushes(k)
+        return _GPIPE_IN_FLUSHES[k]
+
+
+class GPipeInFlushes(GPipe):
+    """GPipe admitting at most k microbatches at a time (`--gpipe-microbatches-per-flush k`):
+    each batch runs as ceil(m / k) GPipe flushes whose gradients accumulate, one step per batch
+    (`generators.gpipe_in_flushes`). The same weights and numbers as GPipe; k microbatches'
+    activations in flight instead of m, for (ceil(m / k) - 1) more pipeline fills. Not
+    registered: asked for by `GPipe().with_microbatches_per_flush(k)`, it answers to the name
+    gpipe."""
+
+    def __init__(self, per_flush: int):
+        self.microbatches_per_flush = per_flush
+
+    def __repr__(self) -> str:
+        return f"<schedule kind {self.name} (flushes of {self.microbatches_per_flush})>"
+
+    def stage_actions(self, s, d, m, T, t0):
+        return generators.gpipe_in_flushes(s, d, m, T, t0, self.slot_of_microbatch(m),
+                                           self.microbatches_per_flush)
+
+    def in_flight(self, d, m, s):
+        return min(self.microbatches_per_flush, m)
+
+
+_GPIPE_IN_FLUSHES: dict[int, GPipeInFlushes] = {}
 
 
 class Flush(ScheduleKind):
@@ -296,10 +347,13 @@ def one_stage_note(num_stages: int) -> str:
             "--pipeline-schedule chooses another")
 
 
-def schedule_kind_of(name, grad_buffers: int | None = None) -> ScheduleKind:
-    """The kind of `name` with `grad_buffers` fp32 gradient buffers per stage (None: the
-    kind's default, today's); one-line ValueErrors."""
-    return schedule_kind(name).with_grad_buffers(grad_buffers)
+def schedule_kind_of(name, grad_buffers: int | None = None,
+                     microbatches_per_flush: int | None = None) -> ScheduleKind:
+    """The kind of `name` with `grad_buffers` fp32 gradient buffers per stage and (GPipe) at
+    most `microbatches_per_flush` microbatches per flush (None: the kind's defaults); one-line
+    ValueErrors."""
+    kind = schedule_kind(name).with_grad_buffers(grad_buffers)
+    return kind.with_microbatches_per_flush(microbatches_per_flush)
 
 
 def kind_with_slots(num_slots: int) -> ScheduleKind:
@@ -317,7 +371,7 @@ _FIRST_STAGE_ONE_BUFFER_2BW = TwoBWFirstStageOneBuffer()
 DEFAULT_SCHEDULE = TwoBW.name
 FORWARD_ONLY = ForwardOnly.name
 
-__all__ = ["ScheduleKind", "GPipe", "Flush", "TwoBW", "TwoBWOneBuffer",
+__all__ = ["ScheduleKind", "GPipe", "GPipeInFlushes", "Flush", "TwoBW", "TwoBWOneBuffer",
            "TwoBWFirstStageOneBuffer", "FIRST_STAGE", "ForwardOnly",
            "register_kind", "schedule_names", "schedule_kind", "schedule_kind_of",
            "kind_with_slots", "DEFAULT_SCHEDULE",

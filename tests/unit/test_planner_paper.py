@@ -7,8 +7,11 @@ import pytest
 
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs, named_model
 from megatron_2bw.planner import AnalyticProfile, MeasuredProfile, PlanError, Topology
+from megatron_2bw.planner.auto import flushes_reason
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.planner.search import search
+from megatron_2bw.planner.simulate import predict
+from megatron_2bw.planner.topology import GB
 from megatron_2bw.planner.curve import DEVICES, gemm_efficiency
 
 
@@ -94,8 +97,19 @@ def test_gpipe_on_the_papers_case_is_out_of_memory():
     prof = AnalyticProfile.for_device("v100")
     kw = dict(PAPER_SPACE, recompute=(False, "selective"))
     with pytest.raises(PlanError, match="does not fit: smallest footprint") as e:
-        search(model, topo, prof, 64, schedules=("gpipe",), **kw)
+        search(model, topo, prof, 64, schedules=("gpipe",), gpipe_flushes=False, **kw)
     print(e.value)
+    # as the paper's GPipe runs such a batch: in flushes of the few microbatches it can admit
+    # (Sec. 5.3), each a pipeline fill of its own; the plan line says why
+    split = search(model, topo, prof, 64, schedules=("gpipe",), **kw).best
+    k, m = split.layout.microbatches_per_flush, split.layout.num_microbatches
+    print(split.layout.describe(), f"{max(split.memory_gb):.2f} GB")
+    assert k and k < m and max(split.memory_gb) <= topo.usable_memory_gb
+    assert f"gpipe in flushes of {k} microbatches" in flushes_reason(split, topo)
+    assert split.plan.all_in_flight_memory / GB > topo.usable_memory_gb
+    one_flush = stage_plan(Setup(model, "fp16"), replace(split.layout, microbatches_per_flush=None),
+                           LayerTimes(Setup(model, "fp16"), prof, topo), topo)
+    assert predict(one_flush).time_per_batch < split.time_per_batch  # what the flushes cost
     for schedule in ("flush", "2bw"):
         best = search(model, topo, prof, 64, schedules=(schedule,), **kw).best
         print(schedule, best.layout.describe(), f"{max(best.memory_gb):.2f} GB")
