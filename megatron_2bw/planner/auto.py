@@ -131,7 +131,8 @@ def flushes_reason(est, topology) -> str:
     k, L = est.layout.microbatches_per_flush, est.layout
     if not k:
         return ""
-    return (f"gpipe in flushes of {k} microbatches (--gpipe-microbatches-per-flush {k}): all "
+    return (f"gpipe in flushes of {k} microbatch{'es' * (k != 1)} "
+            f"(--gpipe-microbatches-per-flush {k}): all "
             f"{L.num_microbatches} in flight do not fit ({est.plan.all_in_flight_memory / GB:.3g}"
             f" GB > {topology.usable_memory_gb:.3g} GB usable per GPU), {k} need "
             f"{est.plan.max_memory / GB:.3g} GB, for {-(-L.num_microbatches // k)} pipeline "

@@ -155,20 +155,27 @@ def _fewer_buffers(setup, layout, times, topology, two, usable):
 def _fewer_in_flight(setup, layout, times, topology, full, usable):
     """A GPipe layout whose m in-flight microbatches do not fit, in flushes of the most
     microbatches that fit (--gpipe-microbatches-per-flush k, as the paper's GPipe runs a global
-    batch whose stashes do not fit): memory grows with k and time falls with it (fewer pipeline
-    fills), so the largest k that fits is the one (a bisection over 1 .. m - 1). The plan over
-    memory at k = 1 when none fits."""
-    lo, hi, best = 1, layout.num_microbatches - 1, None
-    while lo <= hi:  # when none fits, k = 1 is the last one tried
-        k = (lo + hi) // 2
-        plan = stage_plan(setup, replace(layout, microbatches_per_flush=k), times, topology)
-        if plan.max_memory <= usable:
-            best, lo = plan, k + 1
-        else:
-            hi = k - 1
-    best = best or plan
-    best.all_in_flight_memory = full.max_memory
-    return best
+    batch whose stashes do not fit): time falls with k (fewer pipeline fills), so the largest k
+    that fits is the one. k changes no action's duration, and a stage's memory is affine in the
+    microbatches it holds: the plan at k is the plan at k = 1 with k - 1 more stashes, each
+    (the plan at m - the plan at 1) / (m - 1). The plan at k = 1 when none fits."""
+    m = layout.num_microbatches
+    one = stage_plan(setup, replace(layout, microbatches_per_flush=1), times, topology)
+    stash = [(high["total"] - low["total"]) / (m - 1)
+             for low, high in zip(one.memory, full.memory)]
+    k = min([m - 1] + [int((usable - low["total"]) // per) + 1
+                       for low, per in zip(one.memory, stash) if per > 0])
+    while k > 1 and max(low["total"] + (k - 1) * per
+                        for low, per in zip(one.memory, stash)) > usable:
+        k -= 1  # float rounding at the edge
+    split = replace(layout, microbatches_per_flush=k)
+    plan = one if k <= 1 else replace(
+        one, layout=split, peak_in_flight=[split.kind.in_flight(split.pipeline, m, s)
+                                           for s in range(split.pipeline)],
+        memory=[dict(low, activations=low["activations"] + (k - 1) * per,
+                     total=low["total"] + (k - 1) * per) for low, per in zip(one.memory, stash)])
+    plan.all_in_flight_memory = full.max_memory
+    return plan
 
 
 def search(model: ModelConfig, topology: Topology, profile, global_batch: int,

@@ -129,3 +129,62 @@ def test_the_composed_prediction_equals_simulating_the_whole_table(nodes, gpn, d
     assert plan.lower_bound() <= full.time_per_batch * (1 + 1e-12)
     one = stage_plan(setup, Layout("gpipe", 1, d, w, 1, m), LayerTimes(setup, prof, topo), topo)
     assert predict(one, full=True).time_per_batch < full.time_per_batch  # the fills it costs
+
+
+def test_the_split_plan_equals_the_cost_models_plan_at_k():
+    """The search's plan at k (the plan at k = 1 plus k - 1 stashes) is stage_plan's at k."""
+    from megatron_2bw.planner.search import _fewer_in_flight
+    model = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=128,
+                        vocab_size=4096)
+    topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=0.5)
+    setup = Setup(model, "fp32")
+    times = LayerTimes(setup, AnalyticProfile(device_tflops=1.0), topo)
+    layout = Layout("gpipe", 1, 4, 1, 4, 24)
+    full = stage_plan(setup, layout, times, topo)
+    usable = topo.usable_memory_gb * 2 ** 30
+    assert full.max_memory > usable
+    split = _fewer_in_flight(setup, layout, times, topo, full, usable)
+    k = split.layout.microbatches_per_flush
+    assert 1 < k < 24 and split.max_memory <= usable
+    exact = stage_plan(setup, split.layout, times, topo)
+    more = stage_plan(setup, Layout("gpipe", 1, 4, 1, 4, 24, microbatches_per_flush=k + 1),
+                      times, topo)
+    assert more.max_memory > usable  # k is the largest that fits
+    assert split.peak_in_flight == exact.peak_in_flight == [k] * 4
+    for a, b in zip(split.memory, exact.memory):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-12, abs=1e-3)
+    assert predict(split).time_per_batch == predict(exact).time_per_batch
+
+
+def test_auto_plan_and_tools_plan_set_the_flushes_and_say_why(tmp_path):
+    """--auto-plan --pipeline-schedule gpipe where all m stashes do not fit: the config gets the
+    flush size, the plan line the flag and the reason; a given size is kept; tools/plan.py
+    prints the flag, the reason and the JSON field."""
+    import io
+    import json
+    from megatron_2bw.planner.cli import run as plan_run
+    from test_planner_grad_buffers import _auto_plan
+    shape = ("--mock-data --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+             "--seq-length 32 --vocab-size 512 --global-batch-size 32 "
+             "--pipeline-schedule gpipe --pipeline-model-parallel-size 2").split()
+    cfg, lines = _auto_plan(shape, 2, tmp_path, 0.006)
+    k = cfg.microbatches_per_flush
+    assert k and k < cfg.num_microbatches, lines
+    assert f"--gpipe-microbatches-per-flush {k}" in lines[0] and "in flight do not fit" in lines[0]
+    roomy, lines = _auto_plan(shape, 2, tmp_path, 1.0)
+    assert roomy.microbatches_per_flush is None and "flushes" not in lines[0]
+    given, _ = _auto_plan(shape + ["--gpipe-microbatches-per-flush", "1"], 2, tmp_path, 0.006)
+    assert given.microbatches_per_flush == 1
+    argv = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+            "--vocab-size 512 --num-gpus 2 --gpus-per-node 2 --global-batch-size 32 "
+            "--schedules gpipe --gpu-memory-gb 0.006").split()
+    out = io.StringIO()
+    assert plan_run(argv, out) == 0
+    text = out.getvalue()
+    assert "--gpipe-microbatches-per-flush" in text and "in flight do not fit" in text
+    out = io.StringIO()
+    assert plan_run(argv + ["--json"], out) == 0
+    data = json.loads(out.getvalue())
+    assert data["chosen"]["microbatches_per_flush"] and data["gpipe_flushes"]

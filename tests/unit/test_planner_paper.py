@@ -105,7 +105,7 @@ def test_gpipe_on_the_papers_case_is_out_of_memory():
     k, m = split.layout.microbatches_per_flush, split.layout.num_microbatches
     print(split.layout.describe(), f"{max(split.memory_gb):.2f} GB")
     assert k and k < m and max(split.memory_gb) <= topo.usable_memory_gb
-    assert f"gpipe in flushes of {k} microbatches" in flushes_reason(split, topo)
+    assert f"gpipe in flushes of {k} microbatch" in flushes_reason(split, topo)
     assert split.plan.all_in_flight_memory / GB > topo.usable_memory_gb
     one_flush = stage_plan(Setup(model, "fp16"), replace(split.layout, microbatches_per_flush=None),
                            LayerTimes(Setup(model, "fp16"), prof, topo), topo)
