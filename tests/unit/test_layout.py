@@ -221,6 +221,19 @@ def test_no_product_file_is_over_400_lines():
     assert not long, f"split these by concern (at most {MAX_LINES} lines): {long}"
 
 
+def test_test_files_have_unique_names():
+    """Test modules are imported by their basename (rootdir-relative, no packages): two files of
+    one name in tests/unit and tests/distributed break collection, and spawned ranks unpickle a
+    test's engine class from the wrong one."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        other = seen.setdefault(path.name, str(path.relative_to(ROOT)))
+        if other != str(path.relative_to(ROOT)):
+            clashes.append((other, str(path.relative_to(ROOT))))
+    assert not clashes, f"rename one of each pair: {clashes}"
+
+
 def test_the_package_root_holds_only_entry_points():
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ROOT_MODULES)
     assert not loose, f"modules at the package root belong in a package: {loose}"
