@@ -113,7 +113,8 @@ def _table(result, model, topo) -> str:
             f"({num_parameters(model) / 1e9:.3g}B parameters) on {topo.num_nodes} x "
             f"{topo.gpus_per_node} GPUs ({topo.gpu_memory_gb:g} GB, "
             f"{topo.intra_node_bandwidth_gbps:g}/{topo.inter_node_bandwidth_gbps:g} Gbit/s): "
-            f"{result.considered} layouts, {result.fitting} fit, {result.simulated} simulated "
+            f"{result.considered} layouts, {result.examined} planned ({result.fitting} fit), "
+            f"{result.simulated} simulated "
             f"in {result.seconds:.2f} s",
             f"{'#':>2} {'sched':6} {'t':>2} {'d':>3} {'w':>4} {'b':>4} {'m':>5} {'rc':4} "
             f"{'do':3} {'sp':3} {'order':9} {'samples/s':>10} {'s/batch':>9} {'bubble':>7} "
@@ -227,7 +228,8 @@ def run(argv=None, out=sys.stdout) -> int:
         json.dump({"chosen": best.to_dict(), "flags": flags, "distributed_optimizer": why,
                    "grad_buffers": buffers, "gpipe_flushes": flushes,
                    "candidates": [e.to_dict() for e in result.ranked[:a.top]],
-                   "considered": result.considered, "fitting": result.fitting,
+                   "considered": result.considered, "examined": result.examined,
+                   "fitting": result.fitting,
                    "simulated": result.simulated, "seconds": result.seconds,
                    "topology": json.loads(topo.to_json())}, out, indent=2)
         out.write("\n")

@@ -296,6 +296,18 @@ def _after_last_backward(t_dp: float, bwd: float, params: int, w: int, setup: Se
     return max(t_dp / k, t_dp - bwd * (k - 1) / k)
 
 
+def compute_floor(layout: Layout, times: LayerTimes) -> float:
+    """A time per batch below `stage_plan(...).lower_bound()` of the layout and of each of its
+    variants (fewer gradient buffers, GPipe in flushes), from its compute alone, before any
+    partition, memory or link is priced: the busiest stage does at least the average stage's
+    m (F + B), recomputation included (the search plans layouts in this order)."""
+    L = layout
+    P = times.prefix(L.micro_batch, L.tensor, L.sequence_parallel)
+    cols = ["fwd", "bwd"] + (["rc_fwd"] if L.recompute else []) + \
+        (["sel_fwd"] if L.selective else [])
+    return L.num_microbatches * sum(P[c][-1] - P[c][0] for c in cols) / L.pipeline
+
+
 def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                bounds: list | None = None) -> StagePlan:
     """Everything the simulator and the memory check need for one layout."""
@@ -366,5 +378,5 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                      inter)
 
 
-__all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "state_bytes",
+__all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "compute_floor", "state_bytes",
            "activation_bytes", "stage_params", "stage_memory", "stage_tied", "placement"]

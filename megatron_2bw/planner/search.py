@@ -20,6 +20,7 @@ bound never exceeds the prediction, so the result equals exhaustive simulation
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field, replace
 
@@ -27,7 +28,8 @@ from megatron_2bw.config import RANK_ORDERS, ModelConfig
 from megatron_2bw.config import num_microbatches as config_microbatches
 from megatron_2bw.models.flops import DTYPE_BYTES
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
-from megatron_2bw.planner.cost_model import OPTIMIZER_COPIES, LayerTimes, Layout, Setup, stage_plan
+from megatron_2bw.planner.cost_model import (OPTIMIZER_COPIES, LayerTimes, Layout, Setup,
+                                             compute_floor, stage_plan)
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology
 from megatron_2bw.schedule.kinds import FIRST_STAGE, schedule_kind, schedule_names
@@ -41,13 +43,15 @@ RECOMPUTE = (False, "selective", True)  # none, selective (core attention), full
 class SearchResult:
     ranked: list                     # best first (Estimates)
     considered: int                  # layouts enumerated
-    fitting: int                     # of which fit in memory
+    fitting: int                     # of the examined, those that fit in memory
     simulated: int                   # of which were simulated
     smallest_footprint_gb: float
     seconds: float
     topology: Topology = field(repr=False, default=None)
     best_by: dict = field(default_factory=dict)       # group(layout) -> best Estimate
     smallest_by: dict = field(default_factory=dict)   # group(layout) -> smallest footprint, GB
+    examined: int = 0                # layouts planned (memory, bound): the rest were beaten by
+    #                                  the best on their compute floor alone
 
     @property
     def best(self) -> Estimate:
@@ -207,12 +211,51 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
                   overlap_grad_reduce=overlap_grad_reduce, bucket=bucket)
     times = LayerTimes(setup, profile, topology)
     usable = topology.usable_memory_gb * GB
-    considered, smallest, cands, smallest_by, left = 0, float("inf"), [], {}, {}
-    for layout in enumerate_layouts(model, topology, global_batch, schedules, recompute,
-                                    tensor_sizes, micro_batches, rank_orders, pipeline_sizes,
-                                    data_sizes, num_microbatches, distributed_optimizer,
-                                    sequence_parallel):
-        considered += 1
+    layouts = list(enumerate_layouts(model, topology, global_batch, schedules, recompute,
+                                     tensor_sizes, micro_batches, rank_orders, pipeline_sizes,
+                                     data_sizes, num_microbatches, distributed_optimizer,
+                                     sequence_parallel))
+    if not layouts:
+        raise PlanError(f"no valid layout for {topology.num_gpus} GPUs, global batch "
+                        f"{global_batch} "
+                        f"and schedules {','.join(schedules)}: the global batch must be a multiple "
+                        "of micro batch x data-parallel size (and some schedules need a minimum "
+                        "number of microbatches: 2bw as many as stages); try a multiple of the "
+                        "GPU count")
+    # layouts are planned lazily, in order of their compute floor (<= every bound of theirs)
+    floors = sorted((compute_floor(L, times), i) for i, L in enumerate(layouts))
+    left: dict = {}  # group -> layouts not yet planned, or planned, fitting and not simulated
+    for L in layouts:
+        g = group(L) if group else None
+        left[g] = left.get(g, 0) + 1
+    examined, smallest, heap, smallest_by, fitting = 0, float("inf"), [], {}, 0
+    ranked, simulated, best_by = [], 0, {}
+
+    def done(bound: float) -> bool:
+        if exhaustive or len(ranked) < top_k \
+                or bound <= ranked[top_k - 1].time_per_batch * (1 + 2 * TIE):
+            return False
+        return all(g in best_by and bound > best_by[g].time_per_batch * (1 + 2 * TIE)
+                   for g, n in left.items() if n and group)
+    finished = False
+    for floor, i in floors + [(float("inf"), -1)]:
+        while heap and heap[0][0] <= floor:  # simulate in bound order up to the next floor
+            bound, _, plan = heapq.heappop(heap)
+            if done(bound):
+                finished = True
+                break
+            est = predict(plan)
+            ranked.append(est)
+            simulated += 1
+            ranked.sort(key=_key)
+            g = group(plan.layout) if group else None
+            left[g] -= 1
+            if g not in best_by or _key(est) < _key(best_by[g]):
+                best_by[g] = est
+        if finished or i < 0 or done(floor):  # nothing left can beat what is ranked
+            break
+        layout = layouts[i]
+        examined += 1
         plan = stage_plan(setup, layout, times, topology)
         if one_buffer and plan.max_memory > usable and 1 in layout.kind.grad_buffers_choices[1:]:
             plan = _fewer_buffers(setup, layout, times, topology, plan, usable)
@@ -224,44 +267,19 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
         if group:
             smallest_by[g] = min(smallest_by.get(g, float("inf")), plan.max_memory / GB)
         if plan.max_memory <= usable:
-            cands.append((plan.lower_bound(), len(cands), plan))
-            left[g] = left.get(g, 0) + 1
-    if not considered:
-        raise PlanError(f"no valid layout for {topology.num_gpus} GPUs, global batch "
-                        f"{global_batch} "
-                        f"and schedules {','.join(schedules)}: the global batch must be a multiple "
-                        "of micro batch x data-parallel size (and some schedules need a minimum "
-                        "number of microbatches: 2bw as many as stages); try a multiple of the "
-                        "GPU count")
-    if not cands:
+            fitting += 1
+            heapq.heappush(heap, (plan.lower_bound(), i, plan))
+        else:
+            left[g] -= 1
+    if not ranked:
         raise PlanError(f"does not fit: smallest footprint {smallest / GB:.2f} GB > "
                         f"{topology.usable_memory_gb:.2f} GB usable per GPU (of "
                         f"{topology.gpu_memory_gb:g} GB): add GPUs or memory, use bf16, "
                         "recomputation, the distributed optimizer or a smaller model")
-    cands.sort(key=lambda c: (c[0], c[1]))
-    ranked, simulated, best_by = [], 0, {}
-
-    def done(bound: float) -> bool:
-        if len(ranked) < top_k or bound <= ranked[top_k - 1].time_per_batch * (1 + 2 * TIE):
-            return False
-        return all(g in best_by and bound > best_by[g].time_per_batch * (1 + 2 * TIE)
-                   for g, n in left.items() if n and group)
-    for bound, _, plan in cands:
-        if not exhaustive and done(bound):
-            break
-        est = predict(plan)
-        ranked.append(est)
-        simulated += 1
-        ranked.sort(key=_key)
-        if group:
-            g = group(plan.layout)
-            left[g] -= 1
-            if g not in best_by or _key(est) < _key(best_by[g]):
-                best_by[g] = est
     if not exhaustive:
         ranked = ranked[:top_k]
-    return SearchResult(ranked, considered, len(cands), simulated, smallest / GB,
-                        time.perf_counter() - start, topology, best_by, smallest_by)
+    return SearchResult(ranked, len(layouts), fitting, simulated, smallest / GB,
+                        time.perf_counter() - start, topology, best_by, smallest_by, examined)
 
 
 __all__ = ["SCHEDULES", "RECOMPUTE", "SearchResult", "search", "enumerate_layouts", "divisors"]

@@ -209,7 +209,7 @@ def test_plan_is_one_search_with_few_simulations(argv, monkeypatch):
     cpu = time.process_time() - t0
     data = json.loads(out.getvalue())
     print(f"{argv.split()[3]} nodes: {cpu:.2f} s CPU, {data['considered']} layouts, "
-          f"{data['fitting']} fit, {data['simulated']} simulated")
+          f"{data['examined']} planned, {data['fitting']} fit, {data['simulated']} simulated")
     assert calls == [True]  # one search, grouped by the distributed optimizer
     assert data["fitting"] > 1000 and data["simulated"] <= 40
     assert data["distributed_optimizer"].startswith("distributed optimizer: ")

@@ -12,7 +12,7 @@ from megatron_2bw.models.flops import named_model
 from megatron_2bw.planner import AnalyticProfile, PlanError, Topology, predict, search
 from megatron_2bw.planner.cli import main as plan_main
 from megatron_2bw.planner.cli import run as plan_run
-from megatron_2bw.planner.cost_model import LayerTimes, Setup, stage_plan
+from megatron_2bw.planner.cost_model import LayerTimes, Setup, compute_floor, stage_plan
 from megatron_2bw.planner.search import TIE, enumerate_layouts
 from megatron_2bw.planner.simulate import steady_increment
 from megatron_2bw.planner.topology import GB
@@ -92,8 +92,12 @@ def test_search_is_fast_for_64_gpus_and_32_blocks():
     topo = Topology(num_nodes=8, gpus_per_node=8, gpu_memory_gb=80)
     res = search(model, topo, AnalyticProfile(), 512, dtype="bf16")
     # fast by its work, not by a clock (no test depends on timing or load): of thousands of
-    # layouts that fit, the lower bound leaves only a handful to simulate
-    assert res.considered > 1000 and res.fitting > 1000 and res.simulated <= 16
+    # layouts, most are beaten on their compute floor before being planned, and of the
+    # hundreds that fit, the lower bound leaves only a handful to simulate
+    print(f"{res.considered} layouts, {res.examined} planned, {res.fitting} fit, "
+          f"{res.simulated} simulated")
+    assert res.considered > 1000 and res.examined < res.considered / 3
+    assert res.fitting > 100 and res.simulated <= 16
     assert res.best.layout.num_gpus == 64
 
 
@@ -339,3 +343,22 @@ def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
     assert all(L.data > 1 for L in layouts if L.distributed_optimizer)
     assert {L.recompute_name for L in layouts} == {"no", "sel", "full"}
 
+
+
+def test_the_compute_floor_is_below_every_plans_bound_and_prediction():
+    """The search plans layouts in the order of their compute floor and stops on it: it must
+    never exceed a layout's lower bound (nor its variants'), or a better layout is skipped."""
+    checked = 0
+    for model, topo, prof, gb, dtype in _problems(20, 7):
+        setup = Setup(model, dtype)
+        times = LayerTimes(setup, prof, topo)
+        for L in enumerate_layouts(model, topo, gb):
+            plan = stage_plan(setup, L, times, topo)
+            floor = compute_floor(L, times)
+            assert floor <= plan.lower_bound() * (1 + 1e-12), L.describe()
+            for variant in ([replace(L, grad_buffers=1)] if L.kind.num_slots == 2 else []) + (
+                    [replace(L, microbatches_per_flush=1)] if L.kind.splits_into_flushes else []):
+                assert floor <= stage_plan(setup, variant, times, topo).lower_bound() * (
+                    1 + 1e-12), variant.describe()
+            checked += 1
+    assert checked > 500
