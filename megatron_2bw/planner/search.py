@@ -13,10 +13,12 @@ memory footprint. An asynchronous schedule on one pipeline stage is not offered 
 one is allowed: with nothing to fill, 2BW's second version only adds staleness (its sole gain
 there, hiding the gradient all-reduce behind the next forwards, is not worth a stale gradient).
 
-Every layout gets a cheap `lower_bound()`; layouts are simulated in increasing bound order and the
-search stops once the k-th best prediction beats every remaining bound (branch and bound). The
-bound never exceeds the prediction, so the result equals exhaustive simulation
-(`exhaustive=True` simulates everything; the tests compare both).
+Every layout gets a compute floor (`cost_model.compute_floor`, from its compute alone) and is
+planned (partition, memory, `lower_bound()`) only when the floors reach it; planned layouts that
+fit are simulated in increasing bound order, and the search stops once the k-th best prediction
+beats every remaining bound and floor (branch and bound). Floor <= bound <= prediction, so the
+result equals exhaustive simulation (`exhaustive=True` plans and simulates everything; the
+tests compare both), and most layouts are never planned.
 """
 from __future__ import annotations
 
