@@ -27,6 +27,7 @@ from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.models.flops import layer_costs
 from megatron_2bw.planner.cost_model import stage_memory
 from megatron_2bw.planner.topology import GB
+from megatron_2bw.schedule.kinds import schedule_kind_of
 
 _KINDS = (("weights", "weights"), ("master", "master weights"), ("grads", "gradients"),
           ("model_grad", "low-precision gradients"), ("optimizer", "optimizer state"),
@@ -118,6 +119,27 @@ def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.1f} GB"
 
 
+def _largest_flush(cfg: Config, world_size: int, stages: list, estimates: list,
+                   free: int) -> int | None:
+    """GPipe: the most microbatches per flush (--gpipe-microbatches-per-flush) whose estimate
+    for these ranks fits in `free` bytes, below what the config holds in flight (None: not
+    GPipe, or not even one fits). A stage's bytes are affine in its in-flight microbatches."""
+    kind = schedule_kind_of(cfg.schedule, cfg.grad_buffers, cfg.microbatches_per_flush)
+    resolved = cfg.resolved(world_size)
+    now = kind.in_flight(cfg.parallel.pipeline, resolved.num_microbatches, 0)
+    if not kind.splits_into_flushes or now <= 1:
+        return None
+    one = stage_estimates(cfg.replace(microbatches_per_flush=1), world_size)
+    base = sum(one[s]["total"] for s in stages)
+    per = sum(estimates[s]["total"] - one[s]["total"] for s in stages) / (now - 1)
+    if base > free:
+        return None
+    k = min(now - 1, int((free - base) // per) + 1) if per > 0 else now - 1
+    while k > 1 and base + (k - 1) * per > free:
+        k -= 1  # float rounding at the edge
+    return k
+
+
 def check_memory(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 0,
                  memory: DeviceMemory | None = None, local_ranks: int | None = None) -> int:
     """Raise MemoryCheckError (one line) when the ranks sharing this rank's memory need more
@@ -147,6 +169,10 @@ def check_memory(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 
         fix = ("--recompute-activations (selective) or --recompute-granularity full, a smaller "
                "--micro-batch-size or --seq-length, --sequence-parallel with tensor "
                "parallelism, or more pipeline stages (--pipeline-model-parallel-size)")
+        k = _largest_flush(cfg, world_size, stages, estimates, memory.free)
+        if k:
+            fix = (f"--gpipe-microbatches-per-flush {k} (the most microbatches in flight that "
+                   f"fit; the same numbers), " + fix)
     else:
         fix = ("--use-distributed-optimizer with data parallelism, more pipeline stages "
                "(--pipeline-model-parallel-size) or tensor parallelism "

@@ -66,7 +66,7 @@ def test_activation_heavy_layouts_are_pointed_at_recomputation():
         model={"seq_length": 1024, "max_position_embeddings": 1024})
     mem = stage_estimates(cfg, 2)[0]
     assert mem["activations"] > mem["total"] / 2
-    with pytest.raises(MemoryCheckError, match="use --recompute-activations"):
+    with pytest.raises(MemoryCheckError, match="--recompute-activations \\(selective\\)"):
         check_memory(cfg, 2, memory=DeviceMemory("host memory", int(mem["total"] / 2)))
 
 
@@ -111,3 +111,26 @@ def test_nccl_runs_measure_the_local_ranks_gpu(monkeypatch):
     assert asked == [1]
     cfg = cfg.replace(**{"parallel.backend": "gloo"})
     assert device_memory(cfg, local_rank=3).name == "host memory"
+
+
+def test_gpipe_over_memory_is_pointed_at_the_largest_flush_that_fits():
+    """GPipe whose m stashes do not fit: the refusal names --gpipe-microbatches-per-flush K with
+    the largest K that fits (K + 1 does not); no K fits: not offered; other schedules: never."""
+    cfg = tiny(hidden=64, schedule="gpipe").replace(
+        batch={"micro_batch_size": 8, "global_batch_size": 128},
+        model={"seq_length": 256, "max_position_embeddings": 256})
+    m = cfg.num_microbatches
+    total = {k: stage_estimates(cfg.replace(microbatches_per_flush=k), 2)[0]["total"]
+             for k in range(1, m + 1)}
+    free = int((total[5] + total[6]) / 2)
+    with pytest.raises(MemoryCheckError) as e:
+        check_memory(cfg, 2, memory=DeviceMemory("host memory", free))
+    assert "--gpipe-microbatches-per-flush 5 (the most microbatches in flight" in str(e.value)
+    assert total[5] <= free < total[6] and "\n" not in str(e.value)
+    with pytest.raises(MemoryCheckError) as e:
+        check_memory(cfg, 2, memory=DeviceMemory("host memory", int(total[1] / 2)))
+    assert "--gpipe-microbatches-per-flush" not in str(e.value)
+    flush = cfg.replace(schedule="flush")
+    with pytest.raises(MemoryCheckError) as e:
+        check_memory(flush, 2, memory=DeviceMemory("host memory", 1 << 20))
+    assert "--gpipe-microbatches-per-flush" not in str(e.value)
