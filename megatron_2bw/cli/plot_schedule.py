@@ -4,6 +4,7 @@
     python tools/plot_schedule.py --schedule 2bw -d 4 -m 8 --batches 3          # unit durations
     python tools/plot_schedule.py --schedule flush -d 4 -m 8 --durations F=1,B=2,S=1,R=0.5,N=0.5
     python tools/plot_schedule.py --schedule 2bw -d 8 -m 16 --model gpt-1.3b     # cost model
+    python tools/plot_schedule.py --schedule gpipe -d 4 -m 8 --gpipe-microbatches-per-flush 2
     python tools/plot_schedule.py --trace run.json                              # engine trace
 
 Blocks: forwards (blue) and backwards (orange), light for weight version v0 and dark for v1,
@@ -33,7 +34,7 @@ import sys
 
 
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind, schedule_names
+from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind_of, schedule_names
 
 COLOURS = {("F", 0): "#9ecae1", ("F", 1): "#3182bd", ("B", 0): "#fdae6b", ("B", 1): "#e6550d",
            "S": "#31a354", "R": "#9e9ac8", "N": "#756bb1", "p2p": "#bdbdbd"}
@@ -60,7 +61,7 @@ def simulated(args):
     """(rows, unit, title) from the simulator."""
     from megatron_2bw.schedule.tables import make_schedule
     from megatron_2bw.schedule.simulate import simulate
-    sched = make_schedule(args.schedule, args.pipeline_stages, args.num_microbatches,
+    sched = make_schedule(_kind(args), args.pipeline_stages, args.num_microbatches,
                           args.batches)
     unit = "time units"
     if args.model:
@@ -78,7 +79,9 @@ def simulated(args):
     for s, tl in enumerate(res.timeline):
         rows.append((f"stage {s}", [(a0 * scale, a1 * scale, [a]) for a0, a1, a in tl]))
     rows = _merge_comm(rows)
-    title = (f"{args.schedule}  d={args.pipeline_stages}  m={args.num_microbatches}  "
+    flushes = args.gpipe_microbatches_per_flush
+    title = (f"{args.schedule}{f' in flushes of {flushes}' if flushes else ''}  "
+             f"d={args.pipeline_stages}  m={args.num_microbatches}  "
              f"batches={args.batches}  |  makespan {res.makespan * scale:.4g} {unit.split()[0]}, "
              f"{bubble_text(rows, res.bubble)}, peak in flight {res.peak_in_flight}\n"
              f"simulated with {what}")
@@ -110,6 +113,11 @@ def bubble_text(rows, idle: float | None = None) -> str:
     return text + ("" if idle is None else f" (idle {100 * idle:.1f}% with fill and drain)")
 
 
+def _kind(args):
+    """The schedule kind drawn (GPipe in flushes of K with --gpipe-microbatches-per-flush)."""
+    return schedule_kind_of(args.schedule, None, args.gpipe_microbatches_per_flush)
+
+
 def cost_model_durations(args):
     from megatron_2bw.models.flops import named_model
     from megatron_2bw.planner import AnalyticProfile, Layout, Setup, Topology, load_profile
@@ -119,7 +127,8 @@ def cost_model_durations(args):
     profile = load_profile(args.profile) if args.profile else AnalyticProfile()
     topo = Topology(num_nodes=1, gpus_per_node=max(args.pipeline_stages, 1))
     layout = Layout(args.schedule, 1, args.pipeline_stages, 1, args.micro_batch_size,
-                    args.num_microbatches)
+                    args.num_microbatches,
+                    microbatches_per_flush=args.gpipe_microbatches_per_flush)
     plan = stage_plan(setup, layout, LayerTimes(setup, profile, topo), topo)
     dur, comm = plan.durations()
     what = (f"the cost model: {args.model} {args.dtype} micro batch {args.micro_batch_size}, "
@@ -325,6 +334,8 @@ def parse_args(argv=None):
     src.add_argument("--pipeline-stages", "-d", type=int, default=4)
     src.add_argument("--num-microbatches", "-m", type=int, default=8)
     src.add_argument("--batches", type=int, default=2)
+    src.add_argument("--gpipe-microbatches-per-flush", type=int, default=None, metavar="K",
+                     help="gpipe: each batch in flushes of at most K microbatches")
     src.add_argument("--durations", default=None, help="e.g. F=1,B=2,S=0.5,R=0,N=0.2")
     src.add_argument("--comm-latency", type=float, default=0.0)
     src.add_argument("--model", default=None,
@@ -344,8 +355,12 @@ def parse_args(argv=None):
     if args.trace is None:
         if args.pipeline_stages < 1 or args.num_microbatches < 1 or args.batches < 1:
             p.error("-d, -m and --batches must be >= 1")
-        error = schedule_kind(args.schedule).microbatch_error(
-            args.pipeline_stages, args.num_microbatches, "raise -m or lower -d")
+        try:
+            kind = _kind(args)
+        except ValueError as e:
+            p.error(str(e))
+        error = kind.microbatch_error(args.pipeline_stages, args.num_microbatches,
+                                      "raise -m or lower -d")
         if error:
             p.error(error)
     if args.window:

@@ -90,3 +90,17 @@ def test_the_convergence_plot_says_what_it_smooths_and_ticks_whole_iterations(it
         lo, hi = axis.get_xlim()
         ticks = [t for t in axis.get_xticks() if lo <= t <= hi]
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_gpipe_in_flushes_is_drawn_with_one_fill_per_flush():
+    """--gpipe-microbatches-per-flush K draws the engine's table: m / K fills per batch, K in
+    flight; a K with another schedule is a one-line argparse error."""
+    d, m, k, f, b, s = 4, 8, 2, 1.0, 2.0, 0.5
+    _, title, _ = _timeline("--schedule", "gpipe", "-d", str(d), "-m", str(m), "--batches", "2",
+                            "--gpipe-microbatches-per-flush", str(k))
+    assert title.startswith(f"gpipe in flushes of {k}") and "peak in flight [2, 2, 2, 2]" in title
+    busy = m * (f + b) + s
+    period = busy + (m // k) * (d - 1) * (f + b)
+    assert math.isclose(_percent("steady-state bubble", title), 1 - busy / period, abs_tol=1e-3)
+    with pytest.raises(SystemExit):
+        P.parse_args(["--schedule", "flush", "--gpipe-microbatches-per-flush", "2"])
