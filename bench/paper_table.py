@@ -177,25 +177,27 @@ def rows() -> list:
     return out
 
 
-# GPT shapes of growing size (heads of 128): the GPT-3 family's 6.7B and 13B, then wider ones
-GROWING = ((32, 4096), (40, 5120), (48, 6144), (40, 7168), (48, 7168), (40, 8192), (48, 8192),
-           (64, 8192))
+# GPT shapes (heads of 128), deep ones too: a deeper model splits over more stages (d <= layers)
+SHAPES = tuple((layers, hidden) for layers in (32, 40, 48, 64, 80, 96, 128)
+               for hidden in (4096, 5120, 6144, 7168, 8192))
 
 
 def largest_trainable(batch: int = 2048) -> tuple | None:
-    """The largest GPT of `GROWING` that 2BW fits on the 64 GPUs (recomputation and every
-    pipeline depth allowed), with its parameters, shape and layout."""
-    found = None
-    for layers, hidden in GROWING:
-        model = replace(paper_model("gpt-2.2b"), num_layers=layers, hidden_size=hidden,
-                        num_attention_heads=hidden // 128, ffn_hidden_size=4 * hidden)
+    """The largest GPT of `SHAPES` that 2BW fits on the 64 GPUs (recomputation and every
+    pipeline depth allowed; whether it fits, not how fast: `search(fit_only=True)`), with its
+    parameters, shape and a layout that fits."""
+    def shaped(layers, hidden):
+        return replace(paper_model("gpt-2.2b"), num_layers=layers, hidden_size=hidden,
+                       num_attention_heads=hidden // 128, ffn_hidden_size=4 * hidden)
+    for layers, hidden in sorted(SHAPES, key=lambda s: -num_parameters(shaped(*s))):
+        model = shaped(layers, hidden)
         try:
             est = search(model, Topology(**HARDWARE), PROFILE, batch, schedules=("2bw",),
-                         **dict(SPACE, recompute=(True,), one_buffer=True)).best
+                         fit_only=True, **dict(SPACE, recompute=(True,), one_buffer=True)).best
         except PlanError:
             continue
-        found = (num_parameters(model), layers, hidden, est)
-    return found
+        return num_parameters(model), layers, hidden, est
+    return None
 
 
 def main(argv=None) -> int:

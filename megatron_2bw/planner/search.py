@@ -194,7 +194,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            group=None, grad_reduce_bytes: float = 4.0,
            one_buffer: bool = True, grad_accumulation: str = "fp32",
            overlap_grad_reduce: bool = True, bucket: int | None = None,
-           gpipe_flushes: bool = True) -> SearchResult:
+           gpipe_flushes: bool = True, fit_only: bool = False) -> SearchResult:
     """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
     try a 2BW layout whose two gradient buffers do not fit with fewer (`_fewer_buffers`; False:
     two only). `gpipe_flushes`: run a GPipe layout whose m stashes do not fit in flushes of
@@ -203,7 +203,9 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     `overlap_grad_reduce`, `bucket`: Setup's (--no-overlap-grad-reduce, --ddp-bucket-size).
     `group(layout) -> key`, when given, also finds the best layout of every group (in
     `best_by`, as a search restricted to that group would; `smallest_by` for the footprints)
-    within the same branch and bound: no second search."""
+    within the same branch and bound: no second search. `fit_only`: whether anything fits,
+    fast: the first layout (by compute floor) that fits, unsimulated, timed by its lower bound
+    (source "bound"); a PlanError as always when none does."""
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
@@ -270,6 +272,10 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
             smallest_by[g] = min(smallest_by.get(g, float("inf")), plan.max_memory / GB)
         if plan.max_memory <= usable:
             fitting += 1
+            if fit_only:
+                bound = plan.lower_bound()
+                ranked = [Estimate(plan, bound, bound, "bound")]
+                break
             heapq.heappush(heap, (plan.lower_bound(), i, plan))
         else:
             left[g] -= 1

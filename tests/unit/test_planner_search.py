@@ -362,3 +362,19 @@ def test_the_compute_floor_is_below_every_plans_bound_and_prediction():
                     1 + 1e-12), variant.describe()
             checked += 1
     assert checked > 500
+
+
+def test_fit_only_answers_whether_anything_fits_without_simulating():
+    for model, topo, prof, gb, dtype in _problems(30, 11):
+        try:
+            full = search(model, topo, prof, gb, dtype=dtype, top_k=1)
+        except PlanError as e:
+            with pytest.raises(PlanError, match=str(e).split(":")[0]):
+                search(model, topo, prof, gb, dtype=dtype, fit_only=True)
+            continue
+        quick = search(model, topo, prof, gb, dtype=dtype, fit_only=True)
+        est = quick.best
+        assert quick.simulated == 0 and est.source == "bound" and len(quick.ranked) == 1
+        assert est.plan.max_memory <= topo.usable_memory_gb * GB
+        assert est.time_per_batch == est.plan.lower_bound()  # a fit, not necessarily the best
+        assert full.best.plan.max_memory <= topo.usable_memory_gb * GB
