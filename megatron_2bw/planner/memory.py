@@ -131,5 +131,17 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     return mem, peak
 
 
-__all__ = ["OPTIMIZER_COPIES", "state_bytes", "stage_tied", "stage_params", "activation_bytes",
+def largest_affine_fit(bases: list, slopes: list, limit: float, cap: int) -> int:
+    """The largest k in 1 .. cap with bases[i] + (k - 1) slopes[i] <= limit for every i (0
+    when not even k = 1 fits): how many microbatches may be in flight when each holder's bytes
+    are affine in them (GPipe's flush size: planner/search.py, planner/memory_check.py)."""
+    if any(b > limit for b in bases):
+        return 0
+    k = min([cap] + [int((limit - b) // s) + 1 for b, s in zip(bases, slopes) if s > 0])
+    while k > 1 and any(b + (k - 1) * s > limit for b, s in zip(bases, slopes)):
+        k -= 1  # float rounding at the edge
+    return k
+
+
+__all__ = ["largest_affine_fit", "OPTIMIZER_COPIES", "state_bytes", "stage_tied", "stage_params", "activation_bytes",
            "stage_memory"]

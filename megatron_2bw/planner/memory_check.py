@@ -26,6 +26,7 @@ from typing import NamedTuple
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.models.flops import layer_costs
 from megatron_2bw.planner.cost_model import stage_memory
+from megatron_2bw.planner.memory import largest_affine_fit
 from megatron_2bw.planner.topology import GB
 from megatron_2bw.schedule.kinds import schedule_kind_of
 
@@ -132,12 +133,7 @@ def _largest_flush(cfg: Config, world_size: int, stages: list, estimates: list,
     one = stage_estimates(cfg.replace(microbatches_per_flush=1), world_size)
     base = sum(one[s]["total"] for s in stages)
     per = sum(estimates[s]["total"] - one[s]["total"] for s in stages) / (now - 1)
-    if base > free:
-        return None
-    k = min(now - 1, int((free - base) // per) + 1) if per > 0 else now - 1
-    while k > 1 and base + (k - 1) * per > free:
-        k -= 1  # float rounding at the edge
-    return k
+    return largest_affine_fit([base], [per], free, now - 1) or None
 
 
 def check_memory(cfg: Config, world_size: int, rank: int = 0, local_rank: int = 0,

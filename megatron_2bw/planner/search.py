@@ -32,6 +32,7 @@ from megatron_2bw.models.flops import DTYPE_BYTES
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.planner.cost_model import (OPTIMIZER_COPIES, LayerTimes, Layout, Setup,
                                              compute_floor, stage_plan)
+from megatron_2bw.planner.memory import largest_affine_fit
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology
 from megatron_2bw.schedule.kinds import FIRST_STAGE, schedule_kind, schedule_names
@@ -169,17 +170,16 @@ def _fewer_in_flight(setup, layout, times, topology, full, usable):
     one = stage_plan(setup, replace(layout, microbatches_per_flush=1), times, topology)
     stash = [(high["total"] - low["total"]) / (m - 1)
              for low, high in zip(one.memory, full.memory)]
-    k = min([m - 1] + [int((usable - low["total"]) // per) + 1
-                       for low, per in zip(one.memory, stash) if per > 0])
-    while k > 1 and max(low["total"] + (k - 1) * per
-                        for low, per in zip(one.memory, stash)) > usable:
-        k -= 1  # float rounding at the edge
-    split = replace(layout, microbatches_per_flush=k)
-    plan = one if k <= 1 else replace(
-        one, layout=split, peak_in_flight=[split.kind.in_flight(split.pipeline, m, s)
-                                           for s in range(split.pipeline)],
-        memory=[dict(low, activations=low["activations"] + (k - 1) * per,
-                     total=low["total"] + (k - 1) * per) for low, per in zip(one.memory, stash)])
+    k = largest_affine_fit([low["total"] for low in one.memory], stash, usable, m - 1)
+    plan = one
+    if k > 1:
+        split = replace(layout, microbatches_per_flush=k)
+        plan = replace(
+            one, layout=split, peak_in_flight=[split.kind.in_flight(split.pipeline, m, s)
+                                               for s in range(split.pipeline)],
+            memory=[dict(low, activations=low["activations"] + (k - 1) * per,
+                         total=low["total"] + (k - 1) * per)
+                    for low, per in zip(one.memory, stash)])
     plan.all_in_flight_memory = full.max_memory
     return plan
 

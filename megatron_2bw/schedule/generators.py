@@ -77,10 +77,7 @@ def _batches(m: int, T: int, t0: int):
 
 
 def gpipe(s: int, d: int, m: int, T: int, t0: int, slot) -> list:
-    out = []
-    for t, mbs in _batches(m, T, t0):
-        out += _gpipe_batch(s, d, mbs, slot) + [R(t), N(t), S(t)]
-    return out
+    return gpipe_in_flushes(s, d, m, T, t0, slot, m)  # one flush of all m
 
 
 def gpipe_in_flushes(s: int, d: int, m: int, T: int, t0: int, slot, per_flush: int) -> list:
