@@ -33,6 +33,7 @@ import itertools
 import multiprocessing
 import pickle
 import signal
+import time
 from typing import Iterator
 
 import torch
@@ -169,14 +170,20 @@ def close_pipelines(*iterators) -> None:
             it.close()
 
 
-def _dead_worker(it) -> str:
+def _dead_worker(it, wait_s: float = 2.0) -> str:
     """", worker <pid> exited unexpectedly (killed by signal N | exit code N)" for the first
     worker process of a DataLoader iterator that is gone, else "" (the message can then only
-    be the loader's own, e.g. a connection reset while a dying worker was sending)."""
-    for w in getattr(it, "_workers", ()):
-        if not w.is_alive():
-            code = w.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else \
-                f"exit code {code}"
-            return f", worker {w.pid} exited unexpectedly ({how})"
-    return ""
+    be the loader's own). Error path only: a worker killed while sending resets its pipe
+    before its exit is visible, so this waits up to `wait_s` for one to be reaped."""
+    workers = list(getattr(it, "_workers", ()))
+    deadline = time.monotonic() + (wait_s if workers else 0.0)
+    while True:
+        for w in workers:
+            if not w.is_alive():
+                code = w.exitcode
+                how = f"killed by signal {-code}" if code is not None and code < 0 else \
+                    f"exit code {code}"
+                return f", worker {w.pid} exited unexpectedly ({how})"
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.01)

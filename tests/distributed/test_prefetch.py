@@ -199,3 +199,23 @@ def test_a_failed_read_stops_training_with_one_line():
     with pytest.raises(Exception, match=r"DataError: train data \(BrokenAt\): reading batch 2 "
                                         r"microbatch 0 failed: OSError: short read at byte 4096"):
         spawn(_train_on_broken_data, 1, args=(cfg,), timeout_minutes=1)
+
+
+def test_a_worker_reaped_after_its_pipe_reset_is_still_named():
+    """A worker killed while sending resets its pipe before its exit is visible (the race that
+    once failed CI): the error path waits for the exit and names the worker and the signal."""
+    from megatron_2bw.data.prefetch import _dead_worker
+
+    class Dying:
+        pid, exitcode, calls = 4321, None, 0
+
+        def is_alive(self):
+            self.calls += 1
+            if self.calls < 5:
+                return True
+            self.exitcode = -9
+            return False
+    it = SimpleNamespace(_workers=[Dying()])
+    assert _dead_worker(it) == ", worker 4321 exited unexpectedly (killed by signal 9)"
+    alive = SimpleNamespace(_workers=[SimpleNamespace(pid=1, is_alive=lambda: True)])
+    assert _dead_worker(alive, wait_s=0.05) == ""  # none died: the loader's own message
