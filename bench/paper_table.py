@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_2bw.models.flops import named_model, num_parameters  # noqa: E402
 from megatron_2bw.planner.cost_model import LayerTimes, Setup, stage_plan  # noqa: E402
 from megatron_2bw.planner.profile import AnalyticProfile  # noqa: E402
-from megatron_2bw.planner.search import enumerate_layouts, search  # noqa: E402
+from megatron_2bw.planner.search import divisors, enumerate_layouts, search  # noqa: E402
 from megatron_2bw.planner.topology import GB, PlanError, Topology  # noqa: E402
 
 HARDWARE = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, intra_node_bandwidth_gbps=1200,
@@ -59,10 +59,10 @@ def paper_model(name: str):
     return model
 
 
-def best(model_name: str, batch: int, schedules, topo=None, **kw):
-    """The best Estimate of `schedules` (None: nothing fits)."""
+def best(model_name: str, batch: int, schedules, topo=None, key=(), **kw):
+    """The best Estimate of `schedules` (None: nothing fits); `key` names `topo`."""
     key = (model_name, batch, tuple(schedules), json.dumps(kw, sort_keys=True, default=str),
-           id(topo))
+           key)
     if key not in _CACHE:
         args = dict(SPACE, **kw)
         try:
@@ -79,21 +79,12 @@ def ratio(a, b) -> float | None:
     return None if a is None or b is None else a.samples_per_s / b.samples_per_s
 
 
-def tensor_only(model_name: str, batch: int, t: int):
-    """Tensor model parallelism alone over t GPUs (no pipelining), replicated w = 64 / t times;
-    t = 16 spans two servers: its all-reduces run over the servers' shared NIC."""
-    model = paper_model(model_name)
-    if t <= HARDWARE["gpus_per_node"]:
-        return best(model_name, batch, ("flush",), tensor_sizes=(t,), pipeline_sizes=(1,))
-    key = ("tensor16", model_name, batch)
-    if key not in _CACHE:
-        try:
-            _CACHE[key] = search(model, two_server_topology(), PROFILE, batch,
-                                 schedules=("flush",),
-                                 **dict(SPACE, tensor_sizes=(t,), pipeline_sizes=(1,))).best
-        except PlanError:
-            _CACHE[key] = None
-    return _CACHE[key]
+def tensor_only(model_name: str, batch: int, t: int, nodes: int = 8, **kw):
+    """Tensor model parallelism alone over t GPUs (no pipelining), replicated w = GPUs / t
+    times; t = 16 spans two servers: its all-reduces run over the servers' shared NIC."""
+    topo = two_server_topology() if t > HARDWARE["gpus_per_node"] else _topology(nodes)
+    return best(model_name, batch, ("flush",), topo, key=("tensor", t, nodes),
+                **dict(kw, tensor_sizes=(t,), pipeline_sizes=(1,)))
 
 
 def two_server_topology() -> Topology:
@@ -123,27 +114,25 @@ class _Sequential:
         self.samples_per_s = plan.layout.global_batch / self.time_per_batch
 
 
-def no_pipelining(model_name: str, batch: int):
+def no_pipelining(model_name: str, batch: int, nodes: int = 8, recompute=(False, True),
+                  **kw):
     """The fastest sequential layout (d > 1) whose flush memory fits (an upper bound of its own:
     one microbatch in flight needs no more than 1F1B's min(d - s, m))."""
-    key = ("sequential", model_name, batch)
+    key = ("sequential", model_name, batch, nodes, recompute, json.dumps(kw, sort_keys=True))
     if key not in _CACHE:
-        model, topo = paper_model(model_name), Topology(**HARDWARE)
+        model, topo = paper_model(model_name), _topology(nodes)
         setup = Setup(model, "fp16", grad_reduce_bytes=GRAD_REDUCE_BYTES)
         times = LayerTimes(setup, PROFILE, topo)
-        found = None
-        for layout in enumerate_layouts(model, topo, batch, ("flush",), (False, True), (1,),
-                                        distributed_optimizer=(False,),
-                                        sequence_parallel=(False,)):
-            if layout.pipeline == 1:
-                continue
-            plan = stage_plan(setup, layout, times, topo)
-            if plan.max_memory <= topo.usable_memory_gb * GB:
-                est = _Sequential(plan)
-                if found is None or est.samples_per_s > found.samples_per_s:
-                    found = est
-        _CACHE[key] = found
+        plans = (stage_plan(setup, layout, times, topo) for layout in enumerate_layouts(
+            model, topo, batch, ("flush",), recompute, (1,), distributed_optimizer=(False,),
+            sequence_parallel=(False,), **kw) if layout.pipeline > 1)
+        fits = [_Sequential(p) for p in plans if p.max_memory <= topo.usable_memory_gb * GB]
+        _CACHE[key] = max(fits, key=lambda e: e.samples_per_s, default=None)
     return _CACHE[key]
+
+
+def _topology(nodes: int) -> Topology:
+    return Topology(**dict(HARDWARE, num_nodes=nodes))
 
 
 def up_to(pairs, baseline=("gpipe",)):
@@ -151,7 +140,8 @@ def up_to(pairs, baseline=("gpipe",)):
     return max(vals) if vals else (None, f"{baseline[0]} does not fit: {_WHY.get(baseline)}")
 
 
-def rows() -> list:
+def best_layout_rows() -> list:
+    """Each technique at its best layout in the paper's space (the issue's first reading)."""
     gpts = ("gpt-2.2b", "gpt-3.8b")
     out = []
     r, what = up_to((ratio(best(m, B, ("2bw",)), best(m, B, ("gpipe",))), f"{m} B={B}")
@@ -165,16 +155,151 @@ def rows() -> list:
         r, what = up_to((ratio(best(m, B, ("2bw",)), best(m, B, ("flush",))), f"{m} B={B}")
                         for m in gpts)
         out.append((f"2BW vs Flush, B={B}", paper, r, what))
-    out.append(("2BW vs tensor MP t=8 in one server, GPT-2.2B", 1.3,
-                ratio(best("gpt-2.2b", 512, ("2bw",)), tensor_only("gpt-2.2b", 512, 8)),
-                "gpt-2.2b B=512"))
-    out.append(("2BW vs tensor MP t=16 over two servers, GPT-3.8B", 20.0,
-                ratio(best("gpt-3.8b", 512, ("2bw",)), tensor_only("gpt-3.8b", 512, 16)),
-                "gpt-3.8b B=512"))
-    r, what = up_to((ratio(best(m, B, ("2bw",)), no_pipelining(m, B)), f"{m} B={B}")
-                    for m in gpts for B in (512, 2048))
+    one = _topology(1)  # "On a single node" (Sec. 5.2; Fig. 6a: B=64, 256)
+    out.append((T8_ROW, 1.3) + up_to(
+        (ratio(best("gpt-2.2b", B, ("2bw",), one, key=1), tensor_only("gpt-2.2b", B, 8, 1)),
+         f"gpt-2.2b 8 GPUs B={B}") for B in (64, 256)))
+    out.append((T16_ROW, 20.0) + up_to(
+        (ratio(best("gpt-3.8b", B, ("2bw",)), tensor_only("gpt-3.8b", B, 16)), f"gpt-3.8b B={B}")
+        for B in (512, 2048)))
+    # every inter-layer number of the paper is on GPT-2.2B (`over_inter_layer`)
+    r, what = up_to(
+        [(ratio(best("gpt-2.2b", B, ("2bw",), one, key=1), no_pipelining("gpt-2.2b", B, 1)),
+          f"gpt-2.2b 8 GPUs B={B}") for B in (64, 256)]
+        + [(ratio(best("gpt-2.2b", B, ("2bw",)), no_pipelining("gpt-2.2b", B)),
+            f"gpt-2.2b B={B}") for B in (512, 2048)])
     out.append(("2BW vs inter-layer MP (no pipelining), up to", 6.1, r, what))
     return out
+
+
+T8_ROW = "2BW vs tensor MP t=8 in one server, GPT-2.2B"
+T16_ROW = "2BW vs tensor MP t=16 over two servers, GPT-3.8B"
+
+# ---- the paper's configurations (Sec. 5.2) ---------------------------------------------------
+# "In these experiments, we use activation recomputation, and the largest per-GPU microbatch size
+# that fits on the 16-GB V100 GPUs. We use the best configuration recommended by PipeDream-2BW's
+# planner for all comparisons: 8-deep configurations for the model with 2.2 billion parameters,
+# and 16-deep configurations for the model with 3.8 billion parameters." Fig. 6's panels: GPT-2.2B
+# on one server (B=64, 256) and on 64 GPUs (B=512, 2048), GPT-3.8B on 64 GPUs (B=512, 2048), each
+# "8-way" / "16-way model parallelism". Pipelines run m = d*g microbatches, and the larger batch
+# is "more gradient accumulation" (Sec. 5.2): one microbatch size per panel, the largest that
+# fits 2BW at the smaller batch, for 2BW, Flush and GPipe alike; GPipe runs its batch in flushes
+# of the most microbatches that fit (Sec. 5.2: "the maximum number of microbatches it can admit
+# is small"). Without pipelining (tensor MP over the d GPUs, inter-layer MP over d stages) the
+# largest microbatch that fits the batch.
+DEPTH = {"gpt-2.2b": 8, "gpt-3.8b": 16}
+PANELS = (("gpt-2.2b", 1, (64, 256)), ("gpt-2.2b", 8, (512, 2048)), ("gpt-3.8b", 8, (512, 2048)))
+RECOMPUTE = dict(SPACE, recompute=(True,))
+
+
+def configured(model_name: str, nodes: int, batch: int, schedule: str, b: int):
+    """The estimate of `schedule` at the panel's configuration (d, w = GPUs / d, b,
+    recomputation; None when it does not fit)."""
+    return best(model_name, batch, (schedule,), _topology(nodes), key=("nodes", nodes),
+                **dict(RECOMPUTE, pipeline_sizes=(DEPTH[model_name],), micro_batches=(b,)))
+
+
+def panel_micro_batch(model_name: str, nodes: int, small_batch: int) -> int | None:
+    """The largest b (m = d*g microbatches of the smaller batch) at which 2BW fits."""
+    d = DEPTH[model_name]
+    w = nodes * HARDWARE["gpus_per_node"] // d
+    for b in sorted(divisors(small_batch // (w * d)), reverse=True):
+        if configured(model_name, nodes, small_batch, "2bw", b) is not None:
+            return b
+    return None
+
+
+def unpipelined(model_name: str, nodes: int, batch: int, tensor: bool):
+    """Tensor MP over d GPUs (t = d; over two servers when d = 16) or inter-layer MP over d
+    stages, replicated over the rest, recomputation, the largest microbatch that fits."""
+    d = DEPTH[model_name]
+    for b in sorted(divisors(batch // (nodes * HARDWARE["gpus_per_node"] // d)), reverse=True):
+        kw = dict(recompute=(True,), micro_batches=(b,))
+        found = tensor_only(model_name, batch, d, nodes, **kw) if tensor else \
+            no_pipelining(model_name, batch, nodes, pipeline_sizes=(d,), **kw)
+        if found is not None:
+            return found
+    return None
+
+
+def panel_cases():
+    """(model, nodes, batch, is the panel's larger batch, b) of every Fig. 6 case."""
+    for model_name, nodes, batches in PANELS:
+        b = panel_micro_batch(model_name, nodes, batches[0])
+        for i, batch in enumerate(batches):
+            yield model_name, nodes, batch, i == 1, b
+
+
+def _case(model_name, nodes, batch, b, extra=""):
+    return f"{model_name} {nodes * 8} GPUs B={batch} b={b}{extra}"
+
+
+def paper_config_rows() -> list:
+    """The eight comparisons at the paper's configurations (the comment above)."""
+    cases = list(panel_cases())
+
+    def pair(a, z, when=lambda c: True):
+        return up_to((ratio(configured(c[0], c[1], c[2], a, c[4]),
+                            configured(c[0], c[1], c[2], z, c[4])),
+                      _case(c[0], c[1], c[2], c[4], _flushes(c, z)))
+                     for c in cases if when(c))
+    big = [c for c in cases if c[1] == 8]
+    out = [("2BW vs GPipe, up to", 3.2) + pair("2bw", "gpipe")]
+    for B, paper in ((512, 2.1), (2048, 3.0)):
+        out.append((f"Flush vs GPipe, B={B}", paper) + pair(
+            "flush", "gpipe", lambda c, B=B: c in big and c[2] == B))
+    for B, paper in ((512, 1.6), (2048, 1.15)):
+        out.append((f"2BW vs Flush, B={B}", paper) + pair(
+            "2bw", "flush", lambda c, B=B: c in big and c[2] == B))
+    for row, paper, model_name, nodes in ((T8_ROW, 1.3, "gpt-2.2b", 1),
+                                          (T16_ROW, 20.0, "gpt-3.8b", 8)):
+        out.append((row, paper) + up_to(
+            (ratio(configured(c[0], c[1], c[2], "2bw", c[4]), unpipelined(c[0], c[1], c[2], True)),
+             _case(c[0], c[1], c[2], c[4], _unpipelined_b(c, True)))
+            for c in cases if c[0] == model_name and c[1] == nodes))
+    out.append(("2BW vs inter-layer MP (no pipelining), up to", 6.1) + over_inter_layer(
+        cases, "2bw"))
+    return out
+
+
+def over_inter_layer(cases, schedule, when=lambda c: True) -> tuple:
+    """(the largest ratio of `schedule` over inter-layer MP, its case) on GPT-2.2B: every
+    inter-layer number of the paper is on it (Sec. 5.2: "Compared to inter-layer MP, pipelining
+    with flushes increases throughput by up to 4.1x for small batch sizes, and by up to 5.3x for
+    large batch sizes, on the 2.2-billion model. 2BW is up to 6.1x faster than inter-layer MP":
+    6.1 = 5.3 x 1.15, 2BW over Flush at the large batch). GPT-3.8B's 16 stages keep one GPU of
+    16 busy, far beyond 6.1x (printed below the table)."""
+    return up_to((ratio(configured(c[0], c[1], c[2], schedule, c[4]),
+                        unpipelined(c[0], c[1], c[2], False)),
+                  _case(c[0], c[1], c[2], c[4], _unpipelined_b(c, False)))
+                 for c in cases if c[0] == "gpt-2.2b" and when(c))
+
+
+def extra_rows() -> list:
+    """The paper's other inter-layer numbers (Sec. 5.2), not in issue 30's table."""
+    cases = list(panel_cases())
+    return [("Flush vs inter-layer MP, small batch, GPT-2.2B, up to", 4.1)
+            + over_inter_layer(cases, "flush", lambda c: not c[3]),
+            ("Flush vs inter-layer MP, large batch, GPT-2.2B, up to", 5.3)
+            + over_inter_layer(cases, "flush", lambda c: c[3])]
+
+
+def gpt_38b_over_inter_layer() -> str:
+    c = [c for c in panel_cases() if c[0] == "gpt-3.8b"]
+    r, what = up_to((ratio(configured(x[0], x[1], x[2], "2bw", x[4]),
+                           unpipelined(x[0], x[1], x[2], False)), _case(*x[:3], x[4])) for x in c)
+    return f"2BW vs inter-layer MP on GPT-3.8B (d=16), up to {r:.2f}x ({what})"
+
+
+def _flushes(case, schedule) -> str:
+    est = configured(case[0], case[1], case[2], schedule, case[4])
+    k = est and est.layout.microbatches_per_flush
+    return f", gpipe in flushes of {k}" if k else ""
+
+
+def _unpipelined_b(case, tensor) -> str:
+    est = unpipelined(case[0], case[1], case[2], tensor)
+    return f", {'tensor' if tensor else 'inter-layer'} b={est.layout.micro_batch}" if est else ""
 
 
 # GPT shapes (heads of 128), deep ones too: a deeper model splits over more stages (d <= layers)
@@ -200,16 +325,11 @@ def largest_trainable(batch: int = 2048) -> tuple | None:
     return None
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
-    t0 = time.process_time()
-    table = rows()
+def _table(rows) -> tuple:
     lines = ["| comparison | paper | predicted | predicted / paper | within 25% | case |",
              "|---|---|---|---|---|---|"]
     results = []
-    for name, paper, pred, what in table:
+    for name, paper, pred, what in rows:
         rel = None if pred is None else pred / paper
         ok = rel is not None and abs(rel - 1) <= 0.25
         lines.append(f"| {name} | {paper:g}x | "
@@ -218,7 +338,27 @@ def main(argv=None) -> int:
                      f"{what} |")
         results.append(dict(comparison=name, paper=paper, predicted=pred, within_25=ok,
                             case=what))
-    print("\n".join(lines))
+    return "\n".join(lines), results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    t0 = time.process_time()
+    text, results = _table(paper_config_rows())
+    print("The paper's configurations (Sec. 5.2: recomputation, d=8 for GPT-2.2B and d=16 for "
+          "GPT-3.8B, the largest microbatch that fits):\n")
+    print(text)
+    text, extra = _table(extra_rows())
+    print("\n" + "\n".join(text.splitlines()[2:]))
+    print("\n" + gpt_38b_over_inter_layer())
+    print("microbatch per panel:", ", ".join(
+        f"{m} {n * 8} GPUs b={panel_micro_batch(m, n, bs[0])}" for m, n, bs in PANELS))
+    text, best_results = _table(best_layout_rows())
+    print("\nEach technique at its best layout in the paper's space (any d, with or without "
+          "recomputation):\n")
+    print(text)
     print("\npicks (paper space, B=512):")
     picks = {}
     for m in ("gpt-2.2b", "gpt-3.8b"):
@@ -234,7 +374,7 @@ def main(argv=None) -> int:
     print(f"\n{time.process_time() - t0:.1f} s CPU")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": results, "picks": picks,
+            json.dump({"rows": results, "extra_rows": extra, "best_layout_rows": best_results, "picks": picks,
                        "largest_b": big[0] / 1e9 if big else None}, f, indent=2)
     return 0
 

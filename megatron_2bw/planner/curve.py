@@ -43,6 +43,23 @@ def gemm_efficiency(tokens: float, half_tokens: float) -> float:
     return tokens / (tokens + half_tokens) if half_tokens > 0 and tokens > 0 else 1.0
 
 
+def ridge_tokens(device_tflops: float, memory_bandwidth_gb_per_s: float) -> float:
+    """GEMM rows below which reading the weights bounds a GEMM: peak x 2 bytes / (2 x
+    bandwidth), the roofline's ridge (the A100/H100/H200 curves' M_half)."""
+    return device_tflops * 1e12 / (memory_bandwidth_gb_per_s * 1e9)
+
+
+def fixed_cost_split(half_tokens: float, ridge: float, tensor: int) -> float:
+    """The curve's fixed cost per microbatch (M_half rows' worth of the layer) as rows of one
+    tensor-parallel rank's share: t(b) = F/P (1 + M_half/M) splits M_half into the weights'
+    memory traffic (up to the ridge), which t ranks share like the FLOPs (each reads 1/t of the
+    weights), and the rest, kernel launches and framework work per layer, which every rank pays
+    in full however thin its slice (t times its share of the layer). 1 / t of every rank's
+    share without tensor parallelism: M_half unchanged."""
+    weights = min(half_tokens, ridge)
+    return weights + (half_tokens - weights) * tensor
+
+
 def fit_gemm_curve(points) -> tuple:
     """(alpha, beta) of t(b) = alpha + beta * b fitted by least squares to [(b, seconds)], alpha
     clamped to >= 0 (a curve that only rises); M_half = alpha / beta * s rows."""
@@ -59,4 +76,4 @@ def fit_gemm_curve(points) -> tuple:
     return alpha, beta
 
 
-__all__ = ["DEVICES", "gemm_efficiency", "fit_gemm_curve"]
+__all__ = ["DEVICES", "gemm_efficiency", "fit_gemm_curve", "fixed_cost_split", "ridge_tokens"]

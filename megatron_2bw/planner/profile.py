@@ -26,7 +26,9 @@ the layer's GEMMs; alpha = 0, proportional scaling, when the points say so). Ten
 divides the measured single-rank times by t (the all-reduces are costed separately).
 
 An analytic profile's compute rate is `device_tflops * efficiency * M / (M + gemm_half_tokens)`
-for GEMMs of M = b*s rows (0: one efficiency for every b). `AnalyticProfile.for_device(name)`
+for GEMMs of M = b*s rows (0: one efficiency for every b); under tensor parallelism the part of
+the fixed cost beyond the weights' memory traffic is paid in full by every rank
+(`curve.fixed_cost_split`; a measured profile's times are divided by t whole). `AnalyticProfile.for_device(name)`
 gives the built-in V100, A100, H100 and H200 curves (`DEVICES`, each with its source).
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.models.flops import DTYPE_BYTES, LayerCost
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.pipeline.compensation import compensation_method, method_names
-from megatron_2bw.planner.curve import DEVICES, fit_gemm_curve, gemm_efficiency
+from megatron_2bw.planner.curve import (DEVICES, fit_gemm_curve, fixed_cost_split,
+                                        gemm_efficiency, ridge_tokens)
 from megatron_2bw.planner.topology import PlanError
 
 STEP_BYTES = 36.0  # a plain step's memory traffic per parameter (AnalyticProfile's default)
@@ -113,9 +116,12 @@ class AnalyticProfile:
 
     def layer_times(self, cost: LayerCost, micro_batch: int, tensor: int = 1,
                     tokens: float = 0.0) -> tuple:
-        """`tokens`: the rows of the layer's GEMMs (b*s); 0 (unknown) runs at the plateau."""
-        flops = self.device_tflops * 1e12 * self.efficiency * \
-            gemm_efficiency(tokens, self.gemm_half_tokens)
+        """`tokens`: the rows of the layer's GEMMs (b*s); 0 (unknown) runs at the plateau. With
+        tensor parallelism the curve's fixed cost is split (`fixed_cost_split`): the part
+        beyond the weights' memory traffic does not shrink with t."""
+        half = fixed_cost_split(self.gemm_half_tokens, ridge_tokens(
+            self.device_tflops, self.memory_bandwidth_gb_per_s), tensor)
+        flops = self.device_tflops * 1e12 * self.efficiency * gemm_efficiency(tokens, half)
         bw = self.memory_bandwidth_gb_per_s * 1e9 * self.efficiency
         fwd = max(cost.fwd_flops / flops, cost.fwd_bytes / bw)
         bwd = max(cost.bwd_flops / flops, 2.0 * cost.fwd_bytes / bw)

@@ -19,19 +19,33 @@ def test_paper_table_prints_every_row_the_picks_and_the_largest_model(tmp_path):
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     print(f"bench/paper_table.py: {cpu:.1f} s CPU")
     data = json.loads((tmp_path / "t.json").read_text())
-    names = [r["comparison"] for r in data["rows"]]
-    assert len(names) == 8 and names[0] == "2BW vs GPipe, up to"
-    for r in data["rows"]:
+    for key in ("rows", "best_layout_rows"):
+        names = [r["comparison"] for r in data[key]]
+        assert len(names) == 8 and names[0] == "2BW vs GPipe, up to", key
+    assert len(data["extra_rows"]) == 2
+    for r in data["rows"] + data["extra_rows"] + data["best_layout_rows"]:
         assert f"| {r['comparison']} | {r['paper']:g}x |" in proc.stdout
         if r["predicted"] is None:  # said why, in the case column
             assert "does not fit" in r["case"]
         else:
             assert r["within_25"] == (abs(r["predicted"] / r["paper"] - 1) <= 0.25)
+    # the paper's configurations (Sec. 5.2): d=8 / d=16, one microbatch per panel for 2BW, Flush
+    # and GPipe (b=8 in all three), GPipe in flushes on GPT-3.8B, the inter-layer rows on GPT-2.2B
+    rows = {r["comparison"]: r for r in data["rows"] + data["extra_rows"]}
+    assert "microbatch per panel: gpt-2.2b 8 GPUs b=8, gpt-2.2b 64 GPUs b=8, gpt-3.8b 64 GPUs " \
+        "b=8" in proc.stdout
+    assert "gpipe in flushes of" in rows["Flush vs GPipe, B=2048"]["case"]
+    assert all(r["case"].startswith("gpt-2.2b") for n, r in rows.items() if "inter-layer" in n)
+    assert rows["2BW vs tensor MP t=8 in one server, GPT-2.2B"]["case"].startswith(
+        "gpt-2.2b 8 GPUs")
     # the rows that hold (bench/README.md says why the others do not): every one of them
-    holds = {"2BW vs Flush, B=512", "2BW vs Flush, B=2048",
-             "2BW vs tensor MP t=8 in one server, GPT-2.2B",
-             "2BW vs inter-layer MP (no pipelining), up to"}
-    assert {r["comparison"] for r in data["rows"] if r["within_25"]} == holds
+    holds = {"2BW vs GPipe, up to", "Flush vs GPipe, B=512", "2BW vs Flush, B=512",
+             "2BW vs Flush, B=2048", "2BW vs inter-layer MP (no pipelining), up to",
+             "Flush vs inter-layer MP, large batch, GPT-2.2B, up to"}
+    assert {n for n, r in rows.items() if r["within_25"]} == holds
+    assert {r["comparison"] for r in data["best_layout_rows"] if r["within_25"]} == {
+        "2BW vs Flush, B=512", "2BW vs Flush, B=2048",
+        "2BW vs tensor MP t=8 in one server, GPT-2.2B"}
     # at the paper's seq 512 with the V100 curve and the shared NIC: GPT-3.8B picks the paper's
     # d=16; GPT-2.2B d=16 w=4 (b=8 fits without recomputation there, not at d=8); the paper's
     # d=8 pick with the existing flags: tests/unit/test_planner_paper.py

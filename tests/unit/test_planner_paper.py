@@ -12,7 +12,7 @@ from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_pla
 from megatron_2bw.planner.search import search
 from megatron_2bw.planner.simulate import predict
 from megatron_2bw.planner.topology import GB
-from megatron_2bw.planner.curve import DEVICES, gemm_efficiency
+from megatron_2bw.planner.curve import DEVICES, gemm_efficiency, ridge_tokens
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -81,6 +81,37 @@ def test_measured_profile_fits_its_own_curve():
     assert sum(measured.layer_times(layer, 8)) < 2 * sum(times[4])  # not 8/4 x t(4)
     with pytest.raises(PlanError, match="unknown device 'tpu'"):
         AnalyticProfile.for_device("tpu")
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_tensor_ranks_share_only_the_weights_part_of_the_fixed_cost(device):
+    """t ranks share a layer's FLOPs and its weights' memory traffic (the curve's M_half up to the
+    roofline's ridge), not the rest of its fixed cost (kernel launches, framework work), which
+    every rank pays in full: the V100 curve's M_half (4 x 512 rows) is mostly that, the A100,
+    H100 and H200 curves' M_half is the ridge itself, so t divides their times exactly."""
+    model = _paper_gpt("gpt-2.2b")
+    prof = AnalyticProfile.for_device(device)
+    half = prof.gemm_half_tokens
+    ridge = ridge_tokens(prof.device_tflops, prof.memory_bandwidth_gb_per_s)
+    plateau = prof.device_tflops * 1e12 * prof.efficiency
+    for b in (1, 8, 64):
+        rows = b * model.seq_length
+        one, eight = (layer_costs(model, b, t, "fp16")[1] for t in (1, 8))
+        f1 = prof.layer_times(one, b, 1, tokens=rows)[0]
+        f8 = prof.layer_times(eight, b, 8, tokens=rows)[0]
+        assert f1 == pytest.approx(one.fwd_flops / plateau * (1 + half / rows))
+        weights = min(half, ridge)
+        assert f8 == pytest.approx(eight.fwd_flops / plateau
+                                   * (1 + (weights + 8 * (half - weights)) / rows))
+        if half <= ridge:
+            assert f8 == pytest.approx(f1 * eight.fwd_flops / one.fwd_flops)
+        else:  # V100: slower than 1/8 of the layer, and more so the smaller the microbatch
+            assert f8 > 1.01 * f1 * eight.fwd_flops / one.fwd_flops
+    # without a curve (one efficiency for every b) and for measured profiles: 1/t of the time
+    flat = AnalyticProfile()
+    costs = [layer_costs(model, 8, t, "fp16")[1] for t in (1, 8)]
+    assert flat.layer_times(costs[1], 8, 8, tokens=4096)[0] == pytest.approx(
+        flat.layer_times(costs[0], 8, 1, tokens=4096)[0] * costs[1].fwd_flops / costs[0].fwd_flops)
 
 
 V100_CLUSTER = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, inter_node_bandwidth_gbps=25)
