@@ -1,16 +1,20 @@
 #!/usr/bin/env python
 """The PipeDream-2BW paper's comparisons (Narayanan et al., ICML 2021, Section 5) through the planner.
 
-    python bench/paper_table.py [--json FILE]
+    python bench/paper_table.py [--json FILE] [--usable-gb G] [--sensitivity]
 
 The paper's hardware, as it describes it: 8 AWS p3.16xlarge servers, 8 V100-16GB each over NVLink,
 one 25 Gbit/s NIC per server shared by its 8 GPUs (`--nics-per-node 1 --nic-bandwidth-gbps 25`),
 fp16, and the built-in V100 profile (planner/curve.py: its GEMM-efficiency curve by microbatch
-size and its sources). GPT runs at the paper's sequence length, 512 (`PAPER_SEQ_LENGTH`). Every ratio takes each technique at its best layout in the paper's space
-(no tensor parallelism unless the row is about it, no distributed optimizer, no sequence
-parallelism; with or without recomputation): the planner's predicted samples/s, best / best.
-Nothing here is tuned to the paper: the rows print the paper's number, the prediction and their
-ratio; `within 25%` says whether |prediction / paper - 1| <= 0.25.
+size and its sources). Its stack as its code has it (bench/paper_memory.py): GPT at sequence
+length 512, fp16 gradient all-reduce, attention without FlashAttention; the memory it could use
+is the middle of the interval the paper's own fit / out-of-memory observations leave in this
+project's accounting (`--usable-gb` another; `--sensitivity` the rows at the interval's ends).
+
+First the paper's configurations (Sec. 5.2, `paper_config_rows`), then each technique at its best
+layout in the paper's space (`best_layout_rows`). Nothing here is tuned to the paper's ratios:
+the rows print the paper's number, the prediction and their ratio; `within 25%` says whether
+|prediction / paper - 1| <= 0.25.
 """
 from __future__ import annotations
 
@@ -22,41 +26,28 @@ import time
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_2bw.models.flops import named_model, num_parameters  # noqa: E402
+from megatron_2bw.models.flops import num_parameters  # noqa: E402
 from megatron_2bw.planner.cost_model import LayerTimes, Setup, stage_plan  # noqa: E402
 from megatron_2bw.planner.profile import AnalyticProfile  # noqa: E402
 from megatron_2bw.planner.search import divisors, enumerate_layouts, search  # noqa: E402
 from megatron_2bw.planner.topology import GB, PlanError, Topology  # noqa: E402
+from paper_memory import (FLASH, GRAD_REDUCE_BYTES, calibrated_reserve,  # noqa: E402
+                          paper_model, reserve_at, usable_interval)
 
 HARDWARE = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, intra_node_bandwidth_gbps=1200,
-                inter_node_bandwidth_gbps=25, nics_per_node=1, nic_bandwidth_gbps=25)
-# The paper's code (github.com/msr-fiddle/pipedream, megatron/: Megatron-LM of 2020 with the
-# 2BW and GPipe schedules) all-reduces the fp16 gradients (its `--fp32-allreduce` is off unless
-# given), 2 bytes per element where this engine's fp32 buffers move 4.
-GRAD_REDUCE_BYTES = 2.0
+                inter_node_bandwidth_gbps=25, nics_per_node=1, nic_bandwidth_gbps=25,
+                memory_reserve_fraction=calibrated_reserve())
 # the speed rows compare the paper's 2BW, a gradient buffer per weight version (one_buffer=False:
 # no --2bw-grad-buffers first/1 fallback, which would let our 2BW fit layouts the paper's did
 # not); the largest-model row is our engine's capacity and allows them (`largest_trainable`)
 SPACE = dict(dtype="fp16", tensor_sizes=(1,), distributed_optimizer=(False,),
              sequence_parallel=(False,), recompute=(False, True), top_k=1,
-             grad_reduce_bytes=GRAD_REDUCE_BYTES, one_buffer=False)
+             grad_reduce_bytes=GRAD_REDUCE_BYTES, one_buffer=False, flash=FLASH)
 PROFILE = AnalyticProfile.for_device("v100")
-# The paper's throughput experiments run GPT at sequence length 512 (Sec. 5.2: the throughputs
-# "using 8 and 64 V100s with a sequence length of 512"); models/flavours.py's GPT shapes carry
-# 2048, the GPT-3 convention. Activations and the logits (s x V per sample) scale with it, so it
-# decides which layouts fit (GPipe's above all) and how compute weighs against the NIC.
-PAPER_SEQ_LENGTH = 512
 _CACHE: dict = {}
 _WHY: dict = {}  # schedules -> why nothing fitted (the planner's one line)
-
-
-def paper_model(name: str):
-    """The named model at the paper's sequence length (GPT; BERT keeps its 512)."""
-    model = named_model(name)
-    if name.startswith("gpt"):
-        model = replace(model, seq_length=PAPER_SEQ_LENGTH, max_position_embeddings=None)
-    return model
 
 
 def best(model_name: str, batch: int, schedules, topo=None, key=(), **kw):
@@ -121,7 +112,7 @@ def no_pipelining(model_name: str, batch: int, nodes: int = 8, recompute=(False,
     key = ("sequential", model_name, batch, nodes, recompute, json.dumps(kw, sort_keys=True))
     if key not in _CACHE:
         model, topo = paper_model(model_name), _topology(nodes)
-        setup = Setup(model, "fp16", grad_reduce_bytes=GRAD_REDUCE_BYTES)
+        setup = Setup(model, "fp16", grad_reduce_bytes=GRAD_REDUCE_BYTES, flash=FLASH)
         times = LayerTimes(setup, PROFILE, topo)
         plans = (stage_plan(setup, layout, times, topo) for layout in enumerate_layouts(
             model, topo, batch, ("flush",), recompute, (1,), distributed_optimizer=(False,),
@@ -203,10 +194,9 @@ def panel_micro_batch(model_name: str, nodes: int, small_batch: int) -> int | No
     """The largest b (m = d*g microbatches of the smaller batch) at which 2BW fits."""
     d = DEPTH[model_name]
     w = nodes * HARDWARE["gpus_per_node"] // d
-    for b in sorted(divisors(small_batch // (w * d)), reverse=True):
-        if configured(model_name, nodes, small_batch, "2bw", b) is not None:
-            return b
-    return None
+    fits = [b for b in divisors(small_batch // (w * d))
+            if configured(model_name, nodes, small_batch, "2bw", b)]
+    return max(fits, default=None)
 
 
 def unpipelined(model_name: str, nodes: int, batch: int, tensor: bool):
@@ -341,11 +331,28 @@ def _table(rows) -> tuple:
     return "\n".join(lines), results
 
 
+def set_usable(gib: float) -> None:
+    """Every row from here on at `gib` usable GiB per GPU (the cache cleared)."""
+    HARDWARE["memory_reserve_fraction"] = reserve_at(gib)
+    _CACHE.clear()
+    _WHY.clear()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
+    p.add_argument("--usable-gb", type=float, default=None,
+                   help="GiB per GPU the stack may use (default: the middle of the interval "
+                        "the paper's observations leave, bench/paper_memory.py)")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="also the paper-configuration rows at the interval's two ends")
     a = p.parse_args(argv)
     t0 = time.process_time()
+    lo, hi = usable_interval()
+    usable = a.usable_gb or (lo + hi) / 2
+    set_usable(usable)
+    print(f"usable memory per V100-16GB: {usable:.2f} GiB; the paper's fit / out-of-memory "
+          f"observations leave {lo:.2f}-{hi:.2f} GiB (bench/paper_memory.py)\n")
     text, results = _table(paper_config_rows())
     print("The paper's configurations (Sec. 5.2: recomputation, d=8 for GPT-2.2B and d=16 for "
           "GPT-3.8B, the largest microbatch that fits):\n")
@@ -371,11 +378,22 @@ def main(argv=None) -> int:
         n, layers, hidden, est = big
         print(f"\nlargest GPT 2BW trains on 64 16-GB GPUs: {n / 1e9:.1f}B parameters ({layers} "
               f"layers x hidden {hidden}; {est.layout.describe()}; paper: almost 30B)")
+    ends = {}
+    if a.sensitivity:
+        for end in (lo, hi - 1e-6):
+            set_usable(end)
+            ends[f"{end:.2f}"] = [r[2] for r in paper_config_rows()]
+        print("\npaper-configuration rows at the interval's ends (usable GiB: predicted):")
+        for i, r in enumerate(results):
+            print(f"  {r['comparison']}: " + ", ".join(
+                f"{k}: {'n/a' if v[i] is None else f'{v[i]:.2f}x'}" for k, v in ends.items()))
     print(f"\n{time.process_time() - t0:.1f} s CPU")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": results, "extra_rows": extra, "best_layout_rows": best_results, "picks": picks,
-                       "largest_b": big[0] / 1e9 if big else None}, f, indent=2)
+            json.dump({"usable_gb": usable, "usable_interval": [lo, hi], "rows": results,
+                       "extra_rows": extra, "best_layout_rows": best_results, "picks": picks,
+                       "largest_b": big[0] / 1e9 if big else None, "at_ends": ends}, f,
+                      indent=2)
     return 0
 
 

@@ -194,7 +194,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            group=None, grad_reduce_bytes: float = 4.0,
            one_buffer: bool = True, grad_accumulation: str = "fp32",
            overlap_grad_reduce: bool = True, bucket: int | None = None,
-           gpipe_flushes: bool = True, fit_only: bool = False) -> SearchResult:
+           gpipe_flushes: bool = True, fit_only: bool = False,
+           flash: bool = True) -> SearchResult:
     """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
     try a 2BW layout whose two gradient buffers do not fit with fewer (`_fewer_buffers`; False:
     two only). `gpipe_flushes`: run a GPipe layout whose m stashes do not fit in flushes of
@@ -205,14 +206,15 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     `best_by`, as a search restricted to that group would; `smallest_by` for the footprints)
     within the same branch and bound: no second search. `fit_only`: whether anything fits,
     fast: the first layout (by compute floor) that fits, unsimulated, timed by its lower bound
-    (source "bound"); a PlanError as always when none does."""
+    (source "bound"); a PlanError as always when none does. `flash`: Setup's (False: attention
+    keeps its s x s scores, as before FlashAttention: bench/paper_table.py's 2020 stack)."""
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
     profile.check_model(model, dtype)
     setup = Setup(model, dtype, optimizer, arch, compensation=compensation,
                   grad_reduce_bytes=grad_reduce_bytes, grad_accumulation=grad_accumulation,
-                  overlap_grad_reduce=overlap_grad_reduce, bucket=bucket)
+                  overlap_grad_reduce=overlap_grad_reduce, bucket=bucket, flash=flash)
     times = LayerTimes(setup, profile, topology)
     usable = topology.usable_memory_gb * GB
     layouts = list(enumerate_layouts(model, topology, global_batch, schedules, recompute,

@@ -320,6 +320,32 @@ def _paper_table():
     return module
 
 
+def test_the_papers_memory_observations_leave_a_usable_interval():
+    """bench/paper_memory.py: in this accounting (the paper's attention without FlashAttention)
+    everything the paper saw fit needs less than everything it saw run out of memory, so a usable
+    memory agrees with all of them; the table runs at the middle. Each pair is monotone (the
+    larger microbatch or batch needs more), and the s x s attention scores are what make the
+    paper's no-recomputation limits (Fig. 12) agree with its GPipe limit (Sec. 5.3)."""
+    P = _paper_table()
+    import paper_memory as M
+    seen = M.observed_memory()
+    for what, fit, gib in seen:
+        print(f"{gib:6.2f} GiB {'fit' if fit else 'OOM'}: {what}")
+    lo, hi = M.usable_interval()
+    assert lo < hi < 16
+    assert M.reserve_at(hi) < M.calibrated_reserve() < M.reserve_at(lo)
+    assert P.HARDWARE["memory_reserve_fraction"] == pytest.approx(M.calibrated_reserve())
+    pairs = [(seen[i], seen[i + 1]) for i in (0, 2, 6)]
+    assert all(a[1] and not b[1] and a[2] < b[2] for a, b in pairs)
+    flash = replace(M.paper_model("gpt-2.2b"))
+    topo = Topology(**M.SERVER)
+    costs = {f: stage_plan(Setup(flash, "fp16", flash=f), Layout("2bw", 1, 8, 1, 2, 8),
+                           LayerTimes(Setup(flash, "fp16", flash=f),
+                                      AnalyticProfile.for_device("v100"), topo), topo)
+             for f in (True, False)}
+    assert costs[False].max_memory > costs[True].max_memory  # the s x s scores are kept
+
+
 def test_a_tensor_ring_over_two_servers_runs_at_the_full_nic():
     """bench/paper_table.py's t=16 over two servers: the ring crosses the NIC once per direction,
     so each tensor-parallel all-reduce moves 2(n-1)/n of the activation at the NIC's full 25
