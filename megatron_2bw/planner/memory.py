@@ -5,6 +5,8 @@ docstring of cost_model.py says what is counted.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from megatron_2bw.models.flops import DTYPE_BYTES
 from megatron_2bw.optim.shard_layout import bucket_elements, padded_numel
 from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
@@ -19,6 +21,15 @@ def state_bytes(params: int, num_slots: int, dtype: str, optimizer: str = "adam"
                 shards: int = 1, tied: int = 0, compensation: str = NO_COMPENSATION,
                 grad_buffers: int | None = None, grad_accumulation: str = "fp32",
                 bucket: int | None = None) -> dict:
+    """A fresh dict of `_state_bytes` (the search asks it for the same stage many times)."""
+    return dict(_state_bytes(params, num_slots, dtype, optimizer, shards, tied, compensation,
+                             grad_buffers, grad_accumulation, bucket))
+
+
+@lru_cache(maxsize=65536)
+def _state_bytes(params: int, num_slots: int, dtype: str, optimizer: str, shards: int,
+                 tied: int, compensation: str, grad_buffers: int | None,
+                 grad_accumulation: str, bucket: int | None) -> dict:
     """Bytes of the engine's per-stage weight, gradient and optimizer buffers; `shards` w with
     the distributed optimizer (`tied`: parameters of a cross-stage tied weight on this stage,
     which form a region of their own); `compensation`: --2bw-compensation (a method whose slots
