@@ -53,8 +53,10 @@ def fixed_cost_split(half_tokens: float, ridge: float, tensor: int) -> float:
     """The curve's fixed cost per microbatch (M_half rows' worth of the layer) as rows of one
     tensor-parallel rank's share: t(b) = F/P (1 + M_half/M) splits M_half into the weights'
     memory traffic (up to the ridge), which t ranks share like the FLOPs (each reads 1/t of the
-    weights), and the rest, kernel launches and framework work per layer, which every rank pays
-    in full however thin its slice (t times its share of the layer). 1 / t of every rank's
+    weights), and the rest, work per microbatch that does not shrink with a rank's slice (kernel
+    launches, framework and pipeline work, as the V100 curve's source lumps them), which every
+    rank pays in full (t times its share of the layer; checked against Megatron-LM's measured
+    strong scaling: tests/unit/test_planner_tensor_scaling.py). 1 / t of every rank's
     share without tensor parallelism: M_half unchanged."""
     weights = min(half_tokens, ridge)
     return weights + (half_tokens - weights) * tensor
