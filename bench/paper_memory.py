@@ -16,8 +16,10 @@ report what fit on one server of 8 V100-16GB, (w, d) = (1, 8):
   (B / (w d) = 64 / 8), all microbatches of the batch in flight;
 - App. B.1, BERT-2.2B, the same: "GPipe does not run out of memory at the batch size of 64".
 
-In this project's accounting (planner/memory.py: the engine's buffers; attention keeping its
-s x s scores, softmax and dropout mask, as the paper's Megatron-LM of 2020 did, two years before
+In this project's accounting (planner/memory.py: the engine's buffers, with the fp16 gradient
+buffer the paper's Megatron-LM of 2020 keeps in each parameter's .grad until the step copies it
+into the fp32 main gradient (its optimizer.py), `--grad-accumulation buffer`; attention keeping
+its s x s scores, softmax and dropout mask, as that Megatron-LM did, two years before
 FlashAttention) each observation bounds the usable memory: what fit needs at most that much,
 what ran out more. `usable_interval` computes the bounds from the model (nothing here is a
 number read off a result) and `calibrated_reserve` takes the middle of the interval.
@@ -38,10 +40,11 @@ SERVER = dict(num_nodes=1, gpus_per_node=8, gpu_memory_gb=GPU_MEMORY_GB,
 # "using 8 and 64 V100s with a sequence length of 512"); models/flavours.py's GPT shapes carry
 # 2048, the GPT-3 convention. Activations and the logits (s x V per sample) scale with it.
 PAPER_SEQ_LENGTH = 512
-# the paper's code (github.com/msr-fiddle/pipedream, megatron/): fp16 gradient all-reduce, and
-# attention without FlashAttention (Megatron-LM of 2020)
+# the paper's code (github.com/msr-fiddle/pipedream, megatron/): fp16 gradient all-reduce, an
+# fp16 gradient per parameter beside the fp32 main one, attention without FlashAttention
 GRAD_REDUCE_BYTES = 2.0
 FLASH = False
+GRAD_ACCUMULATION = "buffer"
 
 # (what, model, schedule, recomputation, microbatch, microbatches, fit)
 OBSERVED = (
@@ -71,7 +74,8 @@ def observed_memory() -> list:
     out = []
     for what, name, schedule, rc, b, m, fit in OBSERVED:
         setup = Setup(paper_model(name), "fp16", arch=name.split("-")[0],
-                      grad_reduce_bytes=GRAD_REDUCE_BYTES, flash=FLASH)
+                      grad_reduce_bytes=GRAD_REDUCE_BYTES, flash=FLASH,
+                      grad_accumulation=GRAD_ACCUMULATION)
         plan = stage_plan(setup, Layout(schedule, 1, 8, 1, b, m, recompute=rc),
                           LayerTimes(setup, profile, topo), topo)
         out.append((what, fit, plan.max_memory / GB))

@@ -33,8 +33,8 @@ from megatron_2bw.planner.cost_model import LayerTimes, Setup, stage_plan  # noq
 from megatron_2bw.planner.profile import AnalyticProfile  # noqa: E402
 from megatron_2bw.planner.search import divisors, enumerate_layouts, search  # noqa: E402
 from megatron_2bw.planner.topology import GB, PlanError, Topology  # noqa: E402
-from paper_memory import (FLASH, GRAD_REDUCE_BYTES, calibrated_reserve,  # noqa: E402
-                          paper_model, reserve_at, usable_interval)
+from paper_memory import (FLASH, GRAD_ACCUMULATION, GRAD_REDUCE_BYTES,  # noqa: E402
+                          calibrated_reserve, paper_model, reserve_at, usable_interval)
 
 HARDWARE = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, intra_node_bandwidth_gbps=1200,
                 inter_node_bandwidth_gbps=25, nics_per_node=1, nic_bandwidth_gbps=25,
@@ -44,7 +44,8 @@ HARDWARE = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, intra_node_bandw
 # not); the largest-model row is our engine's capacity and allows them (`largest_trainable`)
 SPACE = dict(dtype="fp16", tensor_sizes=(1,), distributed_optimizer=(False,),
              sequence_parallel=(False,), recompute=(False, True), top_k=1,
-             grad_reduce_bytes=GRAD_REDUCE_BYTES, one_buffer=False, flash=FLASH)
+             grad_reduce_bytes=GRAD_REDUCE_BYTES, one_buffer=False, flash=FLASH,
+             grad_accumulation=GRAD_ACCUMULATION)
 PROFILE = AnalyticProfile.for_device("v100")
 _CACHE: dict = {}
 _WHY: dict = {}  # schedules -> why nothing fitted (the planner's one line)
@@ -112,7 +113,8 @@ def no_pipelining(model_name: str, batch: int, nodes: int = 8, recompute=(False,
     key = ("sequential", model_name, batch, nodes, recompute, json.dumps(kw, sort_keys=True))
     if key not in _CACHE:
         model, topo = paper_model(model_name), _topology(nodes)
-        setup = Setup(model, "fp16", grad_reduce_bytes=GRAD_REDUCE_BYTES, flash=FLASH)
+        setup = Setup(model, "fp16", grad_reduce_bytes=GRAD_REDUCE_BYTES, flash=FLASH,
+                      grad_accumulation=GRAD_ACCUMULATION)
         times = LayerTimes(setup, PROFILE, topo)
         plans = (stage_plan(setup, layout, times, topo) for layout in enumerate_layouts(
             model, topo, batch, ("flush",), recompute, (1,), distributed_optimizer=(False,),

@@ -48,7 +48,8 @@ def test_paper_table_prints_every_row_the_picks_and_the_largest_model(tmp_path):
              "Flush vs inter-layer MP, large batch, GPT-2.2B, up to"}
     assert {n for n, r in rows.items() if r["within_25"]} == holds
     assert {r["comparison"] for r in data["best_layout_rows"] if r["within_25"]} == {
-        "2BW vs GPipe, up to", "2BW vs Flush, B=512", "2BW vs Flush, B=2048",
+        "2BW vs GPipe, up to", "Flush vs GPipe, B=512", "Flush vs GPipe, B=2048",
+        "2BW vs Flush, B=512", "2BW vs Flush, B=2048",
         "2BW vs tensor MP t=8 in one server, GPT-2.2B"}
     # the paper-space picks at that memory are the paper's: d=8 for GPT-2.2B, d=16 for GPT-3.8B
     assert " d8 w8 " in data["picks"]["gpt-2.2b"] and " d16 w4 " in data["picks"]["gpt-3.8b"]
