@@ -308,6 +308,19 @@ def compute_floor(layout: Layout, times: LayerTimes) -> float:
     return L.num_microbatches * sum(P[c][-1] - P[c][0] for c in cols) / L.pipeline
 
 
+def _stage_compute(costs, P, bounds, L, data) -> list:
+    """[(F_s, B_s with recomputation, parameters, tied parameters)] of every stage."""
+    d, out = len(bounds) - 1, []
+    for s in range(d):
+        lo, hi = bounds[s], bounds[s + 1]
+        f = P["fwd"][hi] - P["fwd"][lo] + (data if s in (0, d - 1) else 0.0)
+        rc = P["rc_fwd"][hi] - P["rc_fwd"][lo] if L.recompute else 0.0
+        rc += P["sel_fwd"][hi] - P["sel_fwd"][lo] if L.selective else 0.0
+        out.append((f, P["bwd"][hi] - P["bwd"][lo] + rc, stage_params(costs, lo, hi, P),
+                    stage_tied(costs, lo, hi, d)))
+    return out
+
+
 def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                bounds: list | None = None) -> StagePlan:
     """Everything the simulator and the memory check need for one layout."""
@@ -336,14 +349,16 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, L.microbatches_per_flush, d, m,
             L.recompute, L.selective, shards, tuple(bounds))
     cached = times._cache.get(mkey)
-    for s in range(d):
+    # the stages' compute, parameters and tied parts depend on neither the schedule, w, the rank
+    # order nor the links: computed once for every layout that shares them
+    ckey = ("compute", b, t, sp, L.recompute, L.selective, data, tuple(bounds))
+    computed = times._cache.get(ckey)
+    if computed is None:
+        computed = times._cache[ckey] = _stage_compute(costs, P, bounds, L, data)
+    for s, (f, g, params, tied) in enumerate(computed):
         lo, hi = bounds[s], bounds[s + 1]
-        f = P["fwd"][hi] - P["fwd"][lo] + (data if s in (0, d - 1) else 0.0)
         fwd.append(f)
-        rc = P["rc_fwd"][hi] - P["rc_fwd"][lo] if L.recompute else 0.0
-        rc += P["sel_fwd"][hi] - P["sel_fwd"][lo] if L.selective else 0.0
-        bwd.append(P["bwd"][hi] - P["bwd"][lo] + rc)
-        params = stage_params(costs, lo, hi, P)
+        bwd.append(g)
         mem, peak = cached[s] if cached else stage_memory(
             costs, lo, hi, L.schedule, d, m, s, setup.dtype, setup.optimizer, L.recompute, P,
             L.selective, shards, setup.compensation, logits, L.grad_buffers,
@@ -351,7 +366,6 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
-        tied = stage_tied(costs, lo, hi, d)
         g_bytes = setup.grad_reduce_bytes
         t_dp = topology.ring_time(g_bytes * (params + TAIL - tied), w, dp_inter[s], dp_flows)
         gather = 0.0
