@@ -92,8 +92,9 @@ def usable_interval() -> tuple:
 def calibrated_reserve() -> float:
     """Topology.memory_reserve_fraction at the middle of `usable_interval`."""
     lo, hi = usable_interval()
-    return 1.0 - (lo + hi) / 2 / GPU_MEMORY_GB
+    return reserve_at((lo + hi) / 2)
 
 
 def reserve_at(usable_gib: float) -> float:
+    """Topology.memory_reserve_fraction that leaves `usable_gib` of the V100's 16 GiB."""
     return 1.0 - usable_gib / GPU_MEMORY_GB
