@@ -21,11 +21,13 @@ HARDWARE = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, intra_node_bandw
                 memory_reserve_fraction=calibrated_reserve())
 # the speed rows compare the paper's 2BW, a gradient buffer per weight version (one_buffer=False:
 # no --2bw-grad-buffers first/1 fallback, which would let our 2BW fit layouts the paper's did
-# not); the largest-model row is our engine's capacity and allows them (`largest_trainable`)
+# not); the largest-model row is our engine's capacity and allows them and partitions that fit
+# (`largest_trainable`)
+# and stages balanced in time, as the paper's planner cuts them (fit_partition=False)
 SPACE = dict(dtype="fp16", tensor_sizes=(1,), distributed_optimizer=(False,),
              sequence_parallel=(False,), recompute=(False, True), top_k=1,
              grad_reduce_bytes=GRAD_REDUCE_BYTES, one_buffer=False, flash=FLASH,
-             grad_accumulation=GRAD_ACCUMULATION)
+             grad_accumulation=GRAD_ACCUMULATION, fit_partition=False)
 PROFILE = AnalyticProfile.for_device("v100")
 _CACHE: dict = {}
 _WHY: dict = {}  # schedules -> why nothing fitted (the planner's one line)

@@ -36,6 +36,7 @@ FLAG_FIXES = {
     "--pipeline-model-parallel-size": "parallel.pipeline",
     "--data-parallel-size": "parallel.data",
     "--rank-order": "parallel.rank_order",
+    "--pipeline-partition": "parallel.partition",
     "--micro-batch-size": "batch.micro_batch_size",
     "--global-batch-size": "batch.global_batch_size",
     "--pipeline-schedule": "schedule",
@@ -68,6 +69,8 @@ FLAG_DESTS = {"--2bw-compensation": "compensation",  # flags whose dest is not t
 
 def _typed_value(args, flag: str) -> str:
     value = getattr(args, FLAG_DESTS.get(flag, flag[2:].replace("-", "_")), None)
+    if isinstance(value, tuple):  # --pipeline-partition, as typed
+        value = ",".join(str(v) for v in value)
     return flag if value is True else f"{flag} {value}"
 
 

@@ -153,6 +153,11 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="default: world size / (tensor x pipeline), as Megatron derives it")
     add_schedule_args(g)
     g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
+    g.add_argument("--pipeline-partition", type=partition_arg, default=None, metavar="B0,..,Bd",
+                   help="stage boundaries over [embedding, transformer layers..., head] (spec "
+                        "indices: 0, ..., num_layers + 2; stage s runs [B_s, B_s+1)), as "
+                        "tools/plan.py prints them; default: the layers split evenly, the "
+                        "embedding on the first stage, the head on the last")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -164,6 +169,15 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="with --tensor-model-parallel-size > 1: split norms, dropout and "
                         "residuals along the sequence (all-reduces become all-gather + "
                         "reduce-scatter; stage-to-stage messages shrink by t)")
+
+
+def partition_arg(value: str) -> tuple:
+    """--pipeline-partition: comma-separated integers."""
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated stage boundaries such as 0,3,6, got {value!r}") from None
 
 
 def add_training_args(p: argparse.ArgumentParser) -> None:
@@ -281,6 +295,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     parallel = ParallelConfig(
         tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
         data=args.data_parallel_size, rank_order=args.rank_order,
+        partition=getattr(args, "pipeline_partition", None),
         backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
         distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
         sequence_parallel=getattr(args, "sequence_parallel", False), **reduce_config(args))

@@ -5,6 +5,8 @@
   arithmetic (same stages for the same layer list; deepspeed/pipe/partition.py picks them).
 - `partition(costs, d)` / `partition_minmax`: the contiguous split minimizing the slowest stage
   (the planner's, and DeepSpeed's `profile` method).
+- `partition_within(costs, d, fits)`: the same among the splits whose every stage `fits` (the
+  planner's, when the time-balanced split puts more on a stage than its memory holds).
 
 About `partition`:
 
@@ -95,6 +97,66 @@ def partition(costs, num_stages: int) -> list[int]:
     return bounds
 
 
+def partition_within(costs, num_stages: int, fits) -> list[int] | None:
+    """Boundaries of the contiguous split of `costs` into `num_stages` non-empty stages whose
+    slowest stage is fastest among those where every stage s, layers [lo, hi), has
+    `fits(s, lo, hi)` (None: none found). `fits` must hold for any part of a range it holds
+    for, and at any later stage (memory: fewer layers hold less, and a later stage holds fewer
+    microbatches in flight). Stages fill from the last, each taking the most layers its time
+    limit and `fits` allow while leaving one per stage before it; by those two properties no
+    split reaches further left at any stage, so the smallest limit at which the fill succeeds
+    is the optimum (a binary search over the contiguous-range sums, as `bottleneck`). Where
+    `fits` lacks them the answer still fits, but a fitting split may be missed."""
+    n = len(costs)
+    _check(n, num_stages)
+    if any(c < 0 for c in costs):
+        raise PartitionError("layer costs must be >= 0")
+    prefix, seen = _prefix(costs), {}
+
+    def ok(s: int, lo: int, hi: int) -> bool:
+        key = (s, lo, hi)
+        if key not in seen:
+            seen[key] = bool(fits(s, lo, hi))
+        return seen[key]
+
+    def fill(limit: float) -> list[int] | None:
+        slack = limit + _EPS * max(abs(limit), 1.0)
+        cuts, j = [n], n
+        for s in range(num_stages - 1, 0, -1):
+            i = max(bisect_left(prefix, prefix[j] - slack), s)
+            if i >= j:
+                return None
+            lo, hi = i, j - 1  # the smallest start in [i, j - 1] that fits (monotone)
+            if not ok(s, hi, j):
+                return None
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if ok(s, mid, j):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            cuts.append(lo)
+            j = lo
+        if prefix[j] > slack or not ok(0, 0, j):
+            return None
+        return [0] + cuts[::-1]
+
+    if fill(prefix[-1]) is None:  # none fits, however slow
+        return None
+    p = np.asarray(prefix)
+    sums = np.unique((p[None, :] - p[:, None])[np.triu_indices(n + 1, 1)])
+    floor = bottleneck(costs, num_stages)  # no split is faster than the unconstrained best
+    sums = sums[sums >= floor - _EPS * max(floor, 1.0)]
+    lo, hi = 0, len(sums) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fill(float(sums[mid])) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return fill(float(sums[lo]))
+
+
 def stage_sums(costs, bounds: list[int]) -> list[float]:
     return [float(sum(costs[bounds[s]:bounds[s + 1]])) for s in range(len(bounds) - 1)]
 
@@ -107,7 +169,7 @@ def _check(n: int, d: int) -> None:
                              "pipeline stages")
 
 
-__all__ = ["partition", "bottleneck", "stage_sums"]
+__all__ = ["partition", "partition_within", "bottleneck", "stage_sums"]
 
 
 def split_evenly(num_layers: int, num_stages: int) -> list[int]:

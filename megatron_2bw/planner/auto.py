@@ -75,22 +75,25 @@ class Plan:
         return new
 
     def flags(self) -> str:
-        return layout_flags(self.layout)
+        return layout_flags(self.layout, self.partition)
 
     def summary(self) -> str:
-        e = self.estimate
+        e, topo = self.estimate, self.result.topology
         return (f"auto-plan: {self.flags()} | predicted {e.samples_per_s:.3g} samples/s, "
-                f"bubble {e.bubble:.1%}, max memory {max(e.memory_gb):.2f} GB/GPU, "
-                f"partition {self.partition}"
-                + "".join(f" | {why}" for why in (grad_buffers_reason(e, self.result.topology),
-                                                  flushes_reason(e, self.result.topology)) if why))
+                f"bubble {e.bubble:.1%}, max memory {max(e.memory_gb):.2f} GB/GPU"
+                + "".join(f" | {why}" for why in (grad_buffers_reason(e, topo),
+                                                  flushes_reason(e, topo),
+                                                  partition_reason(e, topo)) if why))
 
 
-def layout_flags(L) -> str:
+def layout_flags(L, partition=None) -> str:
+    """The pretrain flags of layout L (and of its stage `partition`, when given and d > 1)."""
     flags = (f"--tensor-model-parallel-size {L.tensor} --pipeline-model-parallel-size "
              f"{L.pipeline} --data-parallel-size {L.data} --micro-batch-size {L.micro_batch} "
              f"--global-batch-size {L.global_batch} --pipeline-schedule {L.schedule} "
              f"--rank-order {L.rank_order}")
+    if partition is not None and L.pipeline > 1:
+        flags += f" --pipeline-partition {','.join(str(b) for b in partition)}"
     if L.recompute:
         flags += (" --recompute-granularity full --recompute-method uniform "
                   "--recompute-num-layers 1")
@@ -123,6 +126,16 @@ def grad_buffers_reason(est, topology) -> str:
     return (f"one gradient buffer (--2bw-grad-buffers 1): {why}one needs "
             f"{est.plan.max_memory / GB:.3g} GB, and each stage waits for its all-reduce before "
             "the next batch's first backward)")
+
+
+def partition_reason(est, topology) -> str:
+    """Why the chosen layout's stages are not time-balanced ('' when they are): the search
+    partitions a layout to fit only when the time-balanced partition does not (search.py)."""
+    if not est.plan.balanced_memory:
+        return ""
+    return (f"stage partition {list(est.plan.bounds)} balances time among the partitions that "
+            f"fit: the time-balanced one does not ({est.plan.balanced_memory / GB:.3g} GB > "
+            f"{topology.usable_memory_gb:.3g} GB usable per GPU)")
 
 
 def flushes_reason(est, topology) -> str:
@@ -166,6 +179,9 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
         raise PlanError("--auto-plan needs the global batch: give --global-batch-size or "
                         "train_batch_size in the DeepSpeed config (the planner keeps it and "
                         "chooses the micro batch and the parallel sizes)")
+    if cfg.source_of("parallel.partition") is not None:
+        raise PlanError(f"{cfg.source_of('parallel.partition')} fixes the stage partition, "
+                        "which --auto-plan chooses with the layout: drop one of them")
     recompute = _only(cfg, "model.recompute_granularity")
     recompute = RECOMPUTE if recompute is None else \
         ({None: False, "selective": "selective", "full": True}[recompute[0]],)
@@ -216,5 +232,6 @@ def plan(cfg: Config, topology, profile, log=None) -> Config:
     return chosen.config(cfg)
 
 
-__all__ = ["Plan", "plan", "planner_inputs", "search_for", "layout_flags", "grad_buffers_reason",
+__all__ = ["Plan", "plan", "planner_inputs", "search_for", "layout_flags", "partition_reason",
+           "grad_buffers_reason",
            "flushes_reason"]

@@ -23,7 +23,8 @@ import sys
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.config.flags import add_architecture_args, apply_architecture_args
 from megatron_2bw.models.flops import model_names, named_model, num_parameters
-from megatron_2bw.planner.auto import flushes_reason, grad_buffers_reason, layout_flags
+from megatron_2bw.planner.auto import (flushes_reason, grad_buffers_reason, layout_flags,
+                                       partition_reason)
 from megatron_2bw.planner.measure import measure_profile
 from megatron_2bw.planner.profile import AnalyticProfile, load_profile, save_profile
 from megatron_2bw.planner.search import RECOMPUTE, SCHEDULES, search
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard master weights and optimizer state over data-parallel ranks")
     g.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                    help="split norms/dropout/residuals along the sequence (t > 1)")
+    g.add_argument("--partition", choices=("auto", "balanced"), default="auto",
+                   help="auto: stages balanced in time, or where that does not fit, the most "
+                        "balanced split that does; balanced: time-balanced only (the paper's "
+                        "planner)")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
@@ -202,7 +207,8 @@ def run(argv=None, out=sys.stdout) -> int:
                   dtype=dtype, optimizer=a.optimizer, recompute=recompute,
                   tensor_sizes=a.tensor_sizes, micro_batches=a.micro_batch_sizes,
                   exhaustive=a.exhaustive, arch=getattr(model, "family", "gpt"),
-                  sequence_parallel=choice[a.sequence_parallel])
+                  sequence_parallel=choice[a.sequence_parallel],
+                  fit_partition=a.partition == "auto")
     # one search: the best layout overall and the best of each distributed-optimizer choice
     # (what the explanation compares with), when both are allowed
     both = a.distributed_optimizer == "auto"
@@ -210,7 +216,7 @@ def run(argv=None, out=sys.stdout) -> int:
                     distributed_optimizer=choice[a.distributed_optimizer],
                     group=(lambda L: L.distributed_optimizer) if both else None, **kwargs)
     best = result.best
-    flags = layout_flags(best.layout)
+    flags = layout_flags(best.layout, best.plan.bounds)
 
     def best_with(flag: bool):
         if both:
@@ -224,9 +230,10 @@ def run(argv=None, out=sys.stdout) -> int:
                       distributed_optimizer=(flag,), **kwargs).best
     why = explain_distributed_optimizer(best, best_with)
     buffers, flushes = grad_buffers_reason(best, topo), flushes_reason(best, topo)
+    moved = partition_reason(best, topo)
     if a.json:
         json.dump({"chosen": best.to_dict(), "flags": flags, "distributed_optimizer": why,
-                   "grad_buffers": buffers, "gpipe_flushes": flushes,
+                   "grad_buffers": buffers, "gpipe_flushes": flushes, "partition": moved,
                    "candidates": [e.to_dict() for e in result.ranked[:a.top]],
                    "considered": result.considered, "examined": result.examined,
                    "fitting": result.fitting,
@@ -241,7 +248,7 @@ def run(argv=None, out=sys.stdout) -> int:
     print(f"  stage partition (spec indices, embedding=0, head={model.num_layers + 1}): "
           f"{best.plan.bounds}", file=out)
     print(f"  {why}", file=out)
-    for reason in (buffers, flushes):
+    for reason in (buffers, flushes, moved):
         if reason:
             print(f"  {reason}", file=out)
     return 0

@@ -41,11 +41,12 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   every buffer is padded to a multiple of w (`optim/shard_layout.py`) and master weights and
   optimizer state hold 1/w of it; plus stashed activations per in-flight microbatch (the kind's
   `in_flight`: 2BW and flush min(d - s, m) on stage s, GPipe m (k in flushes of k microbatches:
-  --gpipe-microbatches-per-flush), whose last stage so keeps each
-  microbatch's loss state, one fp32 copy of its logits, and the fp32 logits beside it for the
-  microbatch being computed: `stage_memory`); full recomputation stashes only each transformer
-  layer's input and needs one layer's full activations while recomputing. The data-parallel
-  all-reduce moves `Setup.grad_reduce_bytes` per gradient element (the engine's fp32: 4).
+  --gpipe-microbatches-per-flush), whose last stage so keeps each microbatch's loss state, one
+  fp32 copy of its logits, and the fp32 logits beside it for the microbatch being computed:
+  `stage_memory`); full recomputation stashes only each transformer layer's input and needs one
+  layer's full activations while recomputing. The data-parallel all-reduce moves
+  `Setup.grad_reduce_bytes` per gradient element (the engine's fp32: 4). The partition is the
+  time-balanced one unless the search asks for one that fits (`LayerTimes.partition(fits=)`).
 """
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ from dataclasses import dataclass, field
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
-from megatron_2bw.models.partition import partition
+from megatron_2bw.models.partition import partition, partition_within
 from megatron_2bw.optim.shard_layout import bucket_elements
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.pipeline.flag_names import TAIL
 from megatron_2bw.planner.memory import (OPTIMIZER_COPIES, _kept, _recomputed,  # noqa: F401
-                                         activation_bytes, stage_memory, stage_params,
-                                         stage_tied, state_bytes)
+                                         activation_bytes, layout_stage_memory, stage_memory,
+                                         stage_params, stage_tied, state_bytes)
 from megatron_2bw.planner.placement import placement
 from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind_of
 
@@ -153,6 +154,7 @@ class StagePlan:
     # buffers (which did not fit), for the plan line's reason; 0.0 otherwise
     two_buffer_memory: float = 0.0
     all_in_flight_memory: float = 0.0  # GPipe in flushes: its footprint with all m in flight
+    balanced_memory: float = 0.0  # partitioned to fit (search.py): the time-balanced footprint
 
     @property
     def max_memory(self) -> float:
@@ -263,9 +265,11 @@ class LayerTimes:
         return self._cache[key]
 
     def partition(self, b: int, t: int, d: int, recompute: bool, selective: bool = False,
-                  sp: bool = False) -> list:
+                  sp: bool = False, fits=None) -> list | None:
+        """The time-balanced stage bounds; with `fits(s, lo, hi)`, the fastest whose stages all
+        fit (`partition_within`; None: none does)."""
         key = ("part", b, t, d, recompute, selective, sp)
-        if key not in self._cache:
+        if key not in self._cache or fits:
             costs, fwd, bwd = self.get(b, t, sp)
             weights = [f + g + (f if recompute and _recomputed(c) else 0.0)
                        + (_selective_time(c, f) if selective else 0.0)
@@ -273,6 +277,8 @@ class LayerTimes:
             data = self.profile.data_time(b)  # read by the stages holding the first/last layer
             weights[0] += data
             weights[-1] += data
+            if fits:
+                return partition_within(weights, d, fits)
             self._cache[key] = partition(weights, d)
         return self._cache[key]
 
@@ -325,7 +331,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                bounds: list | None = None) -> StagePlan:
     """Everything the simulator and the memory check need for one layout."""
     L = layout
-    d, m, b, t, sp = L.pipeline, L.num_microbatches, L.micro_batch, L.tensor, L.sequence_parallel
+    d, b, t, sp = L.pipeline, L.micro_batch, L.tensor, L.sequence_parallel
     costs = times.get(b, t, sp)[0]
     P = times.prefix(b, t, sp)
     if bounds is None:
@@ -337,7 +343,6 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     # [norm^2, loss, flags]: over one rank per stage, or the world with the distributed optimizer
     norm_ar = topology.ring_time(8.0, d * shards, mp_inter or (shards > 1 and any(dp_inter)))
     data = times.profile.data_time(b)  # the first and the last stage read each microbatch
-    logits = 4.0 * b * setup.model.seq_length * setup.model.vocab_size / t  # fp32, per rank
     # a 2BW compensation's work beyond the step, once per batch over what the rank steps (the
     # engine does it in the step or, deferred on a CPU, in its waits: priced in full in S)
     compensated = kind.delay == 1 and setup.compensation != NO_COMPENSATION
@@ -346,8 +351,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         return times.profile.compensation_time(n, setup.compensation, setup.dtype) \
             if compensated else 0.0
     # memory depends on neither the rank order nor the links: computed once for the others
-    mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, L.microbatches_per_flush, d, m,
-            L.recompute, L.selective, shards, tuple(bounds))
+    mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, L.microbatches_per_flush, d,
+            L.num_microbatches, L.recompute, L.selective, shards, tuple(bounds))
     cached = times._cache.get(mkey)
     # the stages' compute, parameters and tied parts depend on neither the schedule, w, the rank
     # order nor the links: computed once for every layout that shares them
@@ -359,10 +364,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         lo, hi = bounds[s], bounds[s + 1]
         fwd.append(f)
         bwd.append(g)
-        mem, peak = cached[s] if cached else stage_memory(
-            costs, lo, hi, L.schedule, d, m, s, setup.dtype, setup.optimizer, L.recompute, P,
-            L.selective, shards, setup.compensation, logits, L.grad_buffers,
-            setup.grad_accumulation, L.microbatches_per_flush)
+        mem, peak = cached[s] if cached else layout_stage_memory(setup, L, times, s, lo, hi)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
@@ -392,5 +394,6 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
                      inter)
 
 
-__all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "compute_floor", "state_bytes",
+__all__ = ["Layout", "Setup", "StagePlan", "LayerTimes", "stage_plan", "compute_floor",
+           "state_bytes",
            "activation_bytes", "stage_params", "stage_memory", "stage_tied", "placement"]

@@ -142,6 +142,17 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     return mem, peak
 
 
+def layout_stage_memory(setup, L, times, s: int, lo: int, hi: int) -> tuple[dict, int]:
+    """`stage_memory` of stage s holding layers [lo, hi) in layout L (cost_model's Setup,
+    Layout and LayerTimes)."""
+    b, t, sp = L.micro_batch, L.tensor, L.sequence_parallel
+    logits = 4.0 * b * setup.model.seq_length * setup.model.vocab_size / t  # fp32, per rank
+    return stage_memory(times.get(b, t, sp)[0], lo, hi, L.schedule, L.pipeline,
+                        L.num_microbatches, s, setup.dtype, setup.optimizer, L.recompute,
+                        times.prefix(b, t, sp), L.selective, L.shards, setup.compensation, logits,
+                        L.grad_buffers, setup.grad_accumulation, L.microbatches_per_flush)
+
+
 def largest_affine_fit(bases: list, slopes: list, limit: float, cap: int) -> int:
     """The largest k in 1 .. cap with bases[i] + (k - 1) slopes[i] <= limit for every i (0
     when not even k = 1 fits): how many microbatches may be in flight when each holder's bytes
@@ -154,5 +165,5 @@ def largest_affine_fit(bases: list, slopes: list, limit: float, cap: int) -> int
     return k
 
 
-__all__ = ["largest_affine_fit", "OPTIMIZER_COPIES", "state_bytes", "stage_tied", "stage_params", "activation_bytes",
+__all__ = ["largest_affine_fit", "layout_stage_memory", "OPTIMIZER_COPIES", "state_bytes", "stage_tied", "stage_params", "activation_bytes",
            "stage_memory"]

@@ -32,7 +32,7 @@ from megatron_2bw.models.flops import DTYPE_BYTES
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.planner.cost_model import (OPTIMIZER_COPIES, LayerTimes, Layout, Setup,
                                              compute_floor, stage_plan)
-from megatron_2bw.planner.memory import largest_affine_fit
+from megatron_2bw.planner.memory import largest_affine_fit, layout_stage_memory
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology
 from megatron_2bw.schedule.kinds import FIRST_STAGE, schedule_kind, schedule_names
@@ -184,6 +184,55 @@ def _fewer_in_flight(setup, layout, times, topology, full, usable):
     return plan
 
 
+def _any_partition_bound(plan, times) -> float:
+    """A time per batch no partition of the plan's layout beats: m x its slowest stage's compute
+    (the time-balanced partition has the least), and each stage's blocking receives (the same
+    on any partition) plus m x the least compute a stage can have (its cheapest layer)."""
+    L, m = plan.layout, plan.layout.num_microbatches
+    least = min(f + b for f, b in zip(*times.get(L.micro_batch, L.tensor,
+                                                 L.sequence_parallel)[1:]))
+    return max(m * max(f + b for f, b in zip(plan.fwd, plan.bwd)),
+               max(plan.comm_floor(s) for s in range(L.pipeline)) + m * least)
+
+
+def _fitting_partition(setup, layout, times, topology, balanced, usable):
+    """A layout whose time-balanced partition does not fit, on the fastest partition whose every
+    stage fits (`LayerTimes.partition(fits=)`: fewer layers on the stages that hold the most,
+    the embedding's, the head's, those with more microbatches in flight); unchanged when none
+    does. Tried only for layouts over memory whose stages' state (weights, gradients,
+    optimizer: the same total on any partition) averages within it."""
+    L = layout
+    d = L.pipeline
+    if sum(m["total"] - m["activations"] for m in balanced.memory) > d * usable:
+        return balanced
+
+    def fits(s, lo, hi):
+        return layout_stage_memory(setup, L, times, s, lo, hi)[0]["total"] <= usable
+    # memory depends on neither the rank order, the links nor m beyond the microbatches each
+    # stage holds: one answer for layouts that differ only there
+    key = ("fit", L.micro_batch, L.tensor, L.sequence_parallel, L.schedule, L.grad_buffers,
+           L.microbatches_per_flush, tuple(L.kind.in_flight(d, L.num_microbatches, s)
+                                           for s in range(d)),
+           L.recompute, L.selective, L.shards, usable)
+    n = len(times.get(L.micro_batch, L.tensor, L.sequence_parallel)[0])
+    if key not in times._cache and sum(layout_stage_memory(
+            setup, L, times, s, s, s + 1 if s < d - 1 else n)[0]["total"]
+            for s in range(d)) > d * usable:
+        times._cache[key] = None  # the least total any partition holds: one layer on each
+        # stage but the last, which holds the rest (later stages hold fewer microbatches)
+    if key not in times._cache:
+        times._cache[key] = times.partition(L.micro_batch, L.tensor, d, L.recompute,
+                                            L.selective, L.sequence_parallel, fits=fits)
+    bounds = times._cache[key]
+    if bounds is None:
+        return balanced
+    plan = stage_plan(setup, L, times, topology, bounds=bounds)
+    plan.balanced_memory = balanced.max_memory
+    plan.two_buffer_memory = balanced.two_buffer_memory
+    plan.all_in_flight_memory = balanced.all_in_flight_memory
+    return plan
+
+
 def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            schedules=SCHEDULES, dtype: str = "fp32", optimizer: str = "adam",
            recompute=RECOMPUTE, tensor_sizes=None, micro_batches=None,
@@ -195,7 +244,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            one_buffer: bool = True, grad_accumulation: str = "fp32",
            overlap_grad_reduce: bool = True, bucket: int | None = None,
            gpipe_flushes: bool = True, fit_only: bool = False,
-           flash: bool = True) -> SearchResult:
+           flash: bool = True, fit_partition: bool = True) -> SearchResult:
     """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
     try a 2BW layout whose two gradient buffers do not fit with fewer (`_fewer_buffers`; False:
     two only). `gpipe_flushes`: run a GPipe layout whose m stashes do not fit in flushes of
@@ -207,7 +256,9 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     within the same branch and bound: no second search. `fit_only`: whether anything fits,
     fast: the first layout (by compute floor) that fits, unsimulated, timed by its lower bound
     (source "bound"); a PlanError as always when none does. `flash`: Setup's (False: attention
-    keeps its s x s scores, as before FlashAttention: bench/paper_table.py's 2020 stack)."""
+    keeps its s x s scores, as before FlashAttention: bench/paper_table.py's 2020 stack).
+    `fit_partition`: plan a layout whose time-balanced partition does not fit on the fastest
+    partition that does (`_fitting_partition`; False: the time-balanced one only)."""
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
@@ -246,15 +297,26 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     finished = False
     for floor, i in floors + [(float("inf"), -1)]:
         while heap and heap[0][0] <= floor:  # simulate in bound order up to the next floor
-            bound, _, plan = heapq.heappop(heap)
+            bound, j, plan, over = heapq.heappop(heap)
             if done(bound):
                 finished = True
                 break
+            g = group(plan.layout) if group else None
+            if over:  # over memory on its time-balanced partition: now on one that fits
+                plan = _fitting_partition(setup, plan.layout, times, topology, plan, usable)
+                smallest = min(smallest, plan.max_memory)
+                if group:
+                    smallest_by[g] = min(smallest_by[g], plan.max_memory / GB)
+                if plan.max_memory <= usable:
+                    fitting += 1
+                    heapq.heappush(heap, (plan.lower_bound(), j, plan, False))
+                else:
+                    left[g] -= 1
+                continue
             est = predict(plan)
             ranked.append(est)
             simulated += 1
             ranked.sort(key=_key)
-            g = group(plan.layout) if group else None
             left[g] -= 1
             if g not in best_by or _key(est) < _key(best_by[g]):
                 best_by[g] = est
@@ -268,6 +330,10 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
         if gpipe_flushes and plan.max_memory > usable and layout.kind.splits_into_flushes \
                 and layout.num_microbatches > 1:
             plan = _fewer_in_flight(setup, layout, times, topology, plan, usable)
+        refit = fit_partition and plan.max_memory > usable and layout.pipeline > 1
+        if refit and fit_only:
+            plan, refit = _fitting_partition(setup, plan.layout, times, topology, plan, usable), \
+                False
         smallest = min(smallest, plan.max_memory)
         g = group(layout) if group else None
         if group:
@@ -278,7 +344,9 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
                 bound = plan.lower_bound()
                 ranked = [Estimate(plan, bound, bound, "bound")]
                 break
-            heapq.heappush(heap, (plan.lower_bound(), i, plan))
+            heapq.heappush(heap, (plan.lower_bound(), i, plan, False))
+        elif refit:  # partitioned to fit when a bound of every partition's time is reached
+            heapq.heappush(heap, (_any_partition_bound(plan, times), i, plan, True))
         else:
             left[g] -= 1
     if not ranked:

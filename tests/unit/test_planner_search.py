@@ -12,6 +12,7 @@ from megatron_2bw.models.flops import named_model
 from megatron_2bw.planner import AnalyticProfile, PlanError, Topology, predict, search
 from megatron_2bw.planner.cli import main as plan_main
 from megatron_2bw.planner.cli import run as plan_run
+from megatron_2bw.planner.topology import GB
 from megatron_2bw.planner.cost_model import LayerTimes, Setup, compute_floor, stage_plan
 from megatron_2bw.planner.search import TIE, enumerate_layouts
 from megatron_2bw.planner.simulate import steady_increment
@@ -312,11 +313,13 @@ def test_the_planner_turns_on_the_distributed_optimizer_and_recomputation_when_t
     one buffer on the first stage frees there let the distributed optimizer run without
     recomputation, which is faster.
     All of that with the low-precision gradient buffer (--grad-accumulation buffer); without it
-    (the default fp32 accumulation) its 2 bytes per parameter are enough for that with two."""
+    (the default fp32 accumulation) its 2 bytes per parameter are enough for that with two.
+    On time-balanced stages throughout (fit_partition=False); the last check lets the search
+    move a layer off the fuller stage instead, which fits two buffers without recomputation."""
     topo = Topology(num_nodes=1, gpus_per_node=4, gpu_memory_gb=18)
     args = (named_model("gpt-1.3b"), topo, AnalyticProfile(), 64)
     kw = dict(dtype="bf16", schedules=("2bw",), tensor_sizes=(1,), pipeline_sizes=(2,),
-              one_buffer=False, grad_accumulation="buffer")
+              one_buffer=False, grad_accumulation="buffer", fit_partition=False)
     with pytest.raises(PlanError, match="does not fit"):
         search(*args, distributed_optimizer=(False,), **kw)
     two = search(*args, **kw).best
@@ -333,6 +336,11 @@ def test_the_planner_turns_on_the_distributed_optimizer_and_recomputation_when_t
     hooked = search(*args, **dict(kw, grad_accumulation="fp32")).best
     L = hooked.layout
     assert (L.data, L.distributed_optimizer, L.recompute, L.grad_buffers) == (2, True, False, None)
+    moved = search(*args, **dict(kw, fit_partition=True)).best
+    L, usable = moved.layout, topo.usable_memory_gb * GB
+    assert (L.data, L.distributed_optimizer, L.recompute, L.grad_buffers) == (2, True, False, None)
+    assert moved.plan.max_memory <= usable < moved.plan.balanced_memory
+    assert moved.time_per_batch < two.time_per_batch
 
 
 def test_sequence_parallelism_needs_t_and_the_distributed_optimizer_w():
