@@ -124,6 +124,10 @@ class LayerCost:
     output_bytes: float       # what a stage boundary after this layer sends
     core_attention_bytes: float = 0.0  # of act_bytes, what selective recomputation frees
     core_attention_flops: float = 0.0  # of fwd_flops, what selective recomputation repeats
+    # forward memory traffic every tensor-parallel rank repeats on the whole b*s*h activation
+    # (Megatron without sequence parallelism: the two norms, the two residual adds with their
+    # bias and dropout); 0 at t = 1 and with sequence parallelism, which splits them
+    replicated_bytes: float = 0.0
 
 
 def _mlp_in(m: ModelConfig) -> int:
@@ -203,8 +207,10 @@ def layer_costs(cfg, micro_batch: int, tensor: int = 1, dtype: str = "fp32",
     else:  # the softmax (and dropout's mask and output); the output is the projection's input
         core = heads * s * s * b * (p + ((p + 1) if m.attention_dropout > 0 else 0)) / t
     act += core - sbh * p / t  # (`attn` counted the kernel's output once already)
+    # norms read and write the activation, residual adds read two and write one (+ a mask byte)
+    repeated = 0.0 if t == 1 or sequence_parallel else sbh * (2 * 2 * p + 2 * (3 * p + drop_h))
     layer = LayerCost("transformer", *params[1], fwd, 2 * fwd, 2.0 * act, act, hidden / sp,
-                      hidden / sp, core, core_flops)
+                      hidden / sp, core, core_flops, repeated)
 
     head_fwd = 2.0 * b * s * h * V / t
     # the final norm's input and the output layer's input (a chunk under sequence parallelism,

@@ -123,8 +123,10 @@ class AnalyticProfile:
             self.device_tflops, self.memory_bandwidth_gb_per_s), tensor)
         flops = self.device_tflops * 1e12 * self.efficiency * gemm_efficiency(tokens, half)
         bw = self.memory_bandwidth_gb_per_s * 1e9 * self.efficiency
-        fwd = max(cost.fwd_flops / flops, cost.fwd_bytes / bw)
-        bwd = max(cost.bwd_flops / flops, 2.0 * cost.fwd_bytes / bw)
+        # what every tensor rank repeats (`LayerCost.replicated_bytes`) beyond its 1/t share
+        repeated = cost.replicated_bytes * (1.0 - 1.0 / tensor) / bw
+        fwd = max(cost.fwd_flops / flops, cost.fwd_bytes / bw) + repeated
+        bwd = max(cost.bwd_flops / flops, 2.0 * cost.fwd_bytes / bw) + 2.0 * repeated
         return fwd, bwd
 
     def step_time(self, params: int) -> float:

@@ -44,6 +44,7 @@ def test_paper_table_prints_every_row_the_picks_and_the_largest_model(tmp_path):
     # the rows that hold (bench/README.md says why the others do not): every one of them
     holds = {"2BW vs GPipe, up to", "Flush vs GPipe, B=512", "Flush vs GPipe, B=2048",
              "2BW vs Flush, B=512", "2BW vs Flush, B=2048",
+             "2BW vs tensor MP t=8 in one server, GPT-2.2B",
              "2BW vs inter-layer MP (no pipelining), up to",
              "Flush vs inter-layer MP, large batch, GPT-2.2B, up to"}
     assert {n for n, r in rows.items() if r["within_25"]} == holds

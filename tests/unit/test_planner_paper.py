@@ -88,7 +88,8 @@ def test_tensor_ranks_share_only_the_weights_part_of_the_fixed_cost(device):
     """t ranks share a layer's FLOPs and its weights' memory traffic (the curve's M_half up to the
     roofline's ridge), not the rest of its fixed cost (kernel launches, framework work), which
     every rank pays in full: the V100 curve's M_half (4 x 512 rows) is mostly that, the A100,
-    H100 and H200 curves' M_half is the ridge itself, so t divides their times exactly."""
+    H100 and H200 curves' M_half is the ridge itself, so t divides their times exactly.
+    (Sequence parallelism: no norm or residual add repeated on every rank, the next test.)"""
     model = _paper_gpt("gpt-2.2b")
     prof = AnalyticProfile.for_device(device)
     half = prof.gemm_half_tokens
@@ -96,7 +97,8 @@ def test_tensor_ranks_share_only_the_weights_part_of_the_fixed_cost(device):
     plateau = prof.device_tflops * 1e12 * prof.efficiency
     for b in (1, 8, 64):
         rows = b * model.seq_length
-        one, eight = (layer_costs(model, b, t, "fp16")[1] for t in (1, 8))
+        one, eight = (layer_costs(model, b, t, "fp16", sequence_parallel=True)[1]
+                      for t in (1, 8))
         f1 = prof.layer_times(one, b, 1, tokens=rows)[0]
         f8 = prof.layer_times(eight, b, 8, tokens=rows)[0]
         assert f1 == pytest.approx(one.fwd_flops / plateau * (1 + half / rows))
@@ -109,9 +111,32 @@ def test_tensor_ranks_share_only_the_weights_part_of_the_fixed_cost(device):
             assert f8 > 1.01 * f1 * eight.fwd_flops / one.fwd_flops
     # without a curve (one efficiency for every b) and for measured profiles: 1/t of the time
     flat = AnalyticProfile()
-    costs = [layer_costs(model, 8, t, "fp16")[1] for t in (1, 8)]
+    costs = [layer_costs(model, 8, t, "fp16", sequence_parallel=True)[1] for t in (1, 8)]
     assert flat.layer_times(costs[1], 8, 8, tokens=4096)[0] == pytest.approx(
         flat.layer_times(costs[0], 8, 1, tokens=4096)[0] * costs[1].fwd_flops / costs[0].fwd_flops)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_without_sequence_parallelism_every_tensor_rank_repeats_the_norms_and_residual_adds(
+        dropout):
+    """Megatron's tensor parallelism without sequence parallelism runs each transformer layer's
+    two norms and two residual adds (bias, dropout) on the whole b*s*h activation on every rank:
+    their memory traffic (a norm reads and writes it, an add reads two and writes one, dropout
+    writes a mask byte) is charged in full beyond the rank's 1/t share, twice in the backward;
+    nothing at t = 1 or with sequence parallelism, which splits them."""
+    model = replace(_paper_gpt("gpt-2.2b"), hidden_dropout=dropout)
+    prof = AnalyticProfile.for_device("v100")
+    bw = prof.memory_bandwidth_gb_per_s * 1e9 * prof.efficiency
+    b, s, h = 8, model.seq_length, model.hidden_size
+    assert layer_costs(model, b, 1, "fp16")[1].replicated_bytes == 0.0
+    for t in (2, 8):
+        plain, split = (layer_costs(model, b, t, "fp16", sequence_parallel=sp)[1]
+                        for sp in (False, True))
+        assert split.replicated_bytes == 0.0
+        assert plain.replicated_bytes == b * s * h * (2 * 2 * 2 + 2 * (3 * 2 + (dropout > 0)))
+        (f, g), (f_sp, g_sp) = (prof.layer_times(c, b, t, tokens=b * s) for c in (plain, split))
+        extra = plain.replicated_bytes * (1 - 1 / t) / bw
+        assert f - f_sp == pytest.approx(extra) and g - g_sp == pytest.approx(2 * extra)
 
 
 V100_CLUSTER = dict(num_nodes=8, gpus_per_node=8, gpu_memory_gb=16, inter_node_bandwidth_gbps=25)
