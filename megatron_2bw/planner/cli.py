@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in SHAPE:
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    for name in ("--hidden-dropout", "--attention-dropout"):  # their masks take memory
+        g.add_argument(name, type=float, default=0.1,
+                       help="as pretrain_gpt.py's (Megatron's) default: 0.1")
     add_architecture_args(p)
     g = p.add_argument_group("machine (defaults: SLURM / visible devices, then an A100 node)")
     g.add_argument("--num-gpus", type=int, default=None,
@@ -106,6 +109,7 @@ def model_from_args(a) -> ModelConfig:
     except ValueError as e:
         raise PlanError(str(e)) from None
     changes = {name: getattr(a, name) for name, _ in SHAPE if getattr(a, name) is not None}
+    changes.update(hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout)
     if a.untie_embeddings_and_output_weights:
         changes["untie_embeddings_and_output_weights"] = True
     if a.family:
