@@ -32,19 +32,27 @@ last_flag_value() {
     echo "$value"
 }
 
+# (USR1 may come before the step's pid is known: then run_preemptible forwards it once it is)
 _forward_usr1() {
     PREEMPTED=1
     echo "batch script: SIGUSR1 (time limit near): forwarding it to the training step" >&2
-    kill -USR1 "$STEP_PID" 2>/dev/null || true
+    if [ -n "${STEP_PID:-}" ]; then
+        FORWARDED=1
+        kill -USR1 "$STEP_PID" 2>/dev/null || true
+    fi
 }
 
 run_preemptible() {
     local ckpt=$1 train_iters=$2 rc latest
     shift 2
-    PREEMPTED=0
+    PREEMPTED=0 FORWARDED=0 STEP_PID=""
     trap _forward_usr1 USR1
     "$@" &
     STEP_PID=$!
+    if [ "$PREEMPTED" = 1 ] && [ "$FORWARDED" = 0 ]; then  # it came before the pid was known
+        FORWARDED=1
+        kill -USR1 "$STEP_PID" 2>/dev/null || true
+    fi
     while kill -0 "$STEP_PID" 2>/dev/null; do  # the trap cuts a wait short: wait again
         wait "$STEP_PID" || true
     done

@@ -17,7 +17,8 @@ STEP = ('trap \'echo "$SAVED" > "$CKPT/' + LATEST + '"; exit "$STEP_RC"\' USR1; 
         'touch "$CKPT/up"; while :; do sleep 0.05; done')
 
 
-def _batch(tmp_path: Path, saved: int, step_rc: int, signal_it: bool, train_iters: int = 10):
+def _batch(tmp_path: Path, saved: int, step_rc: int, signal_it: bool, train_iters: int = 10,
+           step: str = STEP, wait_up: bool = True):
     (tmp_path / "bin").mkdir(exist_ok=True)
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.write_text('#!/bin/bash\necho "$*" >> "$SLURM_LOG"\n')
@@ -26,7 +27,7 @@ def _batch(tmp_path: Path, saved: int, step_rc: int, signal_it: bool, train_iter
     ckpt.mkdir(exist_ok=True)
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", CKPT=str(ckpt),
                SLURM_LOG=str(tmp_path / "slurm.log"), SLURM_JOB_ID="99", SAVED=str(saved),
-               STEP_RC=str(step_rc), STEP=STEP)
+               STEP_RC=str(step_rc), STEP=step)
     script = ("set -euo pipefail; source examples/slurm/preemption.sh; "
               f'run_preemptible "$CKPT" {train_iters} bash -c "$STEP"; echo "batch done"')
     proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, text=True,
@@ -37,6 +38,8 @@ def _batch(tmp_path: Path, saved: int, step_rc: int, signal_it: bool, train_iter
             time.sleep(0.05)
         if signal_it:
             proc.send_signal(signal.SIGUSR1)  # what #SBATCH --signal=B:USR1@N sends
+        elif not wait_up:  # the step signals the batch shell itself
+            pass
         else:  # no preemption: the step ends by itself
             (ckpt / LATEST).write_text(f"{saved}\n")
             subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=False)
@@ -65,6 +68,24 @@ def test_no_requeue_when_the_save_reached_train_iters(tmp_path):
 def test_a_failed_step_is_the_job_status_and_is_not_requeued(tmp_path):
     rc, out, log = _batch(tmp_path, saved=4, step_rc=3, signal_it=True)
     assert rc == 3 and "batch done" not in out and log == "", out
+
+
+def test_usr1_before_the_steps_pid_is_known_is_forwarded_once_it_is(tmp_path):
+    """SLURM's USR1 may reach the batch shell between starting the step and learning its pid
+    (under load, the step can run first): the handler must not die on the unset pid (set -u:
+    the batch shell would exit and leave the step running), and the signal still reaches the
+    step. Deterministic half: the handler with no step yet; racy half: a step that signals the
+    batch shell itself the moment it starts."""
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail; source examples/slurm/"
+                           "preemption.sh; _forward_usr1; echo \"handled $PREEMPTED\""],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "handled 1" in proc.stdout, proc.stderr
+    early = STEP.replace("touch", 'kill -USR1 "$PPID"; touch')
+    for _ in range(3):
+        rc, out, log = _batch(tmp_path, saved=4, step_rc=0, signal_it=False, step=early,
+                              wait_up=False)
+        assert rc == 0 and "requeueing job 99" in out and log == "requeue 99\n", out
+        (tmp_path / "slurm.log").unlink()
 
 
 def test_without_usr1_nothing_is_requeued(tmp_path):
