@@ -147,7 +147,10 @@ def partition_within(costs, num_stages: int, fits) -> list[int] | None:
     sums = np.unique((p[None, :] - p[:, None])[np.triu_indices(n + 1, 1)])
     floor = bottleneck(costs, num_stages)  # no split is faster than the unconstrained best
     sums = sums[sums >= floor - _EPS * max(floor, 1.0)]
-    lo, hi = 0, len(sums) - 1
+    first = fill(float(sums[0]))  # often a split as fast as the unconstrained one fits
+    if first is not None:
+        return first
+    lo, hi = 1, len(sums) - 1
     while lo < hi:
         mid = (lo + hi) // 2
         if fill(float(sums[mid])) is not None:

@@ -364,7 +364,8 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         lo, hi = bounds[s], bounds[s + 1]
         fwd.append(f)
         bwd.append(g)
-        mem, peak = cached[s] if cached else layout_stage_memory(setup, L, times, s, lo, hi)
+        memory_of = memory_of if s else (None if cached else layout_stage_memory(setup, L, times))
+        mem, peak = cached[s] if cached else memory_of(s, lo, hi)
         memory.append(mem)
         peaks.append(peak)
         # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)

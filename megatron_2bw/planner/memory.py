@@ -142,15 +142,20 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     return mem, peak
 
 
-def layout_stage_memory(setup, L, times, s: int, lo: int, hi: int) -> tuple[dict, int]:
-    """`stage_memory` of stage s holding layers [lo, hi) in layout L (cost_model's Setup,
-    Layout and LayerTimes)."""
+def layout_stage_memory(setup, L, times):
+    """`stage_memory` of layout L as a function of (stage s, its layers [lo, hi)) (cost_model's
+    Setup, Layout and LayerTimes; what does not depend on the stage taken once)."""
     b, t, sp = L.micro_batch, L.tensor, L.sequence_parallel
+    costs, prefix = times.get(b, t, sp)[0], times.prefix(b, t, sp)
     logits = 4.0 * b * setup.model.seq_length * setup.model.vocab_size / t  # fp32, per rank
-    return stage_memory(times.get(b, t, sp)[0], lo, hi, L.schedule, L.pipeline,
-                        L.num_microbatches, s, setup.dtype, setup.optimizer, L.recompute,
-                        times.prefix(b, t, sp), L.selective, L.shards, setup.compensation, logits,
-                        L.grad_buffers, setup.grad_accumulation, L.microbatches_per_flush)
+    args = (L.schedule, L.pipeline, L.num_microbatches)
+    rest = (setup.dtype, setup.optimizer, L.recompute, prefix, L.selective, L.shards,
+            setup.compensation, logits, L.grad_buffers, setup.grad_accumulation,
+            L.microbatches_per_flush)
+
+    def of(s: int, lo: int, hi: int) -> tuple[dict, int]:
+        return stage_memory(costs, lo, hi, *args, s, *rest)
+    return of
 
 
 def largest_affine_fit(bases: list, slopes: list, limit: float, cap: int) -> int:

@@ -189,10 +189,12 @@ def _any_partition_bound(plan, times) -> float:
     (the time-balanced partition has the least), and each stage's blocking receives (the same
     on any partition) plus m x the least compute a stage can have (its cheapest layer)."""
     L, m = plan.layout, plan.layout.num_microbatches
-    least = min(f + b for f, b in zip(*times.get(L.micro_batch, L.tensor,
-                                                 L.sequence_parallel)[1:]))
-    return max(m * max(f + b for f, b in zip(plan.fwd, plan.bwd)),
-               max(plan.comm_floor(s) for s in range(L.pipeline)) + m * least)
+    key = ("least", L.micro_batch, L.tensor, L.sequence_parallel)
+    if key not in times._cache:
+        times._cache[key] = min(map(sum, zip(*times.get(*key[1:])[1:])))
+    # each stage's comm_floor is m x its slower link: their largest, m x the slowest link
+    return m * max(max(map(sum, zip(plan.fwd, plan.bwd))),
+                   max(plan.p2p, default=0.0) + times._cache[key])
 
 
 def _fitting_partition(setup, layout, times, topology, balanced, usable):
@@ -200,29 +202,22 @@ def _fitting_partition(setup, layout, times, topology, balanced, usable):
     stage fits (`LayerTimes.partition(fits=)`: fewer layers on the stages that hold the most,
     the embedding's, the head's, those with more microbatches in flight); unchanged when none
     does. Tried only for layouts over memory whose stages' state (weights, gradients,
-    optimizer: the same total on any partition) averages within it."""
-    L = layout
-    d = L.pipeline
+    optimizer: about the same total on any partition) averages within it."""
+    L, d = layout, layout.pipeline
     if sum(m["total"] - m["activations"] for m in balanced.memory) > d * usable:
         return balanced
-
-    def fits(s, lo, hi):
-        return layout_stage_memory(setup, L, times, s, lo, hi)[0]["total"] <= usable
     # memory depends on neither the rank order, the links nor m beyond the microbatches each
     # stage holds: one answer for layouts that differ only there
+    kind = L.kind
     key = ("fit", L.micro_batch, L.tensor, L.sequence_parallel, L.schedule, L.grad_buffers,
-           L.microbatches_per_flush, tuple(L.kind.in_flight(d, L.num_microbatches, s)
+           L.microbatches_per_flush, tuple(kind.in_flight(d, L.num_microbatches, s)
                                            for s in range(d)),
            L.recompute, L.selective, L.shards, usable)
-    n = len(times.get(L.micro_batch, L.tensor, L.sequence_parallel)[0])
-    if key not in times._cache and sum(layout_stage_memory(
-            setup, L, times, s, s, s + 1 if s < d - 1 else n)[0]["total"]
-            for s in range(d)) > d * usable:
-        times._cache[key] = None  # the least total any partition holds: one layer on each
-        # stage but the last, which holds the rest (later stages hold fewer microbatches)
     if key not in times._cache:
-        times._cache[key] = times.partition(L.micro_batch, L.tensor, d, L.recompute,
-                                            L.selective, L.sequence_parallel, fits=fits)
+        memory_of = layout_stage_memory(setup, L, times)
+        times._cache[key] = times.partition(
+            L.micro_batch, L.tensor, d, L.recompute, L.selective, L.sequence_parallel,
+            fits=lambda s, lo, hi: memory_of(s, lo, hi)[0]["total"] <= usable)
     bounds = times._cache[key]
     if bounds is None:
         return balanced
