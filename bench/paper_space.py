@@ -115,6 +115,15 @@ def up_to(pairs, baseline=("gpipe",)):
     return max(vals) if vals else (None, f"{baseline[0]} does not fit: {_WHY.get(baseline)}")
 
 
+def set_nic(gbps: float) -> None:
+    """Every row from here on with the servers' NICs moving `gbps` Gbit/s (the paper's p3.16xlarge:
+    25 at line rate; what NCCL's TCP transport reached on them is not measured anywhere found:
+    bench/README.md, session 35)."""
+    HARDWARE.update(nic_bandwidth_gbps=gbps, inter_node_bandwidth_gbps=gbps)
+    _CACHE.clear()
+    _WHY.clear()
+
+
 def set_usable(gib: float) -> None:
     """Every row from here on at `gib` usable GiB per GPU (the cache cleared)."""
     HARDWARE["memory_reserve_fraction"] = reserve_at(gib)

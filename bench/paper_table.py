@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The PipeDream-2BW paper's comparisons (Narayanan et al., ICML 2021, Section 5) through the planner.
 
-    python bench/paper_table.py [--json FILE] [--usable-gb G] [--sensitivity]
+    python bench/paper_table.py [--json FILE] [--usable-gb G] [--sensitivity] [--nic-gbps G]
 
 The paper's hardware, as it describes it: 8 AWS p3.16xlarge servers, 8 V100-16GB each over NVLink,
 one 25 Gbit/s NIC per server shared by its 8 GPUs (`--nics-per-node 1 --nic-bandwidth-gbps 25`),
@@ -10,6 +10,7 @@ size and its sources). Its stack as its code has it (bench/paper_memory.py): GPT
 length 512, fp16 gradient all-reduce, attention without FlashAttention; the memory it could use
 is the middle of the interval the paper's own fit / out-of-memory observations leave in this
 project's accounting (`--usable-gb` another; `--sensitivity` the rows at the interval's ends).
+`--nic-gbps` prices the servers' NICs at another rate than their 25 Gbit/s line rate.
 
 First the paper's configurations (Sec. 5.2, `paper_config_rows`), then each technique at its best
 layout in the paper's space (`best_layout_rows`). Nothing here is tuned to the paper's ratios:
@@ -33,8 +34,8 @@ from megatron_2bw.planner.search import divisors, search  # noqa: E402
 from megatron_2bw.planner.topology import PlanError, Topology  # noqa: E402
 from paper_memory import usable_interval  # noqa: E402
 from paper_space import (HARDWARE, PROFILE, SPACE, _topology, best, no_pipelining,  # noqa: E402
-                         paper_model, ratio, set_usable, tensor_only, two_server_topology,
-                         up_to)
+                         paper_model, ratio, set_nic, set_usable, tensor_only,
+                         two_server_topology, up_to)
 
 __all__ = ["HARDWARE", "PROFILE", "paper_model", "two_server_topology", "main"]
 
@@ -251,12 +252,17 @@ def main(argv=None) -> int:
     p.add_argument("--usable-gb", type=float, default=None,
                    help="GiB per GPU the stack may use (default: the middle of the interval "
                         "the paper's observations leave, bench/paper_memory.py)")
+    p.add_argument("--nic-gbps", type=float, default=None,
+                   help="Gbit/s each server's NIC moves (default: 25, its line rate)")
     p.add_argument("--sensitivity", action="store_true",
                    help="also the paper-configuration rows at the interval's two ends")
     a = p.parse_args(argv)
     t0 = time.process_time()
     lo, hi = usable_interval()
     usable = a.usable_gb or (lo + hi) / 2
+    if a.nic_gbps is not None:
+        set_nic(a.nic_gbps)
+        print(f"NICs at {a.nic_gbps:g} Gbit/s (line rate: 25)")
     set_usable(usable)
     print(f"usable memory per V100-16GB: {usable:.2f} GiB; the paper's fit / out-of-memory "
           f"observations leave {lo:.2f}-{hi:.2f} GiB (bench/paper_memory.py)\n")
@@ -301,7 +307,8 @@ def main(argv=None) -> int:
     print(f"\n{time.process_time() - t0:.1f} s CPU")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"usable_gb": usable, "usable_interval": [lo, hi], "rows": results,
+            json.dump({"usable_gb": usable, "usable_interval": [lo, hi],
+                       "nic_gbps": HARDWARE["nic_bandwidth_gbps"], "rows": results,
                        "extra_rows": extra, "best_layout_rows": best_results, "picks": picks,
                        "largest_b": big[0] / 1e9 if big else None,
                        "largest_within_25": big_ok, "at_ends": ends}, f,

@@ -60,6 +60,24 @@ def test_paper_table_prints_every_row_the_picks_and_the_largest_model(tmp_path):
     assert data["largest_within_25"] is True and 22.5 <= data["largest_b"] <= 37.5
 
 
+def test_a_slower_nic_slows_tensor_mp_over_two_servers_most(tmp_path):
+    """--nic-gbps prices the servers' NICs below line rate (bench/README.md, session 35: no
+    single rate brings every row and pick in): tensor MP over two servers loses the most."""
+    rows = {}
+    for nic in (None, 12.5):
+        out = tmp_path / f"{nic}.json"
+        argv = [sys.executable, "bench/paper_table.py", "--json", out] + (
+            ["--nic-gbps", str(nic)] if nic else [])
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads(out.read_text())
+        assert data["nic_gbps"] == (nic or 25)
+        rows[nic] = {r["comparison"]: r["predicted"] for r in data["rows"]}
+    gain = {name: rows[12.5][name] / rows[None][name] for name in rows[None]}
+    assert max(gain, key=gain.get) == "2BW vs tensor MP t=16 over two servers, GPT-3.8B"
+    assert gain["2BW vs tensor MP t=8 in one server, GPT-2.2B"] == 1.0  # no NIC in one server
+
+
 def test_tools_plan_end_to_end_without_torch():
     """tools/plan.py for 64 GPUs, imports included: the planner never loads torch on a machine
     without an NVIDIA driver (seconds of CPU); its CPU time is printed, not asserted."""
