@@ -141,12 +141,17 @@ def partition_within(costs, num_stages: int, fits) -> list[int] | None:
             return None
         return [0] + cuts[::-1]
 
-    if fill(prefix[-1]) is None:  # none fits, however slow
+    loose = fill(prefix[-1])
+    if loose is None:  # none fits, however slow
         return None
     p = np.asarray(prefix)
     sums = np.unique((p[None, :] - p[:, None])[np.triu_indices(n + 1, 1)])
     floor = bottleneck(costs, num_stages)  # no split is faster than the unconstrained best
-    sums = sums[sums >= floor - _EPS * max(floor, 1.0)]
+    ceiling = max(prefix[loose[s + 1]] - prefix[loose[s]] for s in range(num_stages))
+    sums = sums[(sums >= floor - _EPS * max(floor, 1.0))
+                & (sums <= ceiling + _EPS * max(ceiling, 1.0))]  # the loose split is one
+    if len(sums) == 0:
+        return loose
     first = fill(float(sums[0]))  # often a split as fast as the unconstrained one fits
     if first is not None:
         return first
@@ -157,7 +162,7 @@ def partition_within(costs, num_stages: int, fits) -> list[int] | None:
             hi = mid
         else:
             lo = mid + 1
-    return fill(float(sums[lo]))
+    return (fill(float(sums[lo])) if lo <= hi else None) or loose
 
 
 def stage_sums(costs, bounds: list[int]) -> list[float]:

@@ -215,6 +215,16 @@ def _fitting_partition(setup, layout, times, topology, balanced, usable):
            L.recompute, L.selective, L.shards, usable)
     if key not in times._cache:
         memory_of = layout_stage_memory(setup, L, times)
+        n = len(times.get(L.micro_batch, L.tensor, L.sequence_parallel)[0])
+        # about the least any split holds in all: one layer on each stage but the last, which
+        # holds the rest (later stages hold fewer microbatches); another split may keep one
+        # layer's working memory less (a stage without a transformer layer), and one buffer on
+        # the first stage holds less state there: over (d + 1) x usable, none fits
+        if kind.grad_buffers_of(0) == kind.grad_buffers_of(d - 1) and sum(
+                memory_of(s, s, s + 1 if s < d - 1 else n)[0]["total"]
+                for s in range(d)) > (d + 1) * usable:
+            times._cache[key] = None
+    if key not in times._cache:
         times._cache[key] = times.partition(
             L.micro_batch, L.tensor, d, L.recompute, L.selective, L.sequence_parallel,
             fits=lambda s, lo, hi: memory_of(s, lo, hi)[0]["total"] <= usable)
