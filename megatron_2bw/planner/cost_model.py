@@ -45,12 +45,12 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   fp32 copy of its logits, and the fp32 logits beside it for the microbatch being computed:
   `stage_memory`); full recomputation stashes only each transformer layer's input and needs one
   layer's full activations while recomputing. The data-parallel all-reduce moves
-  `Setup.grad_reduce_bytes` per gradient element (the engine's fp32: 4). The partition is the
-  time-balanced one unless the search asks for one that fits (`LayerTimes.partition(fits=)`).
-"""
+  `Setup.grad_reduce_bytes` per gradient element (the engine's fp32: 4). Partitions are
+  time-balanced unless the search asks for one that fits (`LayerTimes.partition(fits=)`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
@@ -156,8 +156,8 @@ class StagePlan:
     all_in_flight_memory: float = 0.0  # GPipe in flushes: its footprint with all m in flight
     balanced_memory: float = 0.0  # partitioned to fit (search.py): the time-balanced footprint
 
-    @property
-    def max_memory(self) -> float:
+    @cached_property
+    def max_memory(self) -> float:  # (`memory` is never changed in place: replace() copies)
         return max(m["total"] for m in self.memory)
 
     def busy(self, stage: int) -> float:
@@ -353,7 +353,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     # memory depends on neither the rank order nor the links: computed once for the others
     mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, L.microbatches_per_flush, d,
             L.num_microbatches, L.recompute, L.selective, shards, tuple(bounds))
-    cached = times._cache.get(mkey)
+    cached, memory_of = times._cache.get(mkey), None
     # the stages' compute, parameters and tied parts depend on neither the schedule, w, the rank
     # order nor the links: computed once for every layout that shares them
     ckey = ("compute", b, t, sp, L.recompute, L.selective, data, tuple(bounds))
@@ -364,7 +364,7 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
         lo, hi = bounds[s], bounds[s + 1]
         fwd.append(f)
         bwd.append(g)
-        memory_of = memory_of if s else (None if cached else layout_stage_memory(setup, L, times))
+        memory_of = memory_of or (None if cached else layout_stage_memory(setup, L, times))
         mem, peak = cached[s] if cached else memory_of(s, lo, hi)
         memory.append(mem)
         peaks.append(peak)

@@ -39,6 +39,8 @@ kind's own tables. To add a schedule: write its table generator in generators.py
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from megatron_2bw.schedule import generators
 
 FIRST_STAGE = "first"  # --2bw-grad-buffers first: one buffer on stage 0, two on the others
@@ -347,6 +349,7 @@ def one_stage_note(num_stages: int) -> str:
             "--pipeline-schedule chooses another")
 
 
+@lru_cache(maxsize=None)  # kinds are immutable; the planner asks this per stage and layout
 def schedule_kind_of(name, grad_buffers: int | None = None,
                      microbatches_per_flush: int | None = None) -> ScheduleKind:
     """The kind of `name` with `grad_buffers` fp32 gradient buffers per stage and (GPipe) at
