@@ -257,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--sensitivity", action="store_true",
                    help="also the paper-configuration rows at the interval's two ends")
     a = p.parse_args(argv)
+    if a.nic_gbps is not None and not a.nic_gbps > 0:
+        p.error(f"--nic-gbps must be > 0, got {a.nic_gbps:g}")
     t0 = time.process_time()
     lo, hi = usable_interval()
     usable = a.usable_gb or (lo + hi) / 2

@@ -115,10 +115,7 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     if p.pipeline > m.num_layers:
         _fail(f"--pipeline-model-parallel-size {p.pipeline} is larger than --num-layers "
               f"{m.num_layers}: every stage needs at least one transformer layer")
-    for name, value in (("--hidden-dropout", m.hidden_dropout),
-                        ("--attention-dropout", m.attention_dropout)):
-        if not 0.0 <= value < 1.0:
-            _fail(f"{name} must be in [0, 1), got {value}")
+    check_dropouts(m)
     w = cfg.data_parallel_size
     if b.global_batch_size % (b.micro_batch_size * w) != 0:
         _fail(f"--global-batch-size {b.global_batch_size} is not divisible by "
@@ -241,6 +238,15 @@ def _kernel_missing(impl: str) -> str | None:
     if impl == "apex" and "amp_C" not in sys.modules and importlib.util.find_spec("amp_C") is None:
         return IMPL_MISSING[impl]
     return None
+
+
+def check_dropouts(m: ModelConfig, error=None) -> None:
+    """--hidden-dropout and --attention-dropout in [0, 1) (`error(message)` raises: ConfigError
+    by default; tools/plan.py raises its PlanError)."""
+    for name, value in (("--hidden-dropout", m.hidden_dropout),
+                        ("--attention-dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            (error or _fail)(f"{name} must be in [0, 1), got {value}")
 
 
 def _fail(message: str):

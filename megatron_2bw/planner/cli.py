@@ -21,6 +21,7 @@ import json
 import sys
 
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.config.checks import check_dropouts
 from megatron_2bw.config.flags import add_architecture_args, apply_architecture_args
 from megatron_2bw.models.flops import model_names, named_model, num_parameters
 from megatron_2bw.planner.auto import (flushes_reason, grad_buffers_reason, layout_flags,
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _raise(message: str):
+    raise PlanError(message)
+
+
 def model_from_args(a) -> ModelConfig:
     try:
         cfg = named_model(a.model) if a.model else ModelConfig()
@@ -110,6 +115,7 @@ def model_from_args(a) -> ModelConfig:
         raise PlanError(str(e)) from None
     changes = {name: getattr(a, name) for name, _ in SHAPE if getattr(a, name) is not None}
     changes.update(hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout)
+    check_dropouts(dataclasses.replace(cfg, **changes), error=_raise)
     if a.untie_embeddings_and_output_weights:
         changes["untie_embeddings_and_output_weights"] = True
     if a.family:

@@ -74,6 +74,10 @@ def test_a_slower_nic_slows_tensor_mp_over_two_servers_most(tmp_path):
         assert data["nic_gbps"] == (nic or 25)
         rows[nic] = {r["comparison"]: r["predicted"] for r in data["rows"]}
     gain = {name: rows[12.5][name] / rows[None][name] for name in rows[None]}
+    bad = subprocess.run([sys.executable, "bench/paper_table.py", "--nic-gbps", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "error: --nic-gbps must be > 0, got 0")
     assert max(gain, key=gain.get) == "2BW vs tensor MP t=16 over two servers, GPT-3.8B"
     assert gain["2BW vs tensor MP t=8 in one server, GPT-2.2B"] == 1.0  # no NIC in one server
 

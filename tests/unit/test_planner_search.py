@@ -153,6 +153,10 @@ def test_nothing_fits_names_the_smallest_footprint():
     ("--model gpt-1.3 --global-batch-size 8", "did you mean gpt-1.3b"),
     ("--num-gpus 2", "--global-batch-size is required"),
     ("--num-gpus 2 --global-batch-size 8 --profile /nonexistent.json", "cannot read profile"),
+    ("--num-gpus 2 --global-batch-size 8 --hidden-dropout 1.5",
+     "--hidden-dropout must be in [0, 1), got 1.5"),
+    ("--num-gpus 2 --global-batch-size 8 --attention-dropout -0.1",
+     "--attention-dropout must be in [0, 1), got -0.1"),
 ])
 def test_cli_bad_inputs_are_one_line(argv, match, capsys):
     assert plan_main(argv.split()) == 2
