@@ -54,24 +54,34 @@ def _stages_needed(prefix: list, limit: float) -> int:
     return count
 
 
+def _limits(prefix: list, costs) -> np.ndarray:
+    """The contiguous-range sums a slowest stage can take (>= the largest layer), ascending."""
+    p = np.asarray(prefix)
+    sums = np.unique((p[None, :] - p[:, None])[np.triu_indices(len(p), 1)])
+    return sums[sums >= max(costs) - _EPS * max(max(costs), 1.0)]
+
+
+def _first(sums, lo: int, feasible) -> int:
+    """The first index in sums[lo:] at which `feasible` (False then True) holds."""
+    hi = len(sums) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if feasible(float(sums[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def bottleneck(costs, num_stages: int) -> float:
     """The smallest achievable maximum stage sum."""
     n = len(costs)
     _check(n, num_stages)
     if any(c < 0 for c in costs):
         raise PartitionError("layer costs must be >= 0")
-    p = np.asarray(_prefix(costs))
-    sums = np.unique((p[None, :] - p[:, None])[np.triu_indices(n + 1, 1)])
-    sums = sums[sums >= max(costs) - _EPS * max(max(costs), 1.0)]
-    prefix = list(p)
-    lo, hi = 0, len(sums) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _stages_needed(prefix, float(sums[mid])) <= num_stages:
-            hi = mid
-        else:
-            lo = mid + 1
-    return float(sums[lo])
+    prefix = _prefix(costs)
+    sums = _limits(prefix, costs)
+    return float(sums[_first(sums, 0, lambda x: _stages_needed(prefix, x) <= num_stages)])
 
 
 def partition(costs, num_stages: int) -> list[int]:
@@ -144,25 +154,17 @@ def partition_within(costs, num_stages: int, fits) -> list[int] | None:
     loose = fill(prefix[-1])
     if loose is None:  # none fits, however slow
         return None
-    p = np.asarray(prefix)
-    sums = np.unique((p[None, :] - p[:, None])[np.triu_indices(n + 1, 1)])
-    floor = bottleneck(costs, num_stages)  # no split is faster than the unconstrained best
+    sums = _limits(prefix, costs)
+    # no split is faster than the unconstrained best, and the loose split is one
+    lo = _first(sums, 0, lambda x: _stages_needed(prefix, x) <= num_stages)
     ceiling = max(prefix[loose[s + 1]] - prefix[loose[s]] for s in range(num_stages))
-    sums = sums[(sums >= floor - _EPS * max(floor, 1.0))
-                & (sums <= ceiling + _EPS * max(ceiling, 1.0))]  # the loose split is one
+    sums = sums[lo:][sums[lo:] <= ceiling + _EPS * max(ceiling, 1.0)]
     if len(sums) == 0:
         return loose
     first = fill(float(sums[0]))  # often a split as fast as the unconstrained one fits
-    if first is not None:
-        return first
-    lo, hi = 1, len(sums) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fill(float(sums[mid])) is not None:
-            hi = mid
-        else:
-            lo = mid + 1
-    return (fill(float(sums[lo])) if lo <= hi else None) or loose
+    if first is not None or len(sums) == 1:
+        return first or loose
+    return fill(float(sums[_first(sums, 1, lambda x: fill(x) is not None)])) or loose
 
 
 def stage_sums(costs, bounds: list[int]) -> list[float]:
