@@ -23,8 +23,9 @@ one that packs later stages fuller (earlier stages hold more in-flight microbatc
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-
-import numpy as np
+from functools import lru_cache
+from itertools import repeat
+from operator import sub
 
 from megatron_2bw.config import ConfigError
 
@@ -54,11 +55,18 @@ def _stages_needed(prefix: list, limit: float) -> int:
     return count
 
 
-def _limits(prefix: list, costs) -> np.ndarray:
+def _limits(prefix: list, costs) -> list:
     """The contiguous-range sums a slowest stage can take (>= the largest layer), ascending."""
-    p = np.asarray(prefix)
-    sums = np.unique((p[None, :] - p[:, None])[np.triu_indices(len(p), 1)])
-    return sums[sums >= max(costs) - _EPS * max(max(costs), 1.0)]
+    return _range_sums(tuple(prefix), max(costs) - _EPS * max(max(costs), 1.0))
+
+
+@lru_cache(maxsize=1024)
+def _range_sums(prefix: tuple, least: float) -> list:
+    """(the planner asks it for the same layer costs under many memory limits)"""
+    sums = set()
+    for i, start in enumerate(prefix):
+        sums.update(map(sub, prefix[i + 1:], repeat(start)))
+    return sorted(x for x in sums if x >= least)
 
 
 def _first(sums, lo: int, feasible) -> int:
@@ -158,8 +166,9 @@ def partition_within(costs, num_stages: int, fits) -> list[int] | None:
     # no split is faster than the unconstrained best, and the loose split is one
     lo = _first(sums, 0, lambda x: _stages_needed(prefix, x) <= num_stages)
     ceiling = max(prefix[loose[s + 1]] - prefix[loose[s]] for s in range(num_stages))
-    sums = sums[lo:][sums[lo:] <= ceiling + _EPS * max(ceiling, 1.0)]
-    if len(sums) == 0:
+    top = ceiling + _EPS * max(ceiling, 1.0)
+    sums = [x for x in sums[lo:] if x <= top]
+    if not sums:
         return loose
     first = fill(float(sums[0]))  # often a split as fast as the unconstrained one fits
     if first is not None or len(sums) == 1:
@@ -209,6 +218,7 @@ def partition_balanced(weights, num_parts: int) -> list[int]:
     n, m = len(weights), num_parts
     if n <= m:
         return partition_uniform(n, m)
+    import numpy as np  # here: the planner's import path stays without numpy
     inf = np.inf
     dp_max = np.full((n + 1, m + 1), inf)
     dp_min = np.full((n + 1, m + 1), inf)

@@ -14,9 +14,9 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
 - p2p: an activation (or its gradient) of b*s*h elements in the model dtype crosses the link the
   placement implies between stage c and c+1 (inter-node if any replica's pair sits on two nodes).
 - R/N/S: the data-parallel all-reduce (ring over the slowest link of the group) starts in
-  buckets during the stage's last backward of the batch (`_after_last_backward`: what that
-  backward cannot hide; pipeline/grad_reduce.py), R launches the rest and the tied embedding
-  gradient's (over the 2w-rank tied group); N waits for them, so N costs what is left after the
+  buckets during the stage's last backward of the batch (`reductions._after_last_backward`:
+  what that backward cannot hide; pipeline/grad_reduce.py), R launches the rest and the tied
+  embedding gradient's (over the 2w-rank tied group); N waits for them, so N costs what is left after the
   compute between R and N (the kind's `forwards_between_reduce_and_norm`: one forward in 2BW,
   nothing in flush/gpipe); S is the
   local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce,
@@ -55,13 +55,12 @@ from functools import cached_property
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
 from megatron_2bw.models.partition import partition, partition_within
-from megatron_2bw.optim.shard_layout import bucket_elements
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
-from megatron_2bw.pipeline.flag_names import TAIL
 from megatron_2bw.planner.memory import (OPTIMIZER_COPIES, _kept, _recomputed,  # noqa: F401
                                          activation_bytes, layout_stage_memory, stage_memory,
                                          stage_params, stage_tied, state_bytes)
 from megatron_2bw.planner.placement import placement
+from megatron_2bw.planner.reductions import _reduction
 from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind_of
 
 
@@ -290,18 +289,6 @@ def _selective_time(cost, fwd: float) -> float:
     return fwd * cost.core_attention_flops / cost.fwd_flops
 
 
-def _after_last_backward(t_dp: float, bwd: float, params: int, w: int, setup: Setup) -> float:
-    """What of a stage's data-parallel reduction (`t_dp`) is left when its last backward of the
-    batch (`bwd`) ends: k buckets, produced evenly through that backward and reduced one after
-    another, hide all but max(t_dp / k, t_dp - bwd (k - 1) / k); all of it when the buckets wait
-    for R (--no-overlap-grad-reduce, bf16/fp16 --grad-accumulation buffer, one bucket)."""
-    if w == 1 or not setup.overlap_grad_reduce or (
-            setup.dtype != "fp32" and setup.grad_accumulation == "buffer"):
-        return t_dp
-    k = max(1, -(-params // bucket_elements(setup.bucket, w)))
-    return max(t_dp / k, t_dp - bwd * (k - 1) / k)
-
-
 def compute_floor(layout: Layout, times: LayerTimes) -> float:
     """A time per batch below `stage_plan(...).lower_bound()` of the layout and of each of its
     variants (fewer gradient buffers, GPipe in flushes), from its compute alone, before any
@@ -336,7 +323,6 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     P = times.prefix(b, t, sp)
     if bounds is None:
         bounds = times.partition(b, t, d, L.recompute, L.selective, sp)
-    fwd, bwd, memory, peaks, reduce_, norm, step, ar = [], [], [], [], [], [], [], []
     inter, dp_inter, tied_inter, mp_inter, flows = times.placement(L)
     p2p_flows, dp_flows = flows  # concurrent flows sharing a node's NICs (placement.py)
     w, kind, shards = L.data, L.kind, L.shards
@@ -350,47 +336,48 @@ def stage_plan(setup: Setup, layout: Layout, times: LayerTimes, topology,
     def comp(n: int) -> float:
         return times.profile.compensation_time(n, setup.compensation, setup.dtype) \
             if compensated else 0.0
-    # memory depends on neither the rank order nor the links: computed once for the others
-    mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, L.microbatches_per_flush, d,
-            L.num_microbatches, L.recompute, L.selective, shards, tuple(bounds))
-    cached, memory_of = times._cache.get(mkey), None
+    # memory depends on neither the rank order, the links nor m beyond the microbatches each
+    # stage holds: computed once for the layouts that share those
+    flight = tuple(kind.in_flight(d, L.num_microbatches, s) for s in range(d))
+    mkey = ("mem", b, t, sp, L.schedule, L.grad_buffers, L.microbatches_per_flush, d, flight,
+            L.recompute, L.selective, shards, tuple(bounds))
     # the stages' compute, parameters and tied parts depend on neither the schedule, w, the rank
     # order nor the links: computed once for every layout that shares them
     ckey = ("compute", b, t, sp, L.recompute, L.selective, data, tuple(bounds))
     computed = times._cache.get(ckey)
     if computed is None:
         computed = times._cache[ckey] = _stage_compute(costs, P, bounds, L, data)
-    for s, (f, g, params, tied) in enumerate(computed):
-        lo, hi = bounds[s], bounds[s + 1]
-        fwd.append(f)
-        bwd.append(g)
-        memory_of = memory_of or (None if cached else layout_stage_memory(setup, L, times))
-        mem, peak = cached[s] if cached else memory_of(s, lo, hi)
-        memory.append(mem)
-        peaks.append(peak)
-        # gradient reductions (fp32 buffers; the tied slice goes over the tied group if split)
-        g_bytes = setup.grad_reduce_bytes
-        t_dp = topology.ring_time(g_bytes * (params + TAIL - tied), w, dp_inter[s], dp_flows)
-        gather = 0.0
-        if shards > 1:  # reduce-scatter now, all-gather of the new weights after the step
-            p_bytes = DTYPE_BYTES[setup.dtype]
-            gather = topology.ring_time(p_bytes * params, w, dp_inter[s], dp_flows) / 2
-            t_dp /= 2
-        t_tied = topology.ring_time(g_bytes * tied, 2 * w, tied_inter) if tied else 0.0
-        ar.append(t_dp + t_tied)
-        overlap = kind.forwards_between_reduce_and_norm * f  # compute between R and N
-        reduce_.append(0.0)
-        exposed = _after_last_backward(t_dp, bwd[-1], params - tied, w, setup)
-        norm.append(max(0.0, exposed + t_tied - overlap))
-        local = -(-params // shards)  # what this rank steps
-        step.append(times.profile.step_time(local) + norm_ar + gather + comp(local))
-    if not cached:
-        times._cache[mkey] = list(zip(memory, peaks))
+    cached = times._cache.get(mkey)
+    if cached is None:
+        memory_of = layout_stage_memory(setup, L, times)
+        cached = times._cache[mkey] = [memory_of(s, bounds[s], bounds[s + 1]) for s in range(d)]
+    # the gradient reductions depend on neither the schedule nor m: one row per stage for the
+    # layouts that share the stages, w, the shards and the data-parallel links
+    rkey = ("reduce", ckey, w, shards, tuple(dp_inter), dp_flows, tied_inter, compensated)
+    rows = times._cache.get(rkey)
+    if rows is None:
+        rows = times._cache[rkey] = [
+            _reduction(setup, topology, times.profile, params, tied, g, w, shards, dp_inter[s],
+                       dp_flows, tied_inter, comp) for s, (_f, g, params, tied) in enumerate(
+                           computed)]
+    fwd = [c[0] for c in computed]
+    bwd = [c[1] for c in computed]
+    memory = [c[0] for c in cached]
+    peaks = [c[1] for c in cached]
+    ahead = kind.forwards_between_reduce_and_norm  # forwards between R and N
+    ar = [t_dp + t_tied for t_dp, t_tied, _e, _s, _g, _c in rows]
+    norm = [max(0.0, exposed + t_tied - ahead * f)
+            for (_t, t_tied, exposed, _s, _g, _c), f in zip(rows, fwd)]
+    step = [st + norm_ar + gather + c for _t, _tt, _e, st, gather, c in rows]
+    reduce_ = [0.0] * d
     act = DTYPE_BYTES[setup.dtype] * b * setup.model.seq_length * setup.model.hidden_size
     act /= t if sp else 1  # sequence parallel: each tensor rank sends its chunk
     if setup.arch == "bert":
         act += b * setup.model.seq_length  # the padding mask travels with the hidden states
-    p2p = [topology.transfer_time(act, x, p2p_flows) for x in inter]
+    pkey = ("p2p", act, tuple(inter), p2p_flows)
+    p2p = times._cache.get(pkey)
+    if p2p is None:
+        p2p = times._cache[pkey] = [topology.transfer_time(act, x, p2p_flows) for x in inter]
     return StagePlan(L, list(bounds), fwd, bwd, p2p, reduce_, norm, step, ar, memory, peaks,
                      inter)
 

@@ -128,34 +128,45 @@ def stage_memory(costs: list, lo: int, hi: int, schedule: str, d: int, m: int, s
     their transient is left out as it was). `grad_buffers`: --2bw-grad-buffers (None: the
     kind's); `grad_accumulation`: --grad-accumulation (`state_bytes`);
     `microbatches_per_flush`: --gpipe-microbatches-per-flush (GPipe's in-flight microbatches)."""
+    return stage_memory_of(costs, schedule, d, m, dtype, optimizer, recompute, prefix,
+                           selective, shards, compensation, logits_bytes, grad_buffers,
+                           grad_accumulation, microbatches_per_flush)(stage, lo, hi)
+
+
+def stage_memory_of(costs: list, schedule: str, d: int, m: int, dtype: str, optimizer: str,
+                    recompute: bool, prefix: dict | None = None, selective: bool = False,
+                    shards: int = 1, compensation: str = NO_COMPENSATION,
+                    logits_bytes: float = 0.0, grad_buffers: int | str | None = None,
+                    grad_accumulation: str = "fp32", microbatches_per_flush: int | None = None):
+    """`stage_memory` as a function of (stage, lo, hi), what does not depend on the stage taken
+    once (the search asks it for tens of thousands of stages)."""
     kind = schedule_kind_of(schedule, grad_buffers, microbatches_per_flush)
-    mem = state_bytes(stage_params(costs, lo, hi, prefix), kind.num_slots, dtype, optimizer,
-                      shards, stage_tied(costs, lo, hi, d), compensation,
-                      kind.grad_buffers_of(stage),
-                      grad_accumulation)
-    per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix, selective)
-    if kind.stashes_logits and hi == len(costs):
-        extra += logits_bytes  # the fp32 logits beside the kept softmax: one microbatch's, once
-    peak = kind.in_flight(d, m, stage)
-    mem["activations"] = peak * per_mb + extra
-    mem["total"] = sum(mem.values())
-    return mem, peak
+    slots, n, last_logits = kind.num_slots, len(costs), kind.stashes_logits and logits_bytes
+
+    def of(stage: int, lo: int, hi: int) -> tuple[dict, int]:
+        mem = state_bytes(stage_params(costs, lo, hi, prefix), slots, dtype, optimizer, shards,
+                          stage_tied(costs, lo, hi, d), compensation,
+                          kind.grad_buffers_of(stage), grad_accumulation)
+        per_mb, extra = activation_bytes(costs, lo, hi, recompute, stage == d - 1, prefix,
+                                         selective)
+        if last_logits and hi == n:
+            extra += logits_bytes  # the fp32 logits beside the kept softmax: one microbatch's, once
+        peak = kind.in_flight(d, m, stage)
+        mem["activations"] = peak * per_mb + extra
+        mem["total"] = sum(mem.values())
+        return mem, peak
+    return of
 
 
 def layout_stage_memory(setup, L, times):
     """`stage_memory` of layout L as a function of (stage s, its layers [lo, hi)) (cost_model's
-    Setup, Layout and LayerTimes; what does not depend on the stage taken once)."""
+    Setup, Layout and LayerTimes)."""
     b, t, sp = L.micro_batch, L.tensor, L.sequence_parallel
-    costs, prefix = times.get(b, t, sp)[0], times.prefix(b, t, sp)
     logits = 4.0 * b * setup.model.seq_length * setup.model.vocab_size / t  # fp32, per rank
-    args = (L.schedule, L.pipeline, L.num_microbatches)
-    rest = (setup.dtype, setup.optimizer, L.recompute, prefix, L.selective, L.shards,
-            setup.compensation, logits, L.grad_buffers, setup.grad_accumulation,
-            L.microbatches_per_flush)
-
-    def of(s: int, lo: int, hi: int) -> tuple[dict, int]:
-        return stage_memory(costs, lo, hi, *args, s, *rest)
-    return of
+    return stage_memory_of(times.get(b, t, sp)[0], L.schedule, L.pipeline, L.num_microbatches,
+                           setup.dtype, setup.optimizer, L.recompute, times.prefix(b, t, sp),
+                           L.selective, L.shards, setup.compensation, logits, L.grad_buffers,
+                           setup.grad_accumulation, L.microbatches_per_flush)
 
 
 def largest_affine_fit(bases: list, slopes: list, limit: float, cap: int) -> int:
@@ -170,5 +181,5 @@ def largest_affine_fit(bases: list, slopes: list, limit: float, cap: int) -> int
     return k
 
 
-__all__ = ["largest_affine_fit", "layout_stage_memory", "OPTIMIZER_COPIES", "state_bytes", "stage_tied", "stage_params", "activation_bytes",
-           "stage_memory"]
+__all__ = ["largest_affine_fit", "layout_stage_memory", "stage_memory_of", "OPTIMIZER_COPIES",
+           "state_bytes", "stage_tied", "stage_params", "activation_bytes", "stage_memory"]

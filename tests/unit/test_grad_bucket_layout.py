@@ -15,7 +15,8 @@ from megatron_2bw.optim.shard_layout import bucket_elements, padded_numel, regio
 from megatron_2bw.pipeline.grad_reduce import GradReduction
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.planner import AnalyticProfile, Topology, predict, search
-from megatron_2bw.planner.cost_model import LayerTimes, Setup, _after_last_backward, stage_plan
+from megatron_2bw.planner.cost_model import LayerTimes, Setup, stage_plan
+from megatron_2bw.planner.reductions import _after_last_backward
 from megatron_2bw.testing.verify import parse
 
 
