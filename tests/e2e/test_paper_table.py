@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,23 +84,30 @@ def test_a_slower_nic_slows_tensor_mp_over_two_servers_most(tmp_path):
     assert gain["2BW vs tensor MP t=8 in one server, GPT-2.2B"] == 1.0  # no NIC in one server
 
 
-def test_tools_plan_end_to_end_without_torch():
+@pytest.mark.parametrize("argv", [
+    "--model gpt-2.7b --num-nodes 8 --gpus-per-node 8 --gpu-memory-gb 80 "
+    "--global-batch-size 512 --bf16 --top 1",
+    "--model gpt-3.8b --num-nodes 8 --gpus-per-node 8 --gpu-memory-gb 16 --device v100 "
+    "--nics-per-node 1 --nic-bandwidth-gbps 25 --global-batch-size 512 --fp16 --top 1"],
+    ids=["gpt-2.7b", "gpt-3.8b-v100-nic"])
+def test_tools_plan_end_to_end_without_torch(argv):
     """tools/plan.py for 64 GPUs, imports included: the planner never loads torch on a machine
-    without an NVIDIA driver (seconds of CPU); its CPU time is printed, not asserted."""
+    without an NVIDIA driver (seconds of CPU), nor numpy (a tenth of a second); its CPU time is
+    printed, not asserted."""
     code = ("import runpy, sys\n"
             "sys.argv = ['tools/plan.py'] + sys.argv[1:]\n"
             "try:\n    runpy.run_path('tools/plan.py', run_name='__main__')\n"
             "except SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('torch loaded:', 'torch' in sys.modules)\n")
-    argv = ("--model gpt-2.7b --num-nodes 8 --gpus-per-node 8 --gpu-memory-gb 80 "
-            "--global-batch-size 512 --bf16 --top 1").split()
+            "print('torch loaded:', 'torch' in sys.modules)\n"
+            "print('numpy loaded:', 'numpy' in sys.modules)\n")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, "-c", code] + argv, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code] + argv.split(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    print(f"tools/plan.py, 64 GPUs: {cpu:.2f} s CPU")
+    print(f"tools/plan.py {argv.split()[1]}, 64 GPUs: {cpu:.2f} s CPU")
     assert "chosen (" in proc.stdout
     if not Path("/proc/driver/nvidia/version").exists() and not Path("/dev/nvidiactl").exists():
         assert "torch loaded: False" in proc.stdout
+        assert "numpy loaded: False" in proc.stdout
