@@ -39,6 +39,15 @@ TOPO = (("num_nodes", int), ("gpus_per_node", int), ("gpu_memory_gb", float),
         ("intra_node_latency_us", float), ("inter_node_latency_us", float),
         ("memory_reserve_fraction", float), ("nics_per_node", int), ("nic_bandwidth_gbps", float))
 
+TOPO_HELP = {"gpu_memory_gb": "GB (2^30 bytes) per accelerator",
+             "intra_node_bandwidth_gbps": "Gbit/s per accelerator within a node",
+             "inter_node_bandwidth_gbps": "Gbit/s per accelerator between nodes (the most any "
+                                          "one flow gets with --nics-per-node)",
+             "memory_reserve_fraction": "of each accelerator's memory kept free (default 0.1)",
+             "nics_per_node": "NICs that all of a node's inter-node flows share (default 0: "
+                              "each accelerator has --inter-node-bandwidth-gbps of its own)",
+             "nic_bandwidth_gbps": "Gbit/s per NIC and direction (with --nics-per-node)"}
+
 
 def _ints(text: str) -> tuple:
     try:
@@ -64,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-gpus", type=int, default=None,
                    help="total; a multiple of --gpus-per-node")
     for name, typ in TOPO:
-        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None,
+                       help=TOPO_HELP.get(name))
     g.add_argument("--topology", default=None, help="JSON file with the fields above")
     g.add_argument("--device", default=None, choices=("v100", "a100", "h100", "h200"),
                    help="built-in analytic profile with its GEMM-efficiency curve by microbatch "

@@ -105,12 +105,16 @@ class Topology:
             raise PlanError(f"--nic-bandwidth-gbps must be > 0 with --nics-per-node "
                             f"{self.nics_per_node}, got {self.nic_bandwidth_gbps!r}: give each "
                             "NIC's Gbit/s")
+        if not self.nics_per_node and self.nic_bandwidth_gbps:
+            raise PlanError(f"--nic-bandwidth-gbps {self.nic_bandwidth_gbps:g} needs "
+                            "--nics-per-node N (the NICs a node's inter-node traffic shares); "
+                            "without it each accelerator gets --inter-node-bandwidth-gbps")
         for name in ("intra_node_latency_us", "inter_node_latency_us"):
             if getattr(self, name) < 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be >= 0, "
                                 f"got {getattr(self, name)}")
         if not 0 <= self.memory_reserve_fraction < 1:
-            raise PlanError(f"memory_reserve_fraction must be in [0, 1), got "
+            raise PlanError(f"--memory-reserve-fraction must be in [0, 1), got "
                             f"{self.memory_reserve_fraction}")
         return self
 

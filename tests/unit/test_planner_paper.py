@@ -211,7 +211,10 @@ def test_concurrent_flows_share_a_nodes_nics():
     assert shared.ring_time(1e9, 8, True, 4) == pytest.approx(4 * alone.ring_time(1e9, 8, True),
                                                               rel=1e-3)
     for bad, match in (({"nics_per_node": -1}, "--nics-per-node must be an integer >= 0"),
-                       ({"nics_per_node": 1}, "--nic-bandwidth-gbps must be > 0")):
+                       ({"nics_per_node": 1}, "--nic-bandwidth-gbps must be > 0"),
+                       ({"nic_bandwidth_gbps": 10},
+                        "--nic-bandwidth-gbps 10 needs --nics-per-node"),
+                       ({"memory_reserve_fraction": 1.5}, "--memory-reserve-fraction must be")):
         with pytest.raises(PlanError, match=match):
             Topology(**bad).validate()
 

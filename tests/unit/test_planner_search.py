@@ -157,6 +157,10 @@ def test_nothing_fits_names_the_smallest_footprint():
      "--hidden-dropout must be in [0, 1), got 1.5"),
     ("--num-gpus 2 --global-batch-size 8 --attention-dropout -0.1",
      "--attention-dropout must be in [0, 1), got -0.1"),
+    ("--num-gpus 2 --global-batch-size 8 --nic-bandwidth-gbps 25",
+     "--nic-bandwidth-gbps 25 needs --nics-per-node N"),
+    ("--num-gpus 2 --global-batch-size 8 --memory-reserve-fraction 1",
+     "--memory-reserve-fraction must be in [0, 1), got 1"),
 ])
 def test_cli_bad_inputs_are_one_line(argv, match, capsys):
     assert plan_main(argv.split()) == 2
