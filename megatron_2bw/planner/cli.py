@@ -134,10 +134,13 @@ def model_from_args(a) -> ModelConfig:
 
 
 def _table(result, model, topo) -> str:
+    nics = (f", {topo.nics_per_node} x {topo.nic_bandwidth_gbps:g} Gbit/s NIC"
+            f"{'s' if topo.nics_per_node > 1 else ''} per node" if topo.nics_per_node else "")
     rows = [f"plan for {model.num_layers} layers x hidden {model.hidden_size} "
             f"({num_parameters(model) / 1e9:.3g}B parameters) on {topo.num_nodes} x "
             f"{topo.gpus_per_node} GPUs ({topo.gpu_memory_gb:g} GB, "
-            f"{topo.intra_node_bandwidth_gbps:g}/{topo.inter_node_bandwidth_gbps:g} Gbit/s): "
+            f"{topo.intra_node_bandwidth_gbps:g}/{topo.inter_node_bandwidth_gbps:g} Gbit/s"
+            f"{nics}): "
             f"{result.considered} layouts, {result.examined} planned ({result.fitting} fit), "
             f"{result.simulated} simulated "
             f"in {result.seconds:.2f} s",
