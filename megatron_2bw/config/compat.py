@@ -12,7 +12,8 @@ a name registered there is never registered here):
   all, they are refused.
 
 `refusals(args, unknown)` lists every refusal of one command, each with its reason: unknown flags
-(with the closest valid name), the features above, and the flags whose Megatron meaning the engine
+(with the closest valid name; Megatron-LM's retired ones with its replacement, `RETIRED`), the
+features above, and the flags whose Megatron meaning the engine
 does not implement (`UNIMPLEMENTED`); the parser prints them in one message and exits 2.
 """
 from __future__ import annotations
@@ -99,6 +100,10 @@ NOTED = {
         "`lm loss validation ppl` is always written to TensorBoard"),
     "--log-memory-to-tensorboard": (dict(action="store_true", default=None),
                                     "the memory per stage is always written to TensorBoard"),
+    "--distribute-saved-activations": (
+        dict(action="store_true", default=None),
+        "each tensor rank keeps the whole input of a recomputed layer (Megatron splits it over "
+        "the tensor group): more memory, the same arithmetic"),
     "--use-checkpoint-opt_param-scheduler": (
         dict(action="store_true", default=None),
         "the lr schedule is a function of the iteration: a resumed run continues it"),
@@ -110,6 +115,22 @@ for _flag in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-
               "--no-persist-layer-norm", "--defer-embedding-wgrad-compute"):
     NOTED[_flag] = (dict(action="store_true", default=None),
                     "a kernel-fusion switch: the engine's kernels compute the same either way")
+
+# Megatron-LM's retired flags (its arguments.py refuses them too, or dropped them): flag -> the
+# fix, in Megatron's meaning (a closest-name guess would mislead: --warmup took a fraction)
+RETIRED = {
+    "--batch-size": "use --micro-batch-size",
+    "--warmup": "use --lr-warmup-fraction (the same fraction)",
+    "--model-parallel-size": "use --tensor-model-parallel-size",
+    "--checkpoint-activations": "use --recompute-granularity full --recompute-method uniform "
+                                "(what it did), or --recompute-activations (selective)",
+    "--checkpoint-num-layers": "use --recompute-num-layers",
+    "--distribute-checkpointed-activations": "use --distribute-saved-activations",
+    "--data-impl": "drop it (the .bin/.idx files are always memory-mapped, Megatron-LM's mmap, "
+                   "the one format it still reads)",
+    "--DDP-impl": "drop it (the engine's data-parallel reduction is its own, like Megatron's "
+                  "local DDP)",
+}
 
 # flag -> (argparse keywords, neutral value, the feature it selects)
 NEUTRAL = {
@@ -211,6 +232,9 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if not token.startswith("-") or token.lstrip("-") == "" or _is_number(token):
             continue  # a value of an unknown flag
         flag = token.split("=")[0]
+        if flag in RETIRED:
+            out.append(f"{flag} is a retired Megatron-LM flag: {RETIRED[flag]}")
+            continue
         close = difflib.get_close_matches(flag, valid, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         out.append(f"unknown flag {flag}{hint}")

@@ -1,0 +1,58 @@
+"""Megatron-LM's retired flags (its arguments.py refuses --batch-size, --warmup,
+--model-parallel-size and --checkpoint-activations with the replacement; --data-impl, --DDP-impl
+and the checkpoint-named recompute flags are gone from it): refused in one line that gives
+Megatron's replacement, not a closest-name guess (--warmup took a fraction, --lr-warmup-iters
+takes iterations), with the rest of the command's refusals; --distribute-saved-activations, a
+current memory-placement flag, is accepted and stated."""
+import pytest
+
+from megatron_2bw.config.build import build_config
+from megatron_2bw.config.compat import RETIRED
+from megatron_2bw.pretrain import build_parser
+
+VALUES = {"--batch-size": ["8"], "--warmup": [".01"], "--model-parallel-size": ["2"],
+          "--checkpoint-num-layers": ["1"], "--data-impl": ["mmap"], "--DDP-impl": ["local"]}
+
+
+@pytest.mark.parametrize("flag", sorted(RETIRED))
+@pytest.mark.parametrize("family", ["gpt", "bert"])
+def test_a_retired_megatron_flag_is_refused_with_its_replacement(flag, family, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser(family).parse_args(["--mock-data", flag] + VALUES.get(flag, []))
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"pretrain_{family}.py: error: {flag} is a retired Megatron-LM flag: "
+                     f"{RETIRED[flag]}"], lines
+
+
+def test_the_replacements_are_flags_that_parse():
+    """Every flag a replacement names is taken by the parser (no fix that fails in turn)."""
+    parser = build_parser("gpt")
+    named = {w.strip("(),") for fix in RETIRED.values() for w in fix.split()
+             if w.startswith("--")}
+    assert named and named <= set(parser._option_string_actions), \
+        named - set(parser._option_string_actions)
+    args = parser.parse_args(["--mock-data", "--recompute-granularity", "full",
+                              "--recompute-method", "uniform", "--lr-warmup-fraction", "0.01",
+                              "--micro-batch-size", "2", "--tensor-model-parallel-size", "1",
+                              "--recompute-num-layers", "1"])
+    assert (args.recompute_granularity, args.recompute_method) == ("full", "uniform")
+
+
+def test_retired_flags_come_with_the_commands_other_refusals(capsys):
+    with pytest.raises(SystemExit):
+        build_parser("gpt").parse_args(["--mock-data", "--checkpoint-activations",
+                                        "--num-layerz", "2", "--warmup", "0.01"])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3, lines
+    assert "--checkpoint-activations is a retired Megatron-LM flag: use --recompute-granularity " \
+           "full --recompute-method uniform" in lines[0]
+    assert lines[1].endswith("unknown flag --num-layerz (did you mean --num-layers?)")
+    assert "--warmup is a retired Megatron-LM flag: use --lr-warmup-fraction" in lines[2]
+
+
+def test_distribute_saved_activations_is_accepted_and_stated():
+    args = build_parser("gpt").parse_args(["--mock-data", "--distribute-saved-activations"])
+    notes = "\n".join(build_config(args, "gpt", 1).notes)
+    assert "megatron-2bw: --distribute-saved-activations: each tensor rank keeps the whole " \
+           "input of a recomputed layer" in notes
