@@ -34,7 +34,7 @@ from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.comm import PeerError
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
-from megatron_2bw.parallel.launcher import env_rank_world, launched, node_ranks
+from megatron_2bw.parallel.launcher import check_rendezvous, env_rank_world, launched, node_ranks
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
                                                abort_on_sigint, describe, hold_usr1,
                                                watch_launcher)
@@ -86,6 +86,10 @@ def parse(family: str, argv=None) -> Parsed:
     rank, world_size, local_rank = env_rank_world()
 
     def build():
+        check_rendezvous(world_size)
+        if args.local_rank is not None and launched() and args.local_rank != local_rank:
+            raise ConfigError(f"--local-rank {args.local_rank} disagrees with the launcher's "
+                              f"local rank {local_rank} (LOCAL_RANK): drop --local-rank")
         from megatron_2bw.config.ds_json import explicit_flags
         tokenizer, vocab_size = pretrain_tokenizer(args, family)
         planner = None

@@ -36,6 +36,7 @@ FLAG_FIXES = {
     "--pipeline-model-parallel-size": "parallel.pipeline",
     "--data-parallel-size": "parallel.data",
     "--rank-order": "parallel.rank_order",
+    "--use-tp-pp-dp-mapping": "parallel.rank_order",
     "--pipeline-partition": "parallel.partition",
     "--micro-batch-size": "batch.micro_batch_size",
     "--global-batch-size": "batch.global_batch_size",

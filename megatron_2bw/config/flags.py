@@ -152,13 +152,20 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="default: world size / (tensor x pipeline), as Megatron derives it")
     add_schedule_args(g)
-    g.add_argument("--rank-order", choices=RANK_ORDERS, default="tp-dp-pp")
+    g.add_argument("--rank-order", choices=RANK_ORDERS, default=None,
+                   help="innermost axis first (default tp-dp-pp, Megatron's)")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="Megatron's name for --rank-order tp-pp-dp")
     g.add_argument("--pipeline-partition", type=partition_arg, default=None, metavar="B0,..,Bd",
                    help="stage boundaries over [embedding, transformer layers..., head] (spec "
                         "indices: 0, ..., num_layers + 2; stage s runs [B_s, B_s+1)), as "
                         "tools/plan.py prints them; default: the layers split evenly, the "
                         "embedding on the first stage, the head on the last")
     g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None)
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None,
+                   help="what torch.distributed.launch passes: the engine takes the rank's "
+                        "device from LOCAL_RANK, which the launcher sets too (a value that "
+                        "disagrees with it is refused)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and optimizer state across the data-parallel "
@@ -169,6 +176,16 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="with --tensor-model-parallel-size > 1: split norms, dropout and "
                         "residuals along the sequence (all-reduces become all-gather + "
                         "reduce-scatter; stage-to-stage messages shrink by t)")
+
+
+def rank_order_of(args) -> str:
+    """--rank-order, or Megatron's --use-tp-pp-dp-mapping (tp-pp-dp); tp-dp-pp by default."""
+    if getattr(args, "use_tp_pp_dp_mapping", False):
+        if args.rank_order not in (None, "tp-pp-dp"):
+            raise ConfigError(f"--use-tp-pp-dp-mapping with --rank-order {args.rank_order}: "
+                              "the mapping is --rank-order tp-pp-dp; give one of them")
+        return "tp-pp-dp"
+    return args.rank_order or "tp-dp-pp"
 
 
 def partition_arg(value: str) -> tuple:
@@ -294,7 +311,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     model = apply_architecture_args(model, args)
     parallel = ParallelConfig(
         tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
-        data=args.data_parallel_size, rank_order=args.rank_order,
+        data=args.data_parallel_size, rank_order=rank_order_of(args),
         partition=getattr(args, "pipeline_partition", None),
         backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
         distributed_optimizer=getattr(args, "use_distributed_optimizer", False),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_2bw.parallel.comm import WORLD_TIMEOUT, Comm
 from megatron_2bw.parallel.devices import default_backend, default_device, is_initialized
-from megatron_2bw.parallel.launcher import env_rank_world, slurm_rendezvous
+from megatron_2bw.parallel.launcher import check_rendezvous, env_rank_world, slurm_rendezvous
 
 _HAS_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters  # torch>=2.3
 
@@ -57,6 +57,7 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None,
     if store is not None:
         extra["store"] = store
     elif init_method is None:
+        check_rendezvous(world_size)
         if "RANK" not in os.environ:
             slurm_rendezvous()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -28,6 +28,16 @@ def env_rank_world() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def check_rendezvous(world_size: int, env=None) -> None:
+    """A rendezvous the ranks cannot complete, refused before any process group (it would wait
+    out the group timeout): MASTER_PORT=0 with several ranks (a launcher's --master_port 0), where
+    rank 0 would listen on a port the others are never told."""
+    env = os.environ if env is None else env
+    if world_size > 1 and env.get("MASTER_PORT", "").strip() == "0":
+        raise ConfigError("MASTER_PORT=0 (--master_port 0): the other ranks cannot find rank 0's "
+                          "port; give a free port, or launch with torchrun --standalone")
+
+
 def launched() -> bool:
     """True when a launcher (torchrun, srun, mpirun, torch multiprocessing) started this process,
     i.e. its rank variables are set; False for a plain `python pretrain_gpt.py` from a shell."""

@@ -230,3 +230,41 @@ def test_a_trace_path_that_cannot_be_written_stops_before_the_first_iteration(tm
         f"error: --trace (its directory) {blocker} is a file, not a directory: choose a "
         "directory"], proc.stderr
     assert "iteration" not in proc.stdout
+
+
+def test_torch_distributed_launch_as_older_megatron_scripts_start_it(tmp_path):
+    """`python -m torch.distributed.launch ... pretrain_gpt.py` (Megatron-LM's scripts before
+    torchrun) passes --local-rank=N to each process: taken, as Megatron takes it; with Megatron's
+    --use-tp-pp-dp-mapping (--rank-order tp-pp-dp) over d=2."""
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node",
+           "2", str(ROOT / "pretrain_gpt.py"), "--num-layers", "2",
+           "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+           "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size",
+           "4", "--train-iters", "2", "--mock-data", "--pipeline-model-parallel-size", "2",
+           "--use-tp-pp-dp-mapping", "--log-interval", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "run summary | iterations 2 (0->2) | samples 8" in proc.stdout
+
+
+def test_a_local_rank_that_disagrees_with_the_launcher_is_refused():
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--mock-data",
+                           "--train-iters", "1", "--local-rank", "1"], cwd=ROOT,
+                          env=dict(env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "--local-rank 1 disagrees with the launcher's local rank 0 (LOCAL_RANK): drop "
+        "--local-rank")
+
+
+def test_master_port_0_is_refused_before_the_ranks_wait_out_the_timeout():
+    """torch.distributed.launch --master_port 0 tells every rank MASTER_PORT=0: rank 0 would
+    listen on a port the others never learn, and a plain torch job waits out its timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+           "--master_port", "0", str(ROOT / "pretrain_gpt.py"), "--mock-data", "--train-iters",
+           "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "error: MASTER_PORT=0 (--master_port 0): the other ranks cannot find rank 0's port; " \
+           "give a free port, or launch with torchrun --standalone" in proc.stdout + proc.stderr

@@ -201,3 +201,14 @@ def test_exit_duration_clock_is_the_process_start():
     started = reliability.process_start_time()
     assert abs(started - psutil.Process().create_time()) < 0.05
     assert started <= reliability._IMPORTED_AT <= time.time()
+
+
+def test_master_port_0_with_several_ranks_is_refused_in_one_line():
+    from megatron_2bw.config import ConfigError
+    from megatron_2bw.parallel.launcher import check_rendezvous
+    check_rendezvous(1, {"MASTER_PORT": "0"})  # one rank: no one to find it
+    check_rendezvous(2, {"MASTER_PORT": "29500"})
+    check_rendezvous(2, {})
+    with pytest.raises(ConfigError, match=r"^MASTER_PORT=0 \(--master_port 0\): the other ranks "
+                                          r"cannot find rank 0's port; give a free port"):
+        check_rendezvous(2, {"MASTER_PORT": "0"})

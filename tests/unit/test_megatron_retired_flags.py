@@ -6,6 +6,7 @@ takes iterations), with the rest of the command's refusals; --distribute-saved-a
 current memory-placement flag, is accepted and stated."""
 import pytest
 
+from megatron_2bw.config import ConfigError
 from megatron_2bw.config.build import build_config
 from megatron_2bw.config.compat import RETIRED
 from megatron_2bw.pretrain import build_parser
@@ -56,3 +57,20 @@ def test_distribute_saved_activations_is_accepted_and_stated():
     notes = "\n".join(build_config(args, "gpt", 1).notes)
     assert "megatron-2bw: --distribute-saved-activations: each tensor rank keeps the whole " \
            "input of a recomputed layer" in notes
+
+
+@pytest.mark.parametrize("argv,order", [([], "tp-dp-pp"), (["--use-tp-pp-dp-mapping"], "tp-pp-dp"),
+                                        (["--rank-order", "tp-pp-dp"], "tp-pp-dp"),
+                                        (["--rank-order", "tp-pp-dp", "--use-tp-pp-dp-mapping"],
+                                         "tp-pp-dp")])
+def test_megatrons_tp_pp_dp_mapping_is_the_rank_order_tp_pp_dp(argv, order):
+    args = build_parser("gpt").parse_args(["--mock-data"] + argv)
+    assert build_config(args, "gpt", 1).config.parallel.rank_order == order
+
+
+def test_the_mapping_against_another_rank_order_is_one_line():
+    args = build_parser("gpt").parse_args(["--mock-data", "--use-tp-pp-dp-mapping",
+                                           "--rank-order", "tp-dp-pp"])
+    with pytest.raises(ConfigError, match="--use-tp-pp-dp-mapping with --rank-order tp-dp-pp: "
+                                          "the mapping is --rank-order tp-pp-dp; give one"):
+        build_config(args, "gpt", 1)
