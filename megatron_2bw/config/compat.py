@@ -109,6 +109,76 @@ NOTED = {
         "the lr schedule is a function of the iteration: a resumed run continues it"),
 }
 
+NOTED.update({
+    "--use-cpu-initialization": (
+        dict(action="store_true", default=None),
+        "parameters are always initialized on the CPU from per-layer seeds, then moved to the "
+        "device (the same values on any device)"),
+    "--no-initialization": (dict(action="store_true", default=None),
+                            "parameters are always initialized (a loaded checkpoint then "
+                            "overwrites them)"),
+    "--no-save-rng": (dict(action="store_true", default=None),
+                      "the RNG state is always saved (a few KB; --no-load-rng leaves it unread)"),
+    "--override-opt_param-scheduler": (
+        dict(action="store_true", default=None),
+        "the lr schedule always comes from the command line, at the resumed iteration"),
+    "--apply-query-key-layer-scaling": (
+        dict(action="store_true", default=None),
+        "not applied: the 1/layer-number scaling of the scores cancels in the softmax (Megatron "
+        "uses it against fp16 overflow in its fused softmax; here torch's "
+        "scaled_dot_product_attention)"),
+    "--log-progress": (dict(action="store_true", default=None),
+                       "progress (iteration, consumed samples, ETA) is in every log line; no "
+                       "progress.txt is written"),
+    "--log-batch-size-to-tensorboard": (
+        dict(action="store_true", default=None),
+        "the global batch is in the run's first log line (global-batch=)"),
+    "--log-world-size-to-tensorboard": (
+        dict(action="store_true", default=None),
+        "the world size is in the run's first log line (t x d x w)"),
+    "--no-log-loss-scale-to-tensorboard": (dict(action="store_true", default=None),
+                                           "TensorBoard still gets the loss scale"),
+    "--no-log-learnig-rate-to-tensorboard": (dict(action="store_true", default=None),
+                                             "TensorBoard still gets the learning rate"),
+    "--timing-log-option": (dict(choices=("max", "minmax", "all"), default=None),
+                            "per-action timers are --wall-clock-breakdown (log line) and "
+                            "--log-timers-to-tensorboard"),
+    "--no-barrier-with-level-1-timing": (dict(action="store_true", default=None),
+                                         "timers never add barriers here"),
+    "--num-dataset-builder-threads": (dict(type=int, default=None),
+                                      "one process per node builds the dataset index (the "
+                                      "same index)"),
+    "--no-scatter-gather-tensors-in-pipeline": (
+        dict(action="store_true", default=None),
+        "stage-to-stage messages go whole (with --sequence-parallel, each rank's chunk)"),
+    "--no-overlap-p2p-communication": (dict(action="store_true", default=None),
+                                       "point-to-point transfers are batched and non-blocking"),
+    "--use-ring-exchange-p2p": (dict(action="store_true", default=None),
+                                "point-to-point transfers are torch.distributed's batched "
+                                "isend/irecv"),
+    "--delay-param-gather": (dict(action="store_true", default=None),
+                             "the distributed optimizer's all-gather runs as the engine "
+                             "schedules it"),
+    "--no-delay-grad-reduce": (dict(action="store_true", default=None),
+                               "the data-parallel buckets start as the engine schedules them"),
+    "--nccl-communicator-config-path": (dict(default=None),
+                                        "NCCL communicators keep NCCL's defaults (the file is "
+                                        "not read)"),
+    "--no-clone-scatter-output-in-embedding": (
+        dict(action="store_true", default=None),
+        "a memory switch of Megatron's sequence-parallel embedding (the same values)"),
+    "--no-manual-gc-eval": (dict(action="store_true", default=None),
+                            "Python's garbage collector runs as usual"),
+    "--no-fp8-wgrad": (dict(action="store_true", default=None), "no fp8 here"),
+})
+for _flag in ("--tp-comm-overlap-rs-dgrad", "--disable-tp-comm-bulk-dgrad",
+              "--disable-tp-comm-bulk-wgrad", "--disable-tp-comm-overlap-ag",
+              "--disable-tp-comm-overlap-rs", "--disable-tp-comm-split-ag",
+              "--disable-tp-comm-split-rs", ("--tp-comm-overlap-cfg", dict(default=None))):
+    _flag, _kw = _flag if isinstance(_flag, tuple) else (_flag, dict(action="store_true",
+                                                                      default=None))
+    NOTED[_flag] = (_kw, NOTED["--tp-comm-overlap"][1])
+
 for _flag in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
               "--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion", "--no-rope-fusion",
               "--disable-te-fused-rope", "--use-contiguous-parameters-in-local-ddp",
@@ -167,9 +237,39 @@ NEUTRAL = {
                                 "the cross entropy in fp16"),
     "--no-position-embedding": (dict(action="store_true", default=False), False,
                                 "a GPT without any position information"),
+    "--use-rotary-position-embeddings": (dict(action="store_true", default=False), False,
+                                         "the old name of RoPE"),
+    "--fp32-residual-connection": (dict(action="store_true", default=False), False,
+                                   "fp32 residual connections"),
+    "--apply-residual-connection-post-layernorm": (dict(action="store_true", default=False),
+                                                   False, "the residual taken after the norm"),
+    "--add-qkv-bias": (dict(action="store_true", default=False), False,
+                       "a bias on the QKV projection alone"),
+    "--rotary-interleaved": (dict(action="store_true", default=False), False,
+                             "interleaved RoPE"),
+    "--squared-relu": (dict(action="store_true", default=False), False, "the squared-ReLU MLP"),
+    "--lr-warmup-init": (dict(type=float, default=0.0), 0.0, "a warmup from a non-zero lr"),
+    "--start-weight-decay": (dict(type=float, default=None), None, "a weight-decay schedule"),
+    "--end-weight-decay": (dict(type=float, default=None), None, "a weight-decay schedule"),
+    "--weight-decay-incr-style": (dict(choices=("constant", "linear", "cosine"),
+                                       default="constant"), "constant",
+                                  "a weight-decay schedule"),
+    "--data-parallel-random-init": (dict(action="store_true", default=False), False,
+                                    "different initial weights per data-parallel replica"),
+    "--init-method-xavier-uniform": (dict(action="store_true", default=False), False,
+                                     "Xavier-uniform initialization"),
+    "--standalone-embedding-stage": (dict(action="store_true", default=False), False,
+                                     "Megatron's embedding-only first stage flag"),
+    "--train-data-path": (dict(nargs="*", default=None), None, "separate data per split"),
+    "--valid-data-path": (dict(nargs="*", default=None), None, "separate data per split"),
+    "--test-data-path": (dict(nargs="*", default=None), None, "separate data per split"),
+    "--adlr-autoresume": (dict(action="store_true", default=False), False, "ADLR autoresume"),
 }
 # features accepted where another flag makes them neutral: flag -> (is it neutral here, line)
 NEUTRAL_WHEN = {
+    "--use-rotary-position-embeddings": (
+        lambda args: getattr(args, "position_embedding_type", None) == "rope",
+        "the old name of --position-embedding-type rope, given with it"),
     "--no-position-embedding": (
         lambda args: getattr(args, "position_embedding_type", None) == "rope",
         "with --position-embedding-type rope there is no learned position table"),
@@ -187,6 +287,23 @@ INSTEAD = {
     "context parallelism": "use --context-parallel-size 1 (shorter sequences per rank need "
                            "tensor or pipeline parallelism here)",
     "the interleaved (virtual pipeline) schedule": "use --pipeline-schedule 2bw, flush or gpipe",
+    "the old name of RoPE": "use --position-embedding-type rope",
+    "fp32 residual connections": "drop it (residuals run in the model's dtype)",
+    "a weight-decay schedule": "use --weight-decay (constant)",
+    "Xavier-uniform initialization": "use --init-method-std",
+    "Megatron's embedding-only first stage flag": "give --pipeline-partition 0,1,... (stage 0 "
+                                                  "the embedding alone)",
+    "separate data per split": "give --data-path with --split",
+    "ADLR autoresume": "drop it (SIGTERM and SIGUSR1 save and exit; see the README's "
+                       "Preemption section)",
+    "a warmup from a non-zero lr": "drop it (warmup starts at lr 0, Megatron's default)",
+    "the residual taken after the norm": "drop it (the residual is taken before the norm)",
+    "a bias on the QKV projection alone": "drop it (every linear layer keeps its bias; "
+                                          "--disable-bias-linear removes them all)",
+    "the squared-ReLU MLP": "use the GeLU MLP (the default) or --swiglu",
+    "interleaved RoPE": "drop it (RoPE rotates the two halves of each head, Megatron's default)",
+    "different initial weights per data-parallel replica": "drop it (every replica starts from "
+                                                           "the same weights)",
 }
 
 
@@ -247,7 +364,8 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
         allowed = neutral if isinstance(neutral, tuple) else (neutral,)
         when = NEUTRAL_WHEN.get(flag)
         if value not in allowed and not (when and when[0](args)):
-            by_feature.setdefault(feature, []).append(flag if value is True else f"{flag} {value}")
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            by_feature.setdefault(feature, []).append(flag if value is True else f"{flag} {shown}")
     for feature, flags in by_feature.items():
         instead = INSTEAD.get(feature, f"drop {'them' if len(flags) > 1 else 'it'}")
         out.append(f"{', '.join(flags)}: {feature} is not in this engine; {instead}")

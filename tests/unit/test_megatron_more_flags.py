@@ -1,0 +1,69 @@
+"""More of Megatron-LM's flags (arguments.py, beyond its example scripts): performance, logging and
+initialization switches that leave the arithmetic alone are taken and stated in one line; the
+features the engine lacks are taken at their neutral value and refused at any other, in one line
+with what to do instead; --use-rotary-position-embeddings, RoPE's old name, is taken beside
+--position-embedding-type rope."""
+import pytest
+
+from megatron_2bw.config.build import build_config
+from megatron_2bw.config.compat import INSTEAD, NEUTRAL, NOTED
+from megatron_2bw.pretrain import build_parser
+
+STATED = [["--use-cpu-initialization"], ["--no-initialization"], ["--no-save-rng"],
+          ["--override-opt_param-scheduler"], ["--apply-query-key-layer-scaling"],
+          ["--log-progress"], ["--log-batch-size-to-tensorboard"],
+          ["--no-log-learnig-rate-to-tensorboard"], ["--timing-log-option", "minmax"],
+          ["--num-dataset-builder-threads", "4"], ["--no-scatter-gather-tensors-in-pipeline"],
+          ["--no-overlap-p2p-communication"], ["--nccl-communicator-config-path", "nccl.yaml"],
+          ["--tp-comm-overlap-cfg", "tp.yaml"], ["--disable-tp-comm-split-ag"],
+          ["--no-delay-grad-reduce"]]
+# flag and a value off its neutral one -> the feature named in the refusal
+REFUSED = [(["--fp32-residual-connection"], "fp32 residual connections"),
+           (["--apply-residual-connection-post-layernorm"], "the residual taken after the norm"),
+           (["--add-qkv-bias"], "a bias on the QKV projection alone"),
+           (["--squared-relu"], "the squared-ReLU MLP"),
+           (["--lr-warmup-init", "1e-5"], "a warmup from a non-zero lr"),
+           (["--start-weight-decay", "0.01", "--end-weight-decay", "0.1",
+             "--weight-decay-incr-style", "linear"], "a weight-decay schedule"),
+           (["--init-method-xavier-uniform"], "Xavier-uniform initialization"),
+           (["--standalone-embedding-stage"], "Megatron's embedding-only first stage flag"),
+           (["--train-data-path", "a", "b"], "separate data per split"),
+           (["--use-rotary-position-embeddings"], "the old name of RoPE")]
+
+
+@pytest.mark.parametrize("flags", STATED, ids=lambda f: f[0])
+def test_a_switch_that_leaves_the_arithmetic_alone_is_taken_and_stated(flags):
+    args = build_parser("gpt").parse_args(["--mock-data"] + flags)
+    notes = "\n".join(build_config(args, "gpt", 1).notes)
+    shown = " ".join(flags)
+    assert f"megatron-2bw: {shown}: {NOTED[flags[0]][1]}" in notes
+
+
+@pytest.mark.parametrize("flags,feature", REFUSED, ids=lambda x: x[0] if isinstance(x, list)
+                         else "")
+def test_a_feature_the_engine_lacks_is_refused_in_one_line_with_what_to_do(flags, feature,
+                                                                            capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser("gpt").parse_args(["--mock-data"] + flags)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert f"{feature} is not in this engine; {INSTEAD[feature]}" in lines[0]
+    assert flags[0] in lines[0]
+    if flags[0] == "--train-data-path":
+        assert "--train-data-path a b:" in lines[0]  # the paths as typed
+
+
+def test_their_neutral_values_are_taken():
+    neutral = ["--lr-warmup-init", "0", "--weight-decay-incr-style", "constant",
+               "--position-embedding-type", "rope", "--use-rotary-position-embeddings"]
+    args = build_parser("gpt").parse_args(["--mock-data"] + neutral)
+    built = build_config(args, "gpt", 1)
+    assert built.config.model.position_embedding_type == "rope"
+    assert "megatron-2bw: --use-rotary-position-embeddings: the old name of " \
+           "--position-embedding-type rope, given with it" in "\n".join(built.notes)
+
+
+def test_every_refused_feature_says_what_to_do_instead():
+    features = {feature for _kw, _neutral, feature in NEUTRAL.values()}
+    assert {f for _flags, f in REFUSED} <= set(INSTEAD) & features
