@@ -84,11 +84,14 @@ def parse(family: str, argv=None) -> Parsed:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(family).parse_args(argv)
     rank, world_size, local_rank = env_rank_world()
+    given = args.local_rank if args.local_rank is not None and args.local_rank >= 0 else None
+    if given is not None and not launched():  # one process: its device, as in Megatron
+        local_rank = given  # (-1, "not distributed" in older scripts, is no device)
 
     def build():
         check_rendezvous(world_size)
-        if args.local_rank is not None and launched() and args.local_rank != local_rank:
-            raise ConfigError(f"--local-rank {args.local_rank} disagrees with the launcher's "
+        if given is not None and launched() and given != local_rank:
+            raise ConfigError(f"--local-rank {given} disagrees with the launcher's "
                               f"local rank {local_rank} (LOCAL_RANK): drop --local-rank")
         from megatron_2bw.config.ds_json import explicit_flags
         tokenizer, vocab_size = pretrain_tokenizer(args, family)

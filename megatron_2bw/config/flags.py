@@ -165,7 +165,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help="what torch.distributed.launch passes: the engine takes the rank's "
                         "device from LOCAL_RANK, which the launcher sets too (a value that "
-                        "disagrees with it is refused)")
+                        "disagrees with it is refused); without a launcher, the device's index")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard fp32 master weights and optimizer state across the data-parallel "

@@ -212,3 +212,13 @@ def test_master_port_0_with_several_ranks_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^MASTER_PORT=0 \(--master_port 0\): the other ranks "
                                           r"cannot find rank 0's port; give a free port"):
         check_rendezvous(2, {"MASTER_PORT": "0"})
+
+
+@pytest.mark.parametrize("flag,local_rank", [("--local-rank=1", 1), ("--local_rank=0", 0),
+                                             ("--local_rank=-1", 0)])
+def test_local_rank_without_a_launcher_is_the_devices_index_as_in_megatron(clean_env, flag,
+                                                                          local_rank):
+    """(-1: older scripts' "not distributed", no device index)"""
+    from megatron_2bw.pretrain import parse
+    parsed = parse("gpt", ["--mock-data", "--train-iters", "1", flag])
+    assert (parsed.rank, parsed.world_size, parsed.local_rank) == (0, 1, local_rank)
