@@ -18,8 +18,8 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   what that backward cannot hide; pipeline/grad_reduce.py), R launches the rest and the tied
   embedding gradient's (over the 2w-rank tied group); N waits for them, so N costs what is
   left after the compute between R and N (the kind's `forwards_between_reduce_and_norm`: one
-  forward in 2BW, nothing in flush/gpipe); S is the local step work (`profile.step_time`) plus the latency of the small model-parallel all-reduce,
-  plus, in 2BW with --2bw-compensation, the method's work beyond the step
+  forward in 2BW, nothing in flush/gpipe); S is the local step work (`profile.step_time`) plus
+  the latency of the small model-parallel all-reduce, plus, in 2BW with --2bw-compensation, the method's work beyond the step
   (`profile.compensation_time`: measured by `measure_profile(compensation=)`, else from its
   extra bytes per parameter, `profile.compensation_bytes`).
   With the distributed optimizer R starts a reduce-scatter (half a ring all-reduce), S steps 1/w
