@@ -13,15 +13,15 @@ parallelism, selective recomputation). `stage_plan(setup, layout, ...)` turns it
   layer's input gradient, and the cross-entropy's three small ones.
 - p2p: an activation (or its gradient) of b*s*h elements in the model dtype crosses the link the
   placement implies between stage c and c+1 (inter-node if any replica's pair sits on two nodes).
-- R/N/S: the data-parallel all-reduce (ring over the slowest link of the group) starts in
-  buckets during the stage's last backward of the batch (`reductions._after_last_backward`:
-  what that backward cannot hide; pipeline/grad_reduce.py), R launches the rest and the tied
-  embedding gradient's (over the 2w-rank tied group); N waits for them, so N costs what is
-  left after the compute between R and N (the kind's `forwards_between_reduce_and_norm`: one
-  forward in 2BW, nothing in flush/gpipe); S is the local step work (`profile.step_time`) plus
-  the latency of the small model-parallel all-reduce, plus, in 2BW with --2bw-compensation, the method's work beyond the step
-  (`profile.compensation_time`: measured by `measure_profile(compensation=)`, else from its
-  extra bytes per parameter, `profile.compensation_bytes`).
+- R/N/S: the data-parallel all-reduce (ring over the slowest link of the group) starts in buckets
+  during the stage's last backward of the batch (`reductions._after_last_backward`: what that
+  backward cannot hide; pipeline/grad_reduce.py), R launches the rest and the tied embedding
+  gradient's (over the 2w-rank tied group); N waits for them, so N costs what is left after the
+  compute between R and N (the kind's `forwards_between_reduce_and_norm`: one forward in 2BW,
+  nothing in flush/gpipe); S is the local step work (`profile.step_time`) plus the latency of the
+  small model-parallel all-reduce, plus, in 2BW with --2bw-compensation, the method's work beyond
+  the step (`profile.compensation_time`: measured by `measure_profile(compensation=)`, else from
+  its extra bytes per parameter, `profile.compensation_bytes`).
   With the distributed optimizer R starts a reduce-scatter (half a ring all-reduce), S steps 1/w
   of the stage and all-gathers the new weights (the other half), counted in full in S: the engine
   overlaps it only with what precedes the next forward (a conservative price), and the [norm^2,
