@@ -182,6 +182,8 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
               f"{', '.join(LR_DECAY_STYLES)}")
     if o.lr_warmup_iters < 0:
         _fail(f"--lr-warmup-iters must be >= 0, got {o.lr_warmup_iters}")
+    if not o.lr_warmup_init >= 0:
+        _fail(f"--lr-warmup-init must be >= 0, got {o.lr_warmup_init}")
     _check_lr_samples(o)
     if pr.dtype not in PRECISIONS:
         _fail(f"unknown precision {pr.dtype!r}: use one of {', '.join(PRECISIONS)}")

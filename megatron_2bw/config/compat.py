@@ -248,7 +248,6 @@ NEUTRAL = {
     "--rotary-interleaved": (dict(action="store_true", default=False), False,
                              "interleaved RoPE"),
     "--squared-relu": (dict(action="store_true", default=False), False, "the squared-ReLU MLP"),
-    "--lr-warmup-init": (dict(type=float, default=0.0), 0.0, "a warmup from a non-zero lr"),
     "--start-weight-decay": (dict(type=float, default=None), None, "a weight-decay schedule"),
     "--end-weight-decay": (dict(type=float, default=None), None, "a weight-decay schedule"),
     "--weight-decay-incr-style": (dict(choices=("constant", "linear", "cosine"),
@@ -296,7 +295,6 @@ INSTEAD = {
     "separate data per split": "give --data-path with --split",
     "ADLR autoresume": "drop it (SIGTERM and SIGUSR1 save and exit; see the README's "
                        "Preemption section)",
-    "a warmup from a non-zero lr": "drop it (warmup starts at lr 0, Megatron's default)",
     "the residual taken after the norm": "drop it (the residual is taken before the norm)",
     "a bias on the QKV projection alone": "drop it (every linear layer keeps its bias; "
                                           "--disable-bias-linear removes them all)",

@@ -222,6 +222,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
                    help="over --lr-decay-iters (default: --train-iters) down to --min-lr")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the lr the warmup starts from, rising linearly to --lr (Megatron's; "
+                        "default 0)")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warmup as a fraction of the decay span (Megatron's; excludes "
@@ -324,6 +327,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
         lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+        lr_warmup_init=getattr(args, "lr_warmup_init", 0.0),
         lr_decay_style=args.lr_decay_style, impl=getattr(args, "optimizer_impl", "auto"),
         lr_warmup_fraction=getattr(args, "lr_warmup_fraction", None),
         lr_warmup_samples=getattr(args, "lr_warmup_samples", 0),

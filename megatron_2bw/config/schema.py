@@ -162,6 +162,7 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0          # 0 disables clipping
     lr_warmup_iters: int = 0
+    lr_warmup_init: float = 0.0     # --lr-warmup-init: the lr the warmup starts from (Megatron's)
     lr_decay_iters: int | None = None
     lr_decay_style: str = "constant"
     # --optimizer-impl: the kernel that steps it (optim/kernels.py); "auto": torch's fused kernel

@@ -57,11 +57,13 @@ class LRSchedule:
         return self(iteration), self.decoupled(iteration)
 
     def at(self, iteration: int, max_lr: float, min_lr: float) -> float:
-        """The schedule's value at `iteration` between `max_lr` and `min_lr` (warmup from 0)."""
+        """The schedule's value at `iteration` between `max_lr` and `min_lr` (warmup from
+        --lr-warmup-init, default 0, for every lr class, as Megatron's scheduler)."""
         step = iteration + 1
         warmup = self.warmup_iters
         if warmup and step <= warmup:
-            return max_lr * step / warmup
+            init = self.cfg.lr_warmup_init
+            return init + (max_lr - init) * step / warmup
         style = self.cfg.lr_decay_style
         if style == "constant":
             return max_lr

@@ -22,7 +22,6 @@ REFUSED = [(["--fp32-residual-connection"], "fp32 residual connections"),
            (["--apply-residual-connection-post-layernorm"], "the residual taken after the norm"),
            (["--add-qkv-bias"], "a bias on the QKV projection alone"),
            (["--squared-relu"], "the squared-ReLU MLP"),
-           (["--lr-warmup-init", "1e-5"], "a warmup from a non-zero lr"),
            (["--start-weight-decay", "0.01", "--end-weight-decay", "0.1",
              "--weight-decay-incr-style", "linear"], "a weight-decay schedule"),
            (["--init-method-xavier-uniform"], "Xavier-uniform initialization"),
@@ -55,7 +54,7 @@ def test_a_feature_the_engine_lacks_is_refused_in_one_line_with_what_to_do(flags
 
 
 def test_their_neutral_values_are_taken():
-    neutral = ["--lr-warmup-init", "0", "--weight-decay-incr-style", "constant",
+    neutral = ["--weight-decay-incr-style", "constant",
                "--position-embedding-type", "rope", "--use-rotary-position-embeddings"]
     args = build_parser("gpt").parse_args(["--mock-data"] + neutral)
     built = build_config(args, "gpt", 1)
@@ -67,3 +66,30 @@ def test_their_neutral_values_are_taken():
 def test_every_refused_feature_says_what_to_do_instead():
     features = {feature for _kw, _neutral, feature in NEUTRAL.values()}
     assert {f for _flags, f in REFUSED} <= set(INSTEAD) & features
+
+
+def test_lr_warmup_init_is_where_megatrons_warmup_starts_for_every_lr_class():
+    """Megatron's scheduler: init + (max - init) x step / warmup steps, the same init for the
+    decoupled class (--decoupled-lr); then the decay as before."""
+    from megatron_2bw.optim.lr import LRSchedule
+    args = build_parser("gpt").parse_args(
+        ["--mock-data", "--lr", "1e-3", "--min-lr", "1e-5", "--lr-warmup-iters", "4",
+         "--lr-warmup-init", "1e-4", "--lr-decay-style", "linear", "--train-iters", "12",
+         "--decoupled-lr", "5e-3"])
+    cfg = build_config(args, "gpt", 1).config
+    sched = LRSchedule(cfg.optimizer, cfg.train.train_iters)
+    for it in range(4):
+        assert sched(it) == pytest.approx(1e-4 + (1e-3 - 1e-4) * (it + 1) / 4)
+        assert sched.decoupled(it) == pytest.approx(1e-4 + (5e-3 - 1e-4) * (it + 1) / 4)
+    assert sched(11) == pytest.approx(1e-5)  # decayed to --min-lr at --train-iters
+    plain = LRSchedule(build_config(build_parser("gpt").parse_args(
+        ["--mock-data", "--lr", "1e-3", "--lr-warmup-iters", "4"]), "gpt", 1).config.optimizer,
+        12)
+    assert plain(0) == pytest.approx(1e-3 / 4)  # default 0: as before
+
+
+def test_a_negative_lr_warmup_init_is_one_line():
+    from megatron_2bw.config import ConfigError
+    args = build_parser("gpt").parse_args(["--mock-data", "--lr-warmup-init=-1e-4"])
+    with pytest.raises(ConfigError, match=r"--lr-warmup-init must be >= 0, got -0.0001"):
+        build_config(args, "gpt", 1)
