@@ -259,9 +259,6 @@ NEUTRAL = {
                                      "Xavier-uniform initialization"),
     "--standalone-embedding-stage": (dict(action="store_true", default=False), False,
                                      "Megatron's embedding-only first stage flag"),
-    "--train-data-path": (dict(nargs="*", default=None), None, "separate data per split"),
-    "--valid-data-path": (dict(nargs="*", default=None), None, "separate data per split"),
-    "--test-data-path": (dict(nargs="*", default=None), None, "separate data per split"),
     "--adlr-autoresume": (dict(action="store_true", default=False), False, "ADLR autoresume"),
 }
 # features accepted where another flag makes them neutral: flag -> (is it neutral here, line)
@@ -292,7 +289,6 @@ INSTEAD = {
     "Xavier-uniform initialization": "use --init-method-std",
     "Megatron's embedding-only first stage flag": "give --pipeline-partition 0,1,... (stage 0 "
                                                   "the embedding alone)",
-    "separate data per split": "give --data-path with --split",
     "ADLR autoresume": "drop it (SIGTERM and SIGUSR1 save and exit; see the README's "
                        "Preemption section)",
     "the residual taken after the norm": "drop it (the residual is taken before the norm)",
@@ -362,8 +358,7 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
         allowed = neutral if isinstance(neutral, tuple) else (neutral,)
         when = NEUTRAL_WHEN.get(flag)
         if value not in allowed and not (when and when[0](args)):
-            shown = " ".join(map(str, value)) if isinstance(value, list) else value
-            by_feature.setdefault(feature, []).append(flag if value is True else f"{flag} {shown}")
+            by_feature.setdefault(feature, []).append(flag if value is True else f"{flag} {value}")
     for feature, flags in by_feature.items():
         instead = INSTEAD.get(feature, f"drop {'them' if len(flags) > 1 else 'it'}")
         out.append(f"{', '.join(flags)}: {feature} is not in this engine; {instead}")

@@ -151,8 +151,8 @@ def _tokenizer_and_data(args, family: str, tokenizer: Tokenizer | None = None):
     --data-path is given. `tokenizer`: the one `pretrain_tokenizer` already built."""
     default_type, default_prefix_attr = _DEFAULTS[family]
     data_path, ttype = _get(args, "data_path"), tokenizer_type_of(args)
-    model = _get(args, "tokenizer_model")
-    if not data_path:
+    model, per_split = _get(args, "tokenizer_model"), per_split_paths(args)
+    if not data_path and not per_split:
         if model or _get(args, "vocab_file") or ttype not in (None, default_type):
             raise DataError("--tokenizer-type/--tokenizer-model/--vocab-file need --data-path: "
                             "without it the embedded default corpus is used with its own "
@@ -165,7 +165,7 @@ def _tokenizer_and_data(args, family: str, tokenizer: Tokenizer | None = None):
         raise DataError("--data-path needs --tokenizer-model FILE.model (the sentencepiece "
                         "model the data was preprocessed with), another --tokenizer-type with "
                         "its files, or --tokenizer-type NullTokenizer --vocab-size N")
-    return tokenizer or tokenizer_from_args(args, ttype), list(data_path)
+    return tokenizer or tokenizer_from_args(args, ttype), list(data_path) if data_path else None
 
 
 def pretrain_tokenizer(args, family: str = "gpt") -> tuple[Tokenizer | None, int]:
@@ -190,10 +190,9 @@ def _padded_vocab(args, tokenizer) -> int:
 
 
 def _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples, indexed,
-                   builder=None) -> list:
+                   builder=None, split: str = DEFAULT_SPLIT) -> list:
     prefixes, _ = parse_data_path(data_path)
     indexed = indexed[0]
-    split = _get(args, "split", DEFAULT_SPLIT)
     ranges = _split_ranges(len(indexed.document_indices) - 1, split)
     out = []
     for r, n, name in zip(ranges, samples, SPLIT_NAMES):
@@ -233,6 +232,7 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
     if family == "bert":  # flags the mock data does not use are still checked
         check_probabilities(_get(args, "mask_prob", 0.15), _get(args, "short_seq_prob", 0.1))
     if _get(args, "mock_data", False):
+        per_split_paths(args)  # refused with --mock-data
         if _get(args, "data_path"):
             raise DataError("--mock-data and --data-path are exclusive: pass one of them")
         vocab = tokenizer.vocab_size if tokenizer else _get(args, "vocab_size", 512)
@@ -241,34 +241,76 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
                             if valid_samples else None,
                             _padded_vocab(args, tokenizer) if tokenizer else vocab, tokenizer)
     tokenizer, data_path = _tokenizer_and_data(args, family, tokenizer)
-    if family == "bert" and len(parse_data_path(data_path)[0]) != 1:
-        raise DataError("--data-path: BERT takes one prefix (blending is GPT-only for now)")
-    cache, split = _get(args, "data_cache_path"), _get(args, "split", DEFAULT_SPLIT)
     samples = (_num_samples(args, train_samples), valid_samples, 0)
-    prefixes = parse_data_path(data_path)[0]
+    per_split = per_split_paths(args)
+    if per_split is None:
+        train, valid = _indexed(args, family, tokenizer, data_path,
+                                _get(args, "split", DEFAULT_SPLIT), seq_length, seed, samples,
+                                reads, builder)
+    else:  # each split all of its own data (Megatron's blend per split)
+        train = _indexed(args, family, tokenizer, per_split[0], "1,0,0", seq_length, seed,
+                         (samples[0], 0, 0), reads, builder, "--train-data-path")[0]
+        valid = _indexed(args, family, tokenizer, per_split[1], "0,1,0", seq_length, seed,
+                         (0, samples[1], 0), reads, builder, "--valid-data-path",
+                         need_train=False)[1] if per_split[1] and samples[1] else None
+        if per_split[2]:  # checked, as the test part of --split is: no test evaluation here
+            open_checked(per_split[2], tokenizer, _get(args, "data_cache_path"), builder)
+    return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
+
+
+SPLIT_FLAGS = ("train-data-path", "valid-data-path", "test-data-path")
+
+
+def per_split_paths(args) -> list | None:
+    """[train, valid, test] of --train-data-path/--valid-data-path/--test-data-path (each a
+    --data-path list, or None), None when none is given; one-line DataError for what Megatron
+    refuses with them: --data-path, --mock-data, a --split, no --train-data-path."""
+    paths = [_get(args, name.replace("-", "_")) or None for name in SPLIT_FLAGS]
+    if not any(paths):
+        return None
+    given = " / ".join(f"--{f}" for f, x in zip(SPLIT_FLAGS, paths) if x)
+    if _get(args, "data_path") or _get(args, "mock_data", False):
+        raise DataError(f"{given} with --{'data-path' if _get(args, 'data_path') else 'mock-data'}"
+                        ": give one data source (--data-path divided by --split, or one path "
+                        "per split)")
+    if paths[0] is None:
+        raise DataError(f"{given} without --train-data-path: give the training data too")
+    if _get(args, "split", DEFAULT_SPLIT) != DEFAULT_SPLIT:
+        raise DataError(f"--split {_get(args, 'split')} with {given}: each split reads all of "
+                        "its own data; drop --split")
+    return paths
+
+
+def _indexed(args, family, tokenizer, data_path, split, seq_length, seed, samples, reads,
+             builder, flag: str = "--data-path", need_train: bool = True) -> tuple:
+    """(train, valid) of `data_path` divided by `split` (None where a split is not asked for or
+    empty; an empty train split is an error when `need_train`)."""
+    if family == "bert" and len(parse_data_path(data_path)[0]) != 1:
+        raise DataError(f"{flag}: BERT takes one prefix (blending is GPT-only for now)")
+    cache, prefixes = _get(args, "data_cache_path"), parse_data_path(data_path)[0]
     if not reads:
         train, valid = _no_data(family, prefixes, split, samples)
-        if train is None:
+        if train is None and need_train:
             raise _empty_train_split(split, {p: split_counts(p)[1] for p in prefixes})
-        return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
+        return train, valid
     indexed = open_checked(data_path, tokenizer, cache, builder)
     if family == "gpt":
         train, valid, _ = build_gpt_datasets(data_path, split, seq_length, seed, samples, cache,
                                              indexed, builder)
     else:
         train, valid, _ = _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples,
-                                         indexed, builder)
-    if train is None:
+                                         indexed, builder, split)
+    if train is None and need_train:
         raise _empty_train_split(split, {p: len(ds.document_indices) - 1
                                          for p, ds in zip(prefixes, indexed)})
     unweighted_blend = parse_data_path(data_path)[1] is None and len(prefixes) > 1
     for ds, need, what in ((train, samples[0], "training"), (valid, samples[1], "evaluation")):
         if unweighted_blend and ds is not None and need and len(ds) < need:  # one epoch
-            raise DataError(f"--data-path {' '.join(map(str, data_path))}: an unweighted blend "
+            raise DataError(f"{flag} {' '.join(map(str, data_path))}: an unweighted blend "
                             f"is one epoch of its prefixes, {len(ds)} samples, but {what} "
-                            f"needs {need}: give weights (e.g. --data-path 0.5 A 0.5 B) to "
+                            f"needs {need}: give weights (e.g. {flag} 0.5 A 0.5 B) to "
                             "repeat the data, or fewer iterations")
-    return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
+    return train, valid
 
 
 def _no_data(family: str, prefixes: list, split: str, samples: tuple) -> tuple:

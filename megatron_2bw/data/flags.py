@@ -41,6 +41,12 @@ def add_data_args(p: argparse.ArgumentParser, family: str = "gpt") -> None:
                         "(default: the embedded corpus of Python's help topics)")
     g.add_argument("--split", default="969, 30, 1",
                    help="train,valid,test weights over the documents of each prefix")
+    for split in ("train", "valid", "test"):
+        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
+                       help=f"the {split} split's own data, all of it (as --data-path; "
+                            "Megatron's: instead of --data-path and --split)"
+                            + ("; checked, not evaluated: no test evaluation here"
+                               if split == "test" else ""))
     g.add_argument("--mock-data", action="store_true",
                    help="train on deterministic synthetic sequences")
     g.add_argument("--data-cache-path", default=None,
