@@ -125,12 +125,16 @@ def parse(family: str, argv=None) -> Parsed:
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
                  if t.eval_interval else 0)
+        valid = max(valid, t.eval_iters * gbs) if t.skip_train else valid
         from megatron_2bw.training.build import data_role
         reads, builder = data_role(cfg, rank, world_size,  # middle stages read none
                                    node_ranks(rank, local_rank))
         data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
                                    t.train_iters * gbs, valid, tokenizer=tokenizer, reads=reads,
                                    builder=builder)
+        if t.skip_train and data.valid is None:
+            raise ConfigError("--skip-train evaluates the validation data, and it is empty: "
+                              "give --split a validation part (or --valid-data-path)")
         if not args.no_memory_check:  # every rank, before any process group
             from megatron_2bw.planner.memory_check import check_memory
             check_memory(cfg, world_size, rank, local_rank)

@@ -145,6 +145,9 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
                         ("--num-workers", tr.num_workers or 0)):
         if value < 0:
             _fail(f"{name} must be >= 0, got {value}")
+    if tr.skip_train and tr.eval_iters < 1:
+        _fail(f"--skip-train evaluates --eval-iters batches and trains none: give --eval-iters "
+              f">= 1, got {tr.eval_iters}")
     if tr.eval_interval and tr.eval_iters < 1:
         _fail(f"--eval-iters must be >= 1 with --eval-interval, got {tr.eval_iters}")
     if tr.save_interval and not tr.save:

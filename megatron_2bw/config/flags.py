@@ -246,6 +246,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=1000,
                    help="evaluate on the validation split every N iterations (0: never)")
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--skip-train", action="store_true",
+                   help="train nothing: evaluate --eval-iters validation batches on the weights "
+                        "of --load (else the initial ones) and exit (Megatron's)")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None,
@@ -338,6 +341,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
     train = TrainConfig(
         train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save,
+        skip_train=getattr(args, "skip_train", False),
         load=args.load, save_interval=args.save_interval or 0, keep_last=args.keep_last,
         save_optim=not args.no_save_optim, ckpt_format=args.ckpt_format,
         async_save=args.async_save,

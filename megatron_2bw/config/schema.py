@@ -213,6 +213,7 @@ class TrainConfig:
     log_interval: int = 1
     eval_interval: int = 0            # 0: no evaluation
     eval_iters: int = 1               # evaluation batches (of m microbatches) per evaluation
+    skip_train: bool = False          # --skip-train: evaluate the loaded weights, train none
     save: str | None = None
     load: str | None = None
     save_interval: int = 0            # 0: save only at the end (when --save is given)

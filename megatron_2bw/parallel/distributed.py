@@ -56,6 +56,8 @@ def init_process_group(rank: int, world_size: int, backend: str | None = None,
     extra = {}
     if store is not None:
         extra["store"] = store
+    elif init_method is None and world_size == 1 and "MASTER_PORT" not in os.environ:
+        extra["store"] = dist.HashStore()  # one process meets no one: no port to collide on
     elif init_method is None:
         check_rendezvous(world_size)
         if "RANK" not in os.environ:

@@ -40,7 +40,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
           hooks: FaultHooks = NO_FAULTS, lr_schedule=None, progress=None,
           started: float | None = None) -> list[float]:
     """Train to cfg.train.train_iters (resuming from --load), evaluating, saving and logging as
-    configured. make_data(start_batch) gives this replica's training microbatches; lr_schedule
+    configured (--skip-train: evaluate --eval-iters batches on the loaded weights, nothing
+    more). make_data(start_batch) gives this replica's training microbatches; lr_schedule
     (iteration -> lr, e.g. a DeepSpeed JSON's) replaces the Config's. Returns the losses of the
     iterations run (read on the host only at log intervals). `progress`: a terminal stream for
     the progress bar (None: plain lines). `hooks` injects faults (tests only:
@@ -49,7 +50,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     t = cfg.train
     started = process_start_time() if started is None else started
     # SIGTERM/SIGUSR1/SIGINT from here on end in a checkpoint, also while loading
-    preemption = Preemption() if t.save else None
+    preemption = Preemption() if t.save and not t.skip_train else None
     reporter = grid.is_last_stage and grid.dp_rank == 0 and grid.tp_rank == 0
     engine = build_engine(cfg, grid, device, lr_schedule=lr_schedule)
     engine.loss_fn = hooks.wrap_loss(engine.loss_fn, engine)
@@ -58,18 +59,28 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         log(kernels_line(cfg, grid.tensor, device, engine.stepper.optimizer.impl))
     start = load_checkpoint(t.load, engine, cfg, grid, t.load_optim, t.finetune,
                             log=log if reporter else None, load_rng=t.load_rng) if t.load else 0
-    check_iterations(t.train_iters, start, t.load)
+    if not t.skip_train:
+        check_iterations(t.train_iters, start, t.load)
     if start and reporter:
         log(f"loading checkpoint from {t.load} at iteration {start}")
-    if start == t.train_iters and reporter:
+    if start == t.train_iters and reporter and not t.skip_train:
         log(f"the checkpoint in {t.load} is at iteration {start} = --train-iters: nothing to "
             "train (raise --train-iters to continue)")
-    data = input_pipeline(make_data(start), "train data", grid, device, t.num_workers)
-    evaluates = t.eval_interval and t.train_iters // t.eval_interval > start // t.eval_interval
+    data = None if t.skip_train else input_pipeline(make_data(start), "train data", grid,
+                                                     device, t.num_workers)
+    evaluates = t.skip_train or (
+        t.eval_interval and t.train_iters // t.eval_interval > start // t.eval_interval)
     eval_data = input_pipeline(make_eval_data(), "validation data", grid, device,
                                t.num_workers) if (make_eval_data and evaluates) else None
     logger = TrainLogger(cfg, grid, reporter, log, progress, start)
     report = IntervalLog(cfg, grid, device, engine, logger, start)
+    if t.skip_train:  # Megatron's --skip-train: evaluate the weights loaded, train none
+        total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
+        report.validation(start, total / t.eval_iters)
+        close_pipelines(eval_data)
+        report.summary(engine.iteration, None)
+        logger.finish()
+        return []
     profiler = StepProfiler(t, grid, engine, start)
     if start < t.train_iters:
         engine.start(t.train_iters - start)

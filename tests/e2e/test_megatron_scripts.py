@@ -11,6 +11,7 @@ older one lacks only that flag).
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -268,3 +269,18 @@ def test_master_port_0_is_refused_before_the_ranks_wait_out_the_timeout():
     assert proc.returncode != 0
     assert "error: MASTER_PORT=0 (--master_port 0): the other ranks cannot find rank 0's port; " \
            "give a free port, or launch with torchrun --standalone" in proc.stdout + proc.stderr
+
+
+def test_a_single_process_run_takes_no_port(tmp_path):
+    """`python pretrain_gpt.py` alone meets no other rank: it rendezvous in memory, so two such
+    runs on one machine (or one beside anything holding torch's default port) do not collide."""
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.1", 29500))
+            held.listen()
+        except OSError:
+            pass  # already held by another process: the same situation
+        proc = single(["--mock-data", "--train-iters", "1", "--num-layers", "1",
+                       "--hidden-size", "32", "--num-attention-heads", "4"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "run summary | iterations 1 (0->1)" in proc.stdout

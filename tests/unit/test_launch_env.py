@@ -222,3 +222,13 @@ def test_local_rank_without_a_launcher_is_the_devices_index_as_in_megatron(clean
     from megatron_2bw.pretrain import parse
     parsed = parse("gpt", ["--mock-data", "--train-iters", "1", flag])
     assert (parsed.rank, parsed.world_size, parsed.local_rank) == (0, 1, local_rank)
+
+
+def test_skip_train_without_validation_data_is_refused_before_any_group(clean_env, capsys):
+    from megatron_2bw.pretrain import parse
+    with pytest.raises(SystemExit) as e:
+        parse("gpt", ["--train-iters", "1", "--skip-train", "--split", "100,0,0"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--skip-train evaluates the validation data, and it is empty: give --split a "
+        "validation part (or --valid-data-path)")
