@@ -1,4 +1,5 @@
 """Planner parts without processes: topology, profiles, partitioner, cost model, simulator glue."""
+import io
 import itertools
 import json
 
@@ -10,6 +11,7 @@ from megatron_2bw.models.partition import partition
 from megatron_2bw.models.partition import PartitionError, bottleneck, stage_sums
 from megatron_2bw.planner import (AnalyticProfile, PlanError, Topology, load_profile, predict,
                                   resolve_topology, save_profile)
+from megatron_2bw.planner.cli import run as plan_run
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.planner.profile import MeasuredProfile, profile_from_dict
 from megatron_2bw.planner.simulate import run_segment
@@ -268,3 +270,11 @@ def test_measure_profile_bert():
     with pytest.raises(PlanError, match="was measured for family bert, not gpt"):
         prof.check_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2,
                                      seq_length=8, vocab_size=64), "fp32")
+
+
+def test_cli_table_names_the_shared_nics():
+    argv = ("--model gpt-1.3b --num-nodes 2 --gpus-per-node 8 --global-batch-size 128 --bf16 "
+            "--nics-per-node 1 --nic-bandwidth-gbps 25 --top 1")
+    out = io.StringIO()
+    assert plan_run(argv.split(), out) == 0
+    assert "(80 GB, 2400/200 Gbit/s, 1 x 25 Gbit/s NIC per node)" in out.getvalue()

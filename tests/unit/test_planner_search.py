@@ -171,14 +171,6 @@ def test_cli_bad_inputs_are_one_line(argv, match, capsys):
 # ---- tools/plan.py ---------------------------------------------------------------------------
 
 
-def test_cli_table_names_the_shared_nics():
-    argv = ("--model gpt-1.3b --num-nodes 2 --gpus-per-node 8 --global-batch-size 128 --bf16 "
-            "--nics-per-node 1 --nic-bandwidth-gbps 25 --top 1")
-    out = io.StringIO()
-    assert plan_run(argv.split(), out) == 0
-    assert "(80 GB, 2400/200 Gbit/s, 1 x 25 Gbit/s NIC per node)" in out.getvalue()
-
-
 def test_cli_table_and_json():
     argv = "--model gpt-1.3b --num-nodes 2 --gpus-per-node 8 --global-batch-size 128 --bf16"
     out = io.StringIO()
