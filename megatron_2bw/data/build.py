@@ -253,7 +253,7 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
         valid = _indexed(args, family, tokenizer, per_split[1], "0,1,0", seq_length, seed,
                          (0, samples[1], 0), reads, builder, "--valid-data-path",
                          need_train=False)[1] if per_split[1] and samples[1] else None
-        if per_split[2]:  # checked, as the test part of --split is: no test evaluation here
+        if per_split[2] and reads:  # checked as the data are: no test evaluation here
             open_checked(per_split[2], tokenizer, _get(args, "data_cache_path"), builder)
     return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
 
