@@ -114,9 +114,9 @@ def _worker(rank, world, family, argv, out_path, prefix):
 
     def log(line):
         print(f"{prefix}{line}", flush=True)
-        fields = parse_line(line)
-        if fields and "validation loss" in fields[1]:
-            validation.append([fields[0], fields[1]["validation loss"], time.time() - started])
+        fields = parse_line(line)  # Megatron's validation line (or our earlier one)
+        if fields and "lm loss value" in fields[1]:
+            validation.append([fields[0], fields[1]["lm loss value"], time.time() - started])
 
     losses = train(cfg, grid, "cpu", lr_schedule=parsed.lr_schedule,
                    make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank,

@@ -92,7 +92,8 @@ def test_the_wheel_installs_and_its_commands_run_outside_the_checkout(installed,
                 "--nproc_per_node", "2", bin_dir / "m2bw-pretrain-gpt", *MAIN_JOB,
                 "--train-iters", "4", "--log-interval", "2", "--save", "ckpt"], cwd=work,
                env=env)
-    assert re.search(r"^iteration\s+4/\s*4 .*\| lm loss [0-9.]+ ", log, re.M), log[-2000:]
+    assert re.search(r"^ \[.*\] iteration +4/ +4 \|.*\| lm loss: [0-9.E+-]+ \|", log, re.M), \
+        log[-2000:]
     assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
     plan = json.loads(_run([bin_dir / "m2bw-plan", "--model", "debug", "--num-nodes", "1",
