@@ -159,3 +159,39 @@ def test_an_interval_of_skipped_steps_prints_no_loss_and_keeps_megatrons_order()
     m = MEGATRON_INTERVAL.match(line)
     assert m and m["loss"] is None and m["grad_norm"] is None and m["scale"] == "2147483648.0"
     assert line[m.end():] == " ETA: 1s |"
+
+
+def test_compare_convergence_reads_new_old_and_megatrons_logs(tmp_path):
+    """The tools read both formats: compare_convergence --from-logs draws the comparison from
+    a log in our new line, one in our old line and one of Megatron-LM's own."""
+    pytest.importorskip("matplotlib")
+    import json
+    from megatron_2bw.cli.compare_convergence import main
+    from megatron_2bw.cli.convergence_report import curves_from_log
+    from megatron_2bw.training.observe.log_line import validation_lines
+    new = [format_interval(it, 4, {"consumed samples": 8 * it, "lm loss": loss,
+                                   "elapsed time per iteration (ms)": 500.0, "ETA": "1s"})
+           for it, loss in ((2, 7.0), (4, 6.0))]
+    new[1:1] = validation_lines(3, 6.5, math.exp(6.5))
+    old = ["iteration      2/4 | consumed samples 16 | ms/iteration 250 | lm loss 7.2 | ETA 1s",
+           "iteration      3/4 | validation loss 6.9 | validation ppl 992.3",
+           "iteration      4/4 | consumed samples 32 | ms/iteration 250 | lm loss 6.4 | ETA 0s"]
+    megatron = [" [2024-03-01 10:00:00] iteration        4/       4 | consumed samples:       "
+                "     32 | elapsed time per iteration (ms): 1000.0 | learning rate: 1.000000E-03 "
+                "| global batch size:     8 | lm loss: 6.200000E+00 | loss scale: 1.0 | grad "
+                "norm: 0.500 | number of skipped iterations:   0 | number of nan iterations:   0 |",
+                "-" * 20, " validation loss at iteration 4 | lm loss value: 6.300000E+00 | lm "
+                "loss PPL: 5.445719E+02 | ", "-" * 20]
+    assert curves_from_log("\n".join(new)) == ([7.0, 7.0, 6.0, 6.0], [[3, 6.5, 1.5]])
+    assert curves_from_log("\n".join(old)) == ([7.2, 7.2, 6.4, 6.4], [[3, 6.9, 0.75]])
+    assert curves_from_log("\n".join(megatron)) == ([6.2] * 4, [[4, 6.3, 4.0]])
+    logs = []
+    for run, lines in (("gpipe", new), ("2bw", old), ("flush", megatron)):
+        path = tmp_path / f"{run}.out"
+        path.write_text("unrelated line\n" + "\n".join(lines) + "\n")
+        logs.append(f"{run}={path}")
+    assert main(["--from-logs", *logs, "--out-dir", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["final_loss"] == {"gpipe": 6.0, "2bw": 6.4, "flush": 6.2}
+    assert summary["final_validation_loss"] == {"gpipe": 6.5, "2bw": 6.9, "flush": 6.3}
+    assert summary["to_target"]["flush"] == {"iterations": 4, "seconds": 4.0}
