@@ -119,8 +119,8 @@ def parse(family: str, argv=None) -> Parsed:
         note = resume_note(cfg, world_size, planned=args.auto_plan)  # or a one-line error
         if note and rank == 0:
             print(note, flush=True)
-        from megatron_2bw.training.observe.writers import check_tensorboard
-        check_tensorboard(cfg.train)
+        from megatron_2bw.training.observe.writers import check_loggers
+        check_loggers(cfg.train)  # tensorboard and wandb: found and importable
         check_output_paths(cfg.train)  # every path a run writes, before the first iteration
         t, gbs = cfg.train, cfg.batch.global_batch_size
         valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs

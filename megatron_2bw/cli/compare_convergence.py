@@ -30,6 +30,10 @@ Plain 2BW applies each batch's gradient one step late (W(t+1) = W(t) - lr * grad
 300 iterations of the default model its final loss is about +1.7% above gpipe's, +17.6% at a
 constant lr 3e-3 (bench/README.md has the sweep, and what each compensation recovers).
 
+`--from-logs RUN=LOG ...` trains nothing: it compares the runs of existing training logs (a
+SLURM log of our pretrain_gpt.py, new or old line format, or of Megatron-LM's; each interval's
+mean loss stands for its iterations, seconds are the logged training time).
+
 Writes OUT/losses.csv (iteration, one column per run), OUT/validation.csv (iteration, each run's
 validation loss, each run's seconds), OUT/convergence.png (raw curves, a moving average, each
 run's smoothed relative difference to gpipe, validation loss against seconds) and
@@ -51,8 +55,9 @@ import sys
 import time
 
 
-from megatron_2bw.cli.convergence_report import (BASELINE, plot, read_csv, summarize, table,
-                                wrap, write_csv, write_validation_csv)
+from megatron_2bw.cli.convergence_report import (BASELINE, curves_from_log, plot, read_csv,
+                                                 summarize, table, wrap, write_csv,
+                                                 write_validation_csv)
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
@@ -114,9 +119,9 @@ def _worker(rank, world, family, argv, out_path, prefix):
 
     def log(line):
         print(f"{prefix}{line}", flush=True)
-        fields = parse_line(line)
-        if fields and "validation loss" in fields[1]:
-            validation.append([fields[0], fields[1]["validation loss"], time.time() - started])
+        fields = parse_line(line)  # Megatron's validation line (or our earlier one)
+        if fields and "lm loss value" in fields[1]:
+            validation.append([fields[0], fields[1]["lm loss value"], time.time() - started])
 
     losses = train(cfg, grid, "cpu", lr_schedule=parsed.lr_schedule,
                    make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank,
@@ -191,6 +196,10 @@ def parse_args(argv=None):
                         "exceeds this (e.g. 0.005)")
     p.add_argument("--from-csv", default=None,
                    help="do not train: redraw the plot and the table from a losses.csv")
+    p.add_argument("--from-logs", nargs="+", default=None, metavar="RUN=LOG",
+                   help="do not train: compare the runs of these training logs (SLURM logs "
+                        "of pretrain_gpt.py, ours or Megatron-LM's; RUN names the run as "
+                        "--schedules does: gpipe=gpipe.out 2bw=2bw.out)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tests)")
     p.add_argument("pretrain_flags", nargs=argparse.REMAINDER,
                    help="-- then pretrain flags that override the defaults")
@@ -209,6 +218,13 @@ def parse_args(argv=None):
         error = run_error(run)
         if error:
             p.error(error)
+    args.logs = {}
+    for item in args.from_logs or []:
+        run, _, path = item.partition("=")
+        error = run_error(run) if path else f"--from-logs {item}: give RUN=LOG (2bw=2bw.out)"
+        if error:
+            p.error(error.replace("--schedules", "--from-logs"))
+        args.logs[run] = path
     iters = 4 if args.tiny else args.train_iters
     interval = args.eval_interval or (2 if args.tiny else max(1, iters // 15))
     eval_iters = 1 if args.tiny else args.eval_iters
@@ -216,6 +232,8 @@ def parse_args(argv=None):
         ["--train-iters", str(iters), "--log-interval", str(max(1, iters // 10)),
          "--lr-warmup-iters", str(iters // 10)] + flags + \
         ["--eval-interval", str(interval), "--eval-iters", str(eval_iters)]
+    if args.logs:
+        args.flags = []  # the logs' runs, whatever flags they had
     return args
 
 
@@ -245,7 +263,16 @@ def main(argv=None) -> int:
             args.flags = prev.get("flags", args.flags)
             seconds.update(prev.get("seconds", {}))
             validation = prev.get("validation", {})
-    for run in [] if args.from_csv else args.schedule_list:
+    for run, path in args.logs.items():
+        with open(path) as f:
+            text = f.read()
+        try:
+            curves[run], validation[run] = curves_from_log(text)
+        except ValueError as e:
+            print(f"error: --from-logs {run}={path}: {e}", file=sys.stderr)
+            return 2
+        seconds[run] = validation[run][-1][2] if validation[run] else None
+    for run in [] if args.from_csv or args.logs else args.schedule_list:
         t0 = time.time()
         curves[run], validation[run] = run_one(run, args.model_type, args.flags, args.nproc,
                                                args.out_dir, group, args.wandb_project)
@@ -257,7 +284,8 @@ def main(argv=None) -> int:
     png_path = os.path.join(args.out_dir, "convergence.png")
     write_csv(csv_path, curves)
     write_validation_csv(val_path, validation)
-    title = f"{args.model_type.upper()} {' '.join(effective_flags(args.flags))}"
+    title = f"{args.model_type.upper()} {' '.join(effective_flags(args.flags))}" \
+        if not args.logs else "from logs: " + ", ".join(f"{r}={p}" for r, p in args.logs.items())
     plot(png_path, curves, summary, wrap(title, 120), _delay)
     print()
     print(table(summary))

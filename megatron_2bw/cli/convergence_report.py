@@ -92,6 +92,40 @@ def write_validation_csv(path: str, validation: dict) -> None:
     atomic_write_text(path, out.getvalue())
 
 
+# -- training logs ----------------------------------------------------------------------------------
+def curves_from_log(text: str) -> tuple[list, list]:
+    """(training loss per iteration, [[iteration, validation loss, seconds], ...]) of a
+    training log (a SLURM log of pretrain_gpt.py or of Megatron-LM's pretrain_gpt.py: Megatron's
+    lines, ours, or the ones megatron-2bw printed before; training/observe/log_line.py reads
+    them all). A log holds interval means: each interval's `lm loss` stands for each of its
+    iterations (an interval without one, all fp16 steps skipped, takes its neighbours'). The
+    seconds are the lines' elapsed time per iteration summed up to the point (training time:
+    evaluations and checkpoints left out)."""
+    from megatron_2bw.training.observe.log_line import parse_line
+    means, ms, validation, last = [], [], [], 0
+    for line in text.splitlines():
+        parsed = parse_line(line)
+        if parsed is None:
+            continue
+        it, fields = parsed
+        if "lm loss value" in fields:
+            validation.append([it, fields["lm loss value"], None])
+        elif it > last:
+            n, last = it - last, it
+            means += [fields.get("lm loss")] * n
+            ms += [fields.get("elapsed time per iteration (ms)", 0.0)] * n
+    known = [x for x in means if isinstance(x, float)]
+    if not known:
+        raise ValueError("no interval line with an lm loss in the log")
+    curve, fill = [], known[0]
+    for x in means:
+        fill = x if isinstance(x, float) else fill
+        curve.append(fill)
+    for point in validation:
+        point[2] = sum(v for v in ms[:point[0]] if isinstance(v, float)) / 1e3
+    return curve, validation
+
+
 # -- summary and table ------------------------------------------------------------------------------
 def summarize(curves: dict, validation: dict, seconds: dict) -> dict:
     """The numbers of summary.json (without the flags)."""

@@ -118,7 +118,7 @@ def plan(s: Settings) -> list[Step]:
            "--pipeline-schedule", "2bw", "--train-iters", s.train_iters,
            "--lr", "6e-4", "--min-lr", "6e-5", "--lr-decay-style", "cosine",
            "--lr-warmup-iters", "10", "--weight-decay", "0.1", "--clip-grad", "1.0",
-           "--adam-beta2", "0.95", "--log-interval", s.log_interval,
+           "--adam-beta2", "0.95", "--log-interval", s.log_interval, "--log-throughput",
            "--eval-interval", s.eval_interval, "--eval-iters", s.eval_iters, "--save", ckpt]
     steps = [Step("train", PRETRAIN_GPT, job + ["--exit-interval", s.exit_iters], 1,
                   s.timeouts["train"]),
@@ -170,11 +170,12 @@ def check_log_parser() -> None:
     """The parser reads what the training logger writes (catches a format change)."""
     from megatron_2bw.config import Config
     from megatron_2bw.training.observe.logger import TrainLogger
-    lines, fields = [], {"loss": 7.5, "samples/s": 100.0, "tokens/s": 102400.0,
-                         "TFLOP/s/device": 55.5, "memory GB per stage": [9.5], "ms forward": 3.0}
+    lines, fields = [], {"lm loss": 7.5, "throughput per GPU (TFLOP/s/GPU)": 55.5,
+                         "samples/s": 100.0, "tokens/s": 102400.0,
+                         "memory GB per stage": [9.5], "ms forward": 3.0}
     logger = TrainLogger(Config(), None, True, lines.append)
     logger.log(10, fields)
-    logger.log(10, {"validation loss": 7.25})
+    logger.validation(10, 7.25, 1408.1, rows=[])
     got = parse_log("\n".join(lines))
     if got["iterations"] != [{"iteration": 10, **fields}] or got["validation"] != [(10, 7.25)]:
         raise ValueError(f"the log parser does not read the logger's lines: {lines}")

@@ -58,8 +58,8 @@ def parse_log(text: str) -> dict:
         if parsed is None:
             continue
         it, fields = parsed
-        if "validation loss" in fields:
-            out["validation"].append((it, fields["validation loss"]))
+        if "lm loss value" in fields:  # the validation line
+            out["validation"].append((it, fields["lm loss value"]))
         else:
             out["iterations"].append({"iteration": it, **fields})
     return out
@@ -133,7 +133,7 @@ def summarize(s, logs: dict, rcs: dict, peak: float | None, model_gib: dict,
                                     resumed[-1] == s.train_iters)
     for name, log in (("train", train), ("resume", resume)):
         rate = _steady(log["iterations"], "samples/s")
-        tflops = _steady(log["iterations"], "TFLOP/s/device")
+        tflops = _steady(log["iterations"], "throughput per GPU (TFLOP/s/GPU)")
         out[name] = {"step_time_s": s.global_batch / rate if rate else None,
                      "tokens_per_s": _steady(log["iterations"], "tokens/s"),
                      "tflops_per_gpu": tflops,

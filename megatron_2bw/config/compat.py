@@ -70,9 +70,6 @@ NOTED = {
         dict(action="store_true", default=None),
         "SIGTERM, SIGUSR1 and SIGINT always save a checkpoint (with --save) and exit at the "
         "next iteration boundary (training/reliability.py)"),
-    "--log-throughput": (dict(action="store_true", default=None),
-                         "samples/s, tokens/s and TFLOP/s/device are in every log line; "
-                         "TensorBoard gets `throughput`"),
     "--timing-log-level": (dict(type=int, choices=(0, 1, 2), default=None),
                            "per-action timers are --wall-clock-breakdown (log line) and "
                            "--log-timers-to-tensorboard"),

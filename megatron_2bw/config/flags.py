@@ -11,7 +11,7 @@ from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK
                                  TrainConfig)
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.config.compat import refusals
-from megatron_2bw.config.log_flags import add_observability_args
+from megatron_2bw.config.log_flags import add_observability_args, logger_fields
 from megatron_2bw.config.precision_flags import add_precision_args, precision_from_args
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
 from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
@@ -276,9 +276,6 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--wandb-project", default=None)
-    g.add_argument("--wandb-exp-name", default=None)
-    g.add_argument("--wandb-save-dir", default=None)
     g.add_argument("--wall-clock-breakdown", action="store_true")
     g.add_argument("--trace", default=None, metavar="FILE",
                    help="record every action's start/end; each rank writes FILE.rank<r>.json "
@@ -349,8 +346,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         load_rng=getattr(args, "load_rng", True),
         exit_interval=args.exit_interval or 0,
         exit_duration_in_mins=args.exit_duration_in_mins or 0.0,
-        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-        wandb_save_dir=args.wandb_save_dir, wall_clock_breakdown=args.wall_clock_breakdown,
+        **logger_fields(args), wall_clock_breakdown=args.wall_clock_breakdown,
         trace=args.trace, tensorboard_dir=args.tensorboard_dir,
         tensorboard_queue_size=args.tensorboard_queue_size,
         tensorboard_log_interval=getattr(args, "tensorboard_log_interval", 1),

@@ -1,5 +1,6 @@
-"""Megatron's logging, profiling and numerics flags (TensorBoard, the profiler, the straggler
-report, the NaN check); `flags.add_training_args` adds them."""
+"""Megatron's logging, profiling and numerics flags (TensorBoard, wandb, the profiler, the
+straggler report, the NaN check); `flags.add_training_args` adds them, `logger_fields` gives the
+TrainConfig fields of the wandb flags and --log-throughput."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,16 @@ def add_observability_args(p: argparse.ArgumentParser) -> None:
                         "every N iterations (Megatron's)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
                    help="add the per-action wall-clock breakdown to TensorBoard")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add Megatron's `throughput per GPU (TFLOP/s/GPU)` (model FLOPs) to "
+                        "each log line (TensorBoard and wandb always get `throughput`)")
+    g.add_argument("--wandb-project", default=None,
+                   help="log to this wandb project (offline unless WANDB_MODE says otherwise)")
+    g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
+    g.add_argument("--wandb-entity", default=None,
+                   help="the wandb team or user the run belongs to (wandb's default: yours)")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="where wandb's files go (default: {save}/wandb)")
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler trace (Chrome/Perfetto JSON) of the iterations after "
                         "--profile-step-start up to --profile-step-end, per rank of "
@@ -38,3 +49,11 @@ def add_observability_args(p: argparse.ArgumentParser) -> None:
                         "skips such steps), naming the iteration and the stages")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false")
+
+
+def logger_fields(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields of the wandb flags and --log-throughput."""
+    return dict(wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+                wandb_save_dir=args.wandb_save_dir,
+                wandb_entity=getattr(args, "wandb_entity", None),
+                log_throughput=bool(getattr(args, "log_throughput", False)))

@@ -229,6 +229,9 @@ class TrainConfig:
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
+    wandb_entity: str | None = None   # Megatron's --wandb-entity: the team or user of the run
+    wandb_group: str | None = None    # DeepSpeed's wandb.group (no Megatron flag)
+    log_throughput: bool = False      # --log-throughput: Megatron's TFLOP/s field in the line
     wall_clock_breakdown: bool = False
     trace: str | None = None          # write per-rank action traces to {trace}.rank{r}.json
     # observability (training/observe/logger.py, training/observe/profiling.py,

@@ -5,7 +5,9 @@ Events are DeepSpeed's (name, value, step) tuples; the engine writes DeepSpeed's
 `Train/Samples/loss_scale`: the engine's surface does not show the scale), at step =
 global_samples, on global rank 0, as DeepSpeed's pipeline engine does. TensorBoard and wandb go
 through the project's writers (training/observe/writers.py); the TensorBoard run is
-`<output_path>/<job_name>` as in DeepSpeed. csv_monitor writes DeepSpeed's files:
+`<output_path>/<job_name>` as in DeepSpeed; the wandb run is DeepSpeed's `project` (default
+"deepspeed"), `group` and `team` (wandb's entity), in the mode WANDB_MODE says (offline when
+unset), its step DeepSpeed's (global samples). csv_monitor writes DeepSpeed's files:
 `<output_path>/<job_name>/<name with '/' and ' ' as '_'>.csv`, a header `step,<last part of the
 name>`, then one `step,value` row per event. comet needs the comet_ml package (one line if it is
 missing, before any process group: config/ds_json/monitors.py).
@@ -96,9 +98,12 @@ class Monitor:
             train = dataclasses.replace(cfg.train, tensorboard_dir=path)
             self.monitors.append(_WriterMonitor(TensorBoardWriter(
                 dataclasses.replace(cfg, train=train))))
-        if sections["wandb"] is not None:
-            from megatron_2bw.training.observe.writers import WandbWriter
-            self.monitors.append(_WriterMonitor(WandbWriter(cfg)))
+        if sections["wandb"] is not None:  # DeepSpeed's: project (default "deepspeed"),
+            from megatron_2bw.training.observe.writers import WandbWriter  # group, team
+            wb = sections["wandb"]
+            self.monitors.append(_WriterMonitor(WandbWriter(
+                cfg, project=wb.get("project") or "deepspeed", entity=wb.get("team"),
+                group=wb.get("group"))))
         if sections["csv_monitor"] is not None:
             self.monitors.append(CsvMonitor(sections["csv_monitor"]))
         if sections["comet"] is not None:

@@ -40,17 +40,28 @@ def _records(path: str):
             yield pending + chunk
 
 
-def read_history(run_dir: str) -> list[dict]:
-    """[{metric: value, '_step': n}, ...] of an offline run directory (offline-run-*)."""
+def _typed(run_dir: str, kind: str):
+    """The `kind` records ("history", "run", ...) of an offline run directory, in order."""
     from wandb.proto import wandb_internal_pb2 as pb
     files = glob.glob(os.path.join(run_dir, "run-*.wandb"))
     if not files:
         raise FileNotFoundError(f"no run-*.wandb file in {run_dir}")
-    rows = []
     for raw in _records(files[0]):
         record = pb.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                         for item in record.history.item})
-    return rows
+        if record.WhichOneof("record_type") == kind:
+            yield getattr(record, kind)
+
+
+def read_history(run_dir: str) -> list[dict]:
+    """[{metric: value, '_step': n}, ...] of an offline run directory (offline-run-*)."""
+    return [{(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+             for item in history.item} for history in _typed(run_dir, "history")]
+
+
+def read_run(run_dir: str) -> dict:
+    """The run's identity as wandb.init recorded it: {"project", "entity", "display_name",
+    "run_group"} (empty strings where not given)."""
+    run = next(_typed(run_dir, "run"))
+    return {key: getattr(run, key) for key in ("project", "entity", "display_name",
+                                               "run_group")}

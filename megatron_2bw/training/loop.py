@@ -35,6 +35,13 @@ def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool
     return False
 
 
+def consumed_samples(cfg: Config, iteration: int) -> int:
+    """The samples the first `iteration` iterations consume: the one place the loop learns the
+    global batch (iteration i trains consumed_samples(i) - consumed_samples(i - 1) samples; a
+    batch-size ramp changes that between iterations). The logs take it from the loop."""
+    return iteration * cfg.global_batch_size
+
+
 def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
           make_eval_data: Callable[[], Iterator] | None = None, log=print,
           hooks: FaultHooks = NO_FAULTS, lr_schedule=None, progress=None,
@@ -73,10 +80,10 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     eval_data = input_pipeline(make_eval_data(), "validation data", grid, device,
                                t.num_workers) if (make_eval_data and evaluates) else None
     logger = TrainLogger(cfg, grid, reporter, log, progress, start)
-    report = IntervalLog(cfg, grid, device, engine, logger, start)
+    report = IntervalLog(cfg, grid, device, engine, logger, start, consumed_samples(cfg, start))
     if t.skip_train:  # Megatron's --skip-train: evaluate the weights loaded, train none
         total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
-        report.validation(start, total / t.eval_iters)
+        report.validation(start, total / t.eval_iters, on_validation_set=True)
         close_pipelines(eval_data)
         report.summary(engine.iteration, None)
         logger.finish()
@@ -90,7 +97,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     if t.save:
         from megatron_2bw.checkpoint.saver import Checkpointer
         saver = Checkpointer(cfg, grid, engine, hooks, log if reporter else None)
-    pending, skips, losses, saved_at = [], [], [], None
+    pending, skips, sizes, losses, saved_at = [], [], [], [], None
     last_good = f"iteration {start} in {t.load}" if start else None
 
     def check_nan(newest: bool = False) -> None:
@@ -110,19 +117,24 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     for it in range(start + 1, t.train_iters + 1):
         pending.append(engine.train_batch(data).detach().clone())
         skips.append(engine.skipped_iterations)  # a host count: the interval mean leaves them out
+        sizes.append(consumed_samples(cfg, it) - consumed_samples(cfg, it - 1))
         hooks.after_iteration(grid, it)
         if saver is not None:
             saver.poll()  # publishes an --async-save once every rank has written it
         profiler.step(it)
         logger.step(it)
         check_nan()
-        if it % t.log_interval == 0 or it == t.train_iters:
-            values = torch.stack(pending).tolist()  # the only loss read: once per log interval
-            losses += values
+        logs = it % t.log_interval == 0 or it == t.train_iters
+        evaluating = eval_data is not None and it % t.eval_interval == 0
+        if logs or evaluating:  # the loss read: once per log interval, and before an evaluation
+            values = torch.stack(pending).tolist()  # (which reads the device anyway), so its
+            losses += values                        # point follows its iteration's (wandb)
             pending.clear()
-            report.interval(it, values, skips)
-            skips = []
-        if eval_data is not None and it % t.eval_interval == 0:
+            report.record(values, skips, sizes, interval_end=logs)
+            skips, sizes = [], []
+        if logs:
+            report.interval(it)
+        if evaluating:
             total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
             report.validation(it, total / t.eval_iters)
         stop = _stop_requested(cfg, started, it, engine)
@@ -145,8 +157,10 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     profiler.close()
     if preemption is not None:
         preemption.restore()
-    if pending:
-        losses += torch.stack(pending).tolist()
+    if pending:  # stopped between log intervals: the writers still get these iterations
+        values = torch.stack(pending).tolist()
+        losses += values
+        report.record(values, skips, sizes)
     close_pipelines(data, eval_data)
     if t.trace:
         engine.save_trace(f"{t.trace}.rank{grid.rank}.json")

@@ -182,7 +182,7 @@ def test_the_fixed_command_trains(data):
                 "--train-iters", "2", "--data-path", str(data / "sp1000_text_document"),
                 "--tokenizer-model", str(data / "sp1000.model")])
     assert proc.returncode == 0, proc.stderr
-    assert "iteration      2/2" in proc.stdout
+    assert "iteration        2/       2 |" in proc.stdout
 
 
 # ---- preprocess_data.py: bad input writes nothing and leaves earlier outputs intact ---------

@@ -203,7 +203,7 @@ def test_readme_main_job_parses():
     assert argv[0] == "torchrun" and "pretrain_gpt.py" in argv and "--data-path" not in argv
 
 
-LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ")
+LOSS = re.compile(r"^ \[[^\]]+\] iteration +(\d+)/ *\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
 
 
 def test_readme_main_job_trains():

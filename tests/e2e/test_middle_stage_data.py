@@ -29,7 +29,7 @@ def test_three_stages_on_indexed_data_train_and_evaluate_together(tmp_path):
     env.update(WANDB_MODE="offline", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sum(line.startswith("iteration") and "validation loss" in line
+    assert sum(line.startswith(" validation loss at iteration ")
                for line in proc.stdout.splitlines()) == 2, proc.stdout
     kinds = sorted(p.name.split("-")[1] for p in (tmp_path / "c").glob("*-description.json"))
     assert kinds == ["DataCheck", "GPTDataset", "GPTDataset"]  # the check; train and valid

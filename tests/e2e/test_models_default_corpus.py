@@ -16,5 +16,5 @@ def test_pretrain_bert_on_the_default_corpus_lowers_the_mlm_loss():
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"M parameters \(2 layers, hidden 64", proc.stdout)
-    losses = [float(x) for x in re.findall(r"\| lm loss ([0-9.]+) \|", proc.stdout)]
+    losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", proc.stdout)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses

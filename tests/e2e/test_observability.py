@@ -75,10 +75,9 @@ def test_tensorboard_events_hold_the_scalars_of_the_wandb_history(tmp_path, monk
         for key, value in row.items():
             if not key.startswith("_"):
                 history[key].append((row["_step"], value))
-    for key in ("skipped", "samples/s", "tokens/s",
-                "TFLOP/s/device", "ms/iteration", "memory_GB_per_stage/stage0",
-                "memory_GB_per_stage/stage1", "ms_forward", "ms_p2p", "grad-norm", "loss-scale",
-                "iteration-time", "throughput"):
+    for key in ("skipped-iterations", "nan-iterations", "samples/s", "tokens/s",
+                "memory_GB_per_stage/stage0", "memory_GB_per_stage/stage1", "ms_forward",
+                "ms_p2p", "grad-norm", "loss-scale", "iteration-time", "throughput"):
         assert [s for s, _ in board[key]] == [2, 4, 6], key
     # Megatron's tags: per iteration, per evaluation, and each again against the samples
     B = cfg.batch.global_batch_size
@@ -88,12 +87,16 @@ def test_tensorboard_events_hold_the_scalars_of_the_wandb_history(tmp_path, monk
     assert [s for s, _ in board["lm loss validation"]] == \
         [s for s, _ in board["lm loss validation ppl"]] == [3, 6]
     assert [s for s, _ in board["lm loss validation vs samples"]] == [3 * B, 6 * B]
-    assert not {"loss", "lr", "grad_norm", "validation_loss"} & set(board), "old names gone"
-    # wandb: the same tags at the same iterations (no "vs samples" copies: consumed-samples)
+    assert not {"loss", "lr", "grad_norm", "validation_loss", "ms/iteration", "skipped",
+                "consumed_samples", "learning_rate"} & set(board), "old and line names gone"
+    # wandb: the same tags at the same iterations (no "vs samples" copies: Megatron's wandb
+    # `samples vs steps`), every point at its own iteration although the evaluations (3, 6)
+    # fall inside log intervals (2, 4, 6)
     assert sorted(history) == sorted([k for k in board if not k.endswith(" vs samples")]
-                                     + ["consumed-samples"])
+                                     + ["samples vs steps"])
     for key, rows in history.items():
-        if key == "consumed-samples":
+        if key == "samples vs steps":
+            assert all(v == B * s for s, v in rows)
             continue
         assert [s for s, _ in board[key]] == [s for s, _ in rows], key
         assert [v for _, v in board[key]] == pytest.approx([v for _, v in rows], rel=1e-6), key
@@ -105,13 +108,16 @@ def test_tensorboard_events_hold_the_scalars_of_the_wandb_history(tmp_path, monk
     for it, fields in train:  # the line's lm loss: the mean over the interval's iterations
         assert fields["lm loss"] == pytest.approx(
             (per_iteration[it - 1] + per_iteration[it]) / 2, rel=1e-3)
-        assert re.fullmatch(r"\d+[smhd]\d*[smh]?", fields["ETA"]) and fields["ms/iteration"] > 0
+        assert re.fullmatch(r"\d+[smhd]\d*[smh]?", fields["ETA"])
+        assert fields["elapsed time per iteration (ms)"] > 0
     assert per_iteration[1] != pytest.approx(per_iteration[2], rel=1e-3), "a mean, not the last"
     assert train[-1][1]["ETA"] == "0s"
-    valid = [(it, f) for it, f in filter(None, logged) if "validation loss" in f]
+    valid = [(it, f) for it, f in filter(None, logged) if "lm loss value" in f]
     assert [it for it, _ in valid] == [3, 6]
     for it, f in valid:
-        assert f["validation ppl"] == pytest.approx(math.exp(f["validation loss"]), rel=1e-3)
+        assert f["lm loss PPL"] == pytest.approx(math.exp(f["lm loss value"]), rel=1e-5)
+        assert f["lm loss value"] == pytest.approx(dict(board["lm loss validation"])[it],
+                                                   rel=1e-6)
 
 
 def test_pace_reports_ms_per_iteration_and_an_eta_past_the_warm_up():

@@ -25,7 +25,7 @@ from megatron_2bw.data.tokenizer import GPTSentencePieceTokenizer
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ")
+LOSS = re.compile(r"^ \[[^\]]+\] iteration +(\d+)/ *\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
 
 
 def readme_blocks(heading: str) -> list[list[list[str]]]:
@@ -133,7 +133,7 @@ def test_readme_tensorboard_recipe_writes_what_tensorboard_reads(tmp_path):
     run(train + ["--train-iters", "4", "--log-interval", "2", "--eval-interval", "2"], tmp_path,
         timeout=180)
     shown = run(board + ["--inspect"], tmp_path, timeout=120).stdout
-    for tag in ("lm loss", "learning-rate", "grad-norm", "lm loss vs samples", "ms/iteration",
+    for tag in ("lm loss", "learning-rate", "grad-norm", "lm loss vs samples", "iteration-time",
                 "memory_GB_per_stage/stage1", "lm loss validation", "lm loss validation ppl",
                 "ms_forward"):
         assert re.search(rf"^\s+{re.escape(tag)}$", shown, re.M), (tag, shown)

@@ -25,7 +25,8 @@ def run(args, cwd, stages=1):
 
 
 def validation(out: str) -> list[str]:
-    return re.findall(r"iteration\s+(\d+)/\d+ \| validation loss ([0-9.]+)", out)
+    return re.findall(r"^ validation loss at iteration (\d+)(?: on validation set)? \| "
+                      r"lm loss value: ([0-9.E+-]+) \|", out, re.M)
 
 
 @pytest.mark.parametrize("stages", [1, 2], ids=["one-process", "2bw-d2"])

@@ -4,7 +4,7 @@ The wheel is built from a copy of the checkout's package files (pyproject.toml, 
 README.md, LICENSE, megatron_2bw/) with `pip wheel --no-deps --no-build-isolation` (no network),
 installed with --no-deps into a fresh venv under a temporary directory; the venv sees this
 environment's third-party packages (torch, numpy, sentencepiece, tqdm: what the wheel depends
-on) through one .pth line, the way `--system-site-packages` would, so no torch is copied. From
+on, wandb included) through one .pth line, the way `--system-site-packages` would, so no torch is copied. From
 another temporary directory, with PYTHONPATH unset, it runs through the venv's console scripts:
 m2bw-train-tokenizer and m2bw-preprocess-data (a JSONL file), the README's main job on 2
 processes (torchrun running m2bw-pretrain-gpt, a few iterations, --save), m2bw-plan and
@@ -92,7 +92,8 @@ def test_the_wheel_installs_and_its_commands_run_outside_the_checkout(installed,
                 "--nproc_per_node", "2", bin_dir / "m2bw-pretrain-gpt", *MAIN_JOB,
                 "--train-iters", "4", "--log-interval", "2", "--save", "ckpt"], cwd=work,
                env=env)
-    assert re.search(r"^iteration\s+4/\s*4 .*\| lm loss [0-9.]+ ", log, re.M), log[-2000:]
+    assert re.search(r"^ \[.*\] iteration +4/ +4 \|.*\| lm loss: [0-9.E+-]+ \|", log, re.M), \
+        log[-2000:]
     assert (work / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
     plan = json.loads(_run([bin_dir / "m2bw-plan", "--model", "debug", "--num-nodes", "1",

@@ -209,7 +209,7 @@ def test_mapping_of_a_full_deepspeed_config():
           "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
                    "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 2},
           "gradient_clipping": 0.5, "steps_per_print": 7, "wall_clock_breakdown": True,
-          "wandb": {"enabled": True, "project": "p", "group": "g"},
+          "wandb": {"enabled": True, "project": "p", "group": "g", "team": "tm"},
           "zero_optimization": {"stage": 1},
           "pipeline": {"schedule": "gpipe", "activation_checkpoint_interval": 2}}
     cfg, settings = config_from_deepspeed(ds, world_size=4, num_stages=2, num_layers=8)
@@ -224,8 +224,9 @@ def test_mapping_of_a_full_deepspeed_config():
     assert not hasattr(o, "ds_scheduler")  # DeepSpeed-only settings stay out of the Config
     assert (p.dtype, p.loss_scale, p.initial_loss_scale, p.loss_scale_window, p.hysteresis,
             p.min_loss_scale) == ("fp16", None, 4096.0, 500, 3, 2)
-    assert (t.log_interval, t.wall_clock_breakdown, t.wandb_project, t.wandb_exp_name) == \
-        (7, True, "p", "g")
+    # DeepSpeed's wandb section: group is wandb's run group, team its entity (--wandb-entity)
+    assert (t.log_interval, t.wall_clock_breakdown, t.wandb_project, t.wandb_group,
+            t.wandb_entity, t.wandb_exp_name) == (7, True, "p", "g", "tm", None)
     assert settings.activation_checkpoint_interval == 2
     assert cfg.model.recompute_method == "uniform" and cfg.model.recompute_num_layers == 2
 

@@ -24,7 +24,8 @@ What maps where (DeepSpeed key -> Config field, Megatron flag):
     gradient_clipping                 optimizer.clip_grad          --clip-grad
     steps_per_print                   train.log_interval           --log-interval
     wall_clock_breakdown              train.wall_clock_breakdown   --wall-clock-breakdown
-    wandb {enabled, project, group}   train.wandb_project/_exp_name  --wandb-project ...
+    wandb {enabled, project, team,    train.wandb_project,         --wandb-project
+           group}                     _entity, _group              --wandb-entity
     pipeline {schedule, activation_checkpoint_interval, stages}
                                       schedule, model.recompute_*  --pipeline-schedule ...
     zero_optimization {stage}         1: parallel.distributed_optimizer  --use-distributed-optimizer

@@ -3,7 +3,8 @@ checked before any process group.
 
 The monitors write through deepspeed/monitor.py (`engine.monitor`); here: their keys (DeepSpeed
 validates these sections itself, so an unknown key is a did-you-mean error), their types, and
-the package each needs (tensorboard, wandb, comet_ml), named in one line if it is missing.
+the package each needs (tensorboard, wandb, comet_ml), named in one line if it is missing (and
+for wandb if it fails to import: config/packages.py, as --wandb-project).
 activation_checkpointing is DeepSpeed's dict-style section (unknown keys are ignored by
 DeepSpeed: a warning line here, an error under "strict"); what it turns on is the engine's
 recomputation (pipeline.activation_checkpoint_interval) and deepspeed.checkpointing.
@@ -15,6 +16,7 @@ import importlib.util
 from megatron_2bw.config.ds_json.activation import (MEMORY_ONLY_KEYS,
                                                        activation_checkpointing_settings)
 from megatron_2bw.config.ds_json.setting import fail
+from megatron_2bw.config.packages import wandb_problem
 
 MONITOR_KEYS = {
     "tensorboard": ("enabled", "output_path", "job_name"),
@@ -49,6 +51,11 @@ def check_monitors(ds: dict, find_spec=importlib.util.find_spec) -> None:
             if value is not None and not isinstance(value, str):
                 fail(f"DeepSpeed config: {name}.{key} must be a string, got {value!r}")
         package = PACKAGES.get(name)
+        if name == "wandb" and find_spec(package) is not None:  # found: does it import?
+            problem = wandb_problem("DeepSpeed config: 'wandb'",
+                                    instead="disable 'wandb'")
+            if problem:
+                fail(problem)
         if package and find_spec(package) is None:
             fail(f"DeepSpeed config: {name!r} is enabled but the {package} package is not "
                  f"installed: pip install {package.replace('_', '-')} (or disable {name!r})")

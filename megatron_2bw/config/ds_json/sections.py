@@ -114,9 +114,11 @@ def _logging_settings(ds: dict) -> list[Setting]:
     if wandb.get("enabled", False):
         out.append(Setting("wandb.project", "--wandb-project", "train.wandb_project",
                            wandb.get("project") or "deepspeed"))
-        if wandb.get("group"):
-            out.append(Setting("wandb.group", "--wandb-exp-name", "train.wandb_exp_name",
-                               wandb["group"]))
+        if wandb.get("team"):  # DeepSpeed's team is wandb's entity
+            out.append(Setting("wandb.team", "--wandb-entity", "train.wandb_entity",
+                               wandb["team"]))
+        if wandb.get("group"):  # wandb's run group (no Megatron flag)
+            out.append(Setting("wandb.group", None, "train.wandb_group", wandb["group"]))
     return out
 
 

@@ -1,21 +1,21 @@
-"""Training logs: one console line per log interval from the last pipeline stage, the same numbers
-to wandb and TensorBoard (training/observe/writers.py), a progress bar on a terminal
-(training/observe/progress.py).
+"""Training logs: Megatron's console lines from the last pipeline stage (training/observe/
+log_line.py), the same numbers to wandb and TensorBoard (training/observe/writers.py), a progress
+bar on a terminal (training/observe/progress.py).
 
-A line is `iteration   N/T | key value | key value ...`: numbers as written by `TrainLogger.log`
-(lr in scientific notation, other floats to 4 significant digits, per-stage lists in brackets),
-text as is (the ETA); `parse_line` reads it back. What a training interval logs is assembled in
-`training/observe/interval_log.py`.
+The writers get Megatron's tags as rows (iteration, consumed samples, {tag: value}) and the
+scalars of the line's own fields (ETA and other text left out); Megatron's fields of the line are
+not written under their line names, their tags carry them (interval_log.megatron_rows). Every
+write goes to a step at or after the steps written before it (wandb drops a point logged to an
+earlier step): the training loop hands each iteration's rows over before any evaluation at or
+after it. What a training interval logs is assembled in `training/observe/interval_log.py`.
 """
 from __future__ import annotations
 
-import re
-
+from megatron_2bw.training.observe.log_line import (MEGATRON, format_interval, parse_line,
+                                                    validation_lines)
 from megatron_2bw.training.observe.writers import TensorBoardWriter, WandbWriter, scalars
 
-# line fields the writers get under Megatron's tags instead (interval_log.megatron_rows)
-MEGATRON_TAGGED = ("lm loss", "lr", "decoupled lr", "grad norm", "params norm", "loss scale",
-                   "validation loss", "validation ppl")
+__all__ = ["TrainLogger", "parse_line"]
 
 
 class TrainLogger:
@@ -42,22 +42,37 @@ class TrainLogger:
         if self.bar is not None:
             self.bar.step(iteration)
 
-    def log(self, iteration: int, metrics: dict, tensorboard_only: dict | None = None,
+    def rows(self, rows: list) -> None:
+        """Megatron's tags to the writers, no line: [(iteration, samples, {tag: value})]."""
+        if self.reporter:
+            for writer in self.writers:
+                writer.write_rows(rows)
+
+    def log(self, iteration: int, fields: dict, tensorboard_only: dict | None = None,
             rows: list | None = None) -> None:
-        """One line of `metrics`; to the writers Megatron's tags (`rows`: [(iteration, samples,
-        {tag: value})], interval_log.py) and the line's other scalars; TensorBoard also gets
+        """The interval line of `fields` (log_line.format_interval); to the writers `rows`
+        (Megatron's tags) and the scalars of the line's own fields; TensorBoard also gets
         `tensorboard_only`'s (--log-timers-to-tensorboard without --wall-clock-breakdown)."""
         if not self.reporter:
             return
         if self.bar is not None:
-            self.bar.show(metrics)
-        self._emit(format_line(iteration, self.cfg.train.train_iters, metrics))
-        values = scalars({k: v for k, v in metrics.items() if k not in MEGATRON_TAGGED})
+            self.bar.show(fields)
+        self._emit(format_interval(iteration, self.cfg.train.train_iters, fields))
+        values = scalars({k: v for k, v in fields.items() if k not in MEGATRON})
         for writer in self.writers:
             extra = scalars(tensorboard_only or {}) if isinstance(writer, TensorBoardWriter) \
                 else {}
             writer.write_rows(rows or [])
             writer.write(iteration, {**values, **extra})
+
+    def validation(self, iteration: int, loss: float, ppl: float, rows: list,
+                   on_validation_set: bool = False) -> None:
+        """Megatron's validation line (with its dashed frame) and its rows to the writers."""
+        if not self.reporter:
+            return
+        for line in validation_lines(iteration, loss, ppl, on_validation_set):
+            self._emit(line)
+        self.rows(rows)
 
     def note(self, line: str) -> None:
         """A line of its own (a straggler, a warning) on the reporting rank."""
@@ -77,37 +92,3 @@ class TrainLogger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-def format_line(iteration: int, train_iters: int, metrics: dict) -> str:
-    fields = [f"iteration {iteration:6d}/{train_iters}"]
-    for key, value in metrics.items():
-        if isinstance(value, float):
-            value = f"{value:.3e}" if key in ("lr", "decoupled lr") else f"{value:.4g}"
-        elif isinstance(value, list):
-            value = "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
-        fields.append(f"{key} {value}")
-    return " | ".join(fields)
-
-
-def parse_line(line: str) -> tuple[int, dict] | None:
-    """(iteration, {key: value}) of a line `TrainLogger.log` printed (numbers as floats, lists
-    as lists of floats, anything else as text); None for any other line."""
-    m = re.match(r"\s*iteration\s+(\d+)/\d+ \| (.*)$", line)
-    if not m:
-        return None
-    fields = {}
-    for part in m.group(2).split(" | "):
-        kv = re.match(r"(.*?) (\[.*\]|\S+)$", part.strip())
-        if kv:
-            key, value = kv.groups()
-            fields[key] = ([float(x) for x in value.strip("[]").split(",") if x.strip()]
-                           if value.startswith("[") else _number(value))
-    return int(m.group(1)), fields
-
-
-def _number(text: str):
-    try:
-        return float(text)
-    except ValueError:
-        return text

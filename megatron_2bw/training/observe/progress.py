@@ -65,7 +65,9 @@ class ProgressBar:
 
     def show(self, metrics: dict) -> None:
         """The newest loss and lr next to the bar."""
-        shown = {k: f"{metrics[k]:.4g}" for k in ("lm loss", "lr") if k in metrics}
+        shown = {name: f"{metrics[k]:.4g}" for k, name in (("lm loss", "lm loss"),
+                                                           ("learning rate", "lr"))
+                 if k in metrics}
         if shown:
             self.bar.set_postfix(shown, refresh=False)
 
