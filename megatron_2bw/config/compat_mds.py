@@ -92,6 +92,10 @@ NOTED = {
                                                  "buffer per stage (the same reduction)"),
     "--overlap-p2p-communication": (ON, "point-to-point transfers are batched and non-blocking "
                                         "as the schedule posts them"),
+    "--inference-batch-times-seqlen-threshold": (dict(type=int, default=None),
+                                                 "an inference setting: no effect on training"),
+    "--max-tokens-to-oom": (dict(type=int, default=None), "an inference setting: no effect on "
+                                                          "training"),
     "--use-flash-attn-v1": (ON, "attention runs torch's scaled_dot_product_attention (flash on "
                                 "CUDA where it applies)"),
 }
@@ -146,6 +150,9 @@ NEUTRAL = {
                                       "the zero-bubble (ZB-H1) pipeline schedule"),
     "--ds-inference": (dict(action="store_true", default=False), False, "DeepSpeed inference"),
     "--inference": (dict(action="store_true", default=False), False, "DeepSpeed inference"),
+    "--fp8-e4m3": (dict(action="store_true", default=False), False, "fp8 training"),
+    "--fp8-hybrid": (dict(action="store_true", default=False), False, "fp8 training"),
+    "--load-tag": (dict(default=None), None, "loading a checkpoint by its tag"),
     "--universal-checkpoint": (dict(action="store_true", default=False), False,
                                "loading DeepSpeed's universal checkpoints"),
     "--remote-device": (dict(choices=("none", "cpu", "nvme"), default="none"), "none",
@@ -192,6 +199,8 @@ INSTEAD = {
     "DeepSpeed inference": "drop it (sample from a checkpoint with tools/generate.py)",
     "loading DeepSpeed's universal checkpoints": "drop it (a torch_dist checkpoint of this "
                                                  "engine loads into any layout)",
+    "loading a checkpoint by its tag": "drop it (--load loads the iteration its `latest` file "
+                                       "names)",
     "ZeRO-3 parameter placement": "drop it (ZeRO stage 3 is not in this engine)",
     "FSDP": "use --DDP-impl local (the engine's own reduction; --use-distributed-optimizer "
             "shards the optimizer)",
