@@ -55,7 +55,6 @@ FLAG_FIXES = {
     "--use-distributed-optimizer": "parallel.distributed_optimizer",
     "--zero-stage": "parallel.distributed_optimizer",  # 1: the distributed optimizer
     "--checkpoint-activations": "model.recompute_granularity",  # Megatron-DeepSpeed's
-    "--checkpoint-num-layers": "model.recompute_granularity",
     "--sequence-parallel": "parallel.sequence_parallel",
 }
 
