@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.config.build import build_config
 from megatron_2bw.config.compat import add_compat_args
+from megatron_2bw.config.mds_flags import add_mds_args
 from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
                                        add_training_args, exit_on_config_error)
 from megatron_2bw.config.paths import check_output_paths
@@ -49,10 +50,13 @@ def build_parser(family: str) -> FlagParser:
     add_training_args(p)
     add_data_args(p, family)
     g = p.add_argument_group("DeepSpeed config")
-    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
-                   default=None, help="DeepSpeed JSON; a setting that conflicts with a flag you "
-                                      "typed is an error naming both")
-    g.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed launchers")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", "--deepscale_config",
+                   dest="deepspeed_config", default=None,
+                   help="DeepSpeed JSON; a setting that conflicts with a flag you typed is an "
+                        "error naming both (--deepscale_config: DeepSpeed's old name)")
+    g.add_argument("--deepspeed", "--deepscale", dest="deepspeed", action="store_true",
+                   help="Megatron-DeepSpeed's: its meaning of the flags where it differs from "
+                        "Megatron-LM's (config/mds_flags.py)")
     g = p.add_argument_group("auto-plan")
     g.add_argument("--auto-plan", action="store_true",
                    help="choose t, d, w, micro batch, rank order, recomputation, the schedule "
@@ -67,6 +71,7 @@ def build_parser(family: str) -> FlagParser:
     g.add_argument("--no-memory-check", action="store_true",
                    help="start even when the planner's memory model says a rank's buffers do "
                         "not fit in its device's free memory")
+    add_mds_args(p)
     add_compat_args(p)  # last: Megatron's other flags, where no group above took them
     return p
 

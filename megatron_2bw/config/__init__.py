@@ -3,8 +3,10 @@
 Owns: the frozen dataclasses (schema.py), the settings' vocabularies and `ConfigError`
 (choices.py), every rule that needs no process group (checks.py), the one pipeline from flags
 and DeepSpeed JSON to a validated Config (build.py), Megatron's command line (flags.py; logging
-flags: log_flags.py; the flags of Megatron's scripts taken for compatibility, stated or refused:
-compat.py; batch-size ramps: ramps.py), the directories a run writes into (config/paths.py),
+flags: log_flags.py; architecture flags: architecture_flags.py; the flags of Megatron's scripts
+taken for compatibility, stated or refused: compat.py, Megatron-DeepSpeed's: compat_mds.py, and
+those with a meaning of their own: mds_flags.py; an unknown flag's did-you-mean: suggest.py;
+batch-size ramps: ramps.py), the directories a run writes into (config/paths.py),
 whether the loggers' packages import (packages.py) and the DeepSpeed JSON (ds_json/).
 Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
 testing, pretrain, generate.

@@ -12,20 +12,25 @@ The steps, in order (each returns a new Config; nothing is mutated):
    in `Config.fixed` (`FLAG_FIXES`: the flag and its value, e.g. "--pipeline-schedule flush");
 2. --deepspeed_config JSON on top (`ds_json.merge_flags_and_ds_config`): a conflict with a typed
    flag is a one-line error naming both; what the JSON states is recorded in `Config.fixed`
-   ("pipeline.schedule=flush in the DeepSpeed config");
+   ("pipeline.schedule=flush in the DeepSpeed config"); Megatron-DeepSpeed's --zero-stage must
+   equal its zero_optimization.stage, and with --deepspeed it clips by its gradient_clipping
+   (config/mds_flags.py);
 3. the vocabulary size the tokenizer implies (known before anything is validated);
 4. --auto-plan: the planner returns a new Config, searching only what nobody fixed
    (`planner.auto.plan`); a contradiction between fixed settings names their sources;
-5. --train-samples -> --train-iters (over the global batch);
+5. --train-samples -> --train-iters (over the global batch); Megatron-DeepSpeed's --train-tokens
+   ends the run earlier when its tokens are reached first;
 6. `Config.validate(world_size)`: once, on the final config.
 """
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from megatron_2bw.config import Config, Fixed
+from megatron_2bw.config import Config, ConfigError, Fixed
 from megatron_2bw.config.compat import notes as compat_notes
 from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.config.mds_flags import (cap_by_tokens, deepspeed_clipping, mds_notes,
+                                           zero_stage_error)
 from megatron_2bw.config.schedule_flags import schedule_given
 from megatron_2bw.config.ramps import resolve_ramp
 from megatron_2bw.schedule.kinds import default_schedule, one_stage_note, schedule_kind
@@ -48,6 +53,8 @@ FLAG_FIXES = {
     "--recompute-method": "model.recompute_granularity",
     "--recompute-num-layers": "model.recompute_granularity",
     "--use-distributed-optimizer": "parallel.distributed_optimizer",
+    "--zero-stage": "parallel.distributed_optimizer",  # 1: the distributed optimizer
+    "--checkpoint-activations": "model.recompute_granularity",  # Megatron-DeepSpeed's
     "--sequence-parallel": "parallel.sequence_parallel",
 }
 
@@ -96,7 +103,7 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
     typed = set(typed)
     _check_sample_mode(args)
     cfg = config_from_args(args, family)
-    notes = list(compat_notes(args))
+    notes = list(compat_notes(args)) + mds_notes(args)
     ramp_line = resolve_ramp(args, cfg.model.seq_length)[1]
     if ramp_line:
         notes.append(ramp_line)
@@ -104,10 +111,16 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
                                   for f in fixed_by_flags(args, typed)))
     deepspeed = None
     if getattr(args, "deepspeed_config", None):
-        from megatron_2bw.config.ds_json import merge_flags_and_ds_config
-        cfg, deepspeed = merge_flags_and_ds_config(cfg, typed, args.deepspeed_config, world_size,
+        from megatron_2bw.config.ds_json import load_ds_json, merge_flags_and_ds_config
+        ds_json = load_ds_json(args.deepspeed_config)
+        error = zero_stage_error(args, ds_json)  # Megatron-DeepSpeed's --zero-stage
+        if error:
+            raise ConfigError(error)
+        cfg, deepspeed = merge_flags_and_ds_config(cfg, typed, ds_json, world_size,
                                                    layout_free=planner is not None)
         notes += deepspeed.notes   # unknown keys DeepSpeed ignores: one warning line each
+        cfg, line = deepspeed_clipping(cfg, args, ds_json)  # with --deepspeed: the JSON's
+        notes += [line] if line else []
     if vocab_size is not None:
         cfg = cfg.replace(model={"vocab_size": vocab_size})
     if eod is not None and (cfg.model.eod_mask_loss or cfg.model.reset_position_ids
@@ -129,10 +142,11 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
         cfg = cfg.replace(parallel={"sequence_parallel": False})
     samples = getattr(args, "train_samples", None)
     if samples is not None:
-        from megatron_2bw.config import ConfigError
         if samples < 1:
             raise ConfigError(f"--train-samples must be >= 1, got {samples}")
         cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
+    cfg, line = cap_by_tokens(cfg, args)  # Megatron-DeepSpeed's --train-tokens
+    notes += [line] if line else []
     return BuiltConfig(cfg.validate(world_size), deepspeed, tuple(notes))
 
 

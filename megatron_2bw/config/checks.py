@@ -10,6 +10,7 @@ import sys
 from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FAMILIES, OPTIMIZERS,
                                          PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
                                          RECOMPUTE_METHODS, SCHEDULES, ConfigError)
+from megatron_2bw.config.mds_flags import check_lr_tokens
 from megatron_2bw.pipeline.compensation import compensation_error
 from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_kind_of
@@ -86,8 +87,8 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(f"unknown --recompute-granularity {m.recompute_granularity!r}: use one of "
               f"{', '.join(RECOMPUTE_GRANULARITIES)}")
     if m.full_recompute and m.recompute_method is None:
-        _fail("--recompute-granularity full needs --recompute-method {uniform,block} and "
-              "--recompute-num-layers N")
+        _fail("--recompute-granularity full needs --recompute-method {uniform,block} (and "
+              "--recompute-num-layers N, default 1)")
     if m.selective_recompute and m.recompute_method is not None:
         _fail("--recompute-method applies to --recompute-granularity full, not selective: "
               "drop one of them")
@@ -188,6 +189,9 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     if not o.lr_warmup_init >= 0:
         _fail(f"--lr-warmup-init must be >= 0, got {o.lr_warmup_init}")
     _check_lr_samples(o)
+    tokens_error = check_lr_tokens(cfg)  # Megatron-DeepSpeed's token-based lr (mds_flags.py)
+    if tokens_error:
+        _fail(tokens_error)
     if pr.dtype not in PRECISIONS:
         _fail(f"unknown precision {pr.dtype!r}: use one of {', '.join(PRECISIONS)}")
     if pr.loss_scale is not None and pr.loss_scale <= 0:

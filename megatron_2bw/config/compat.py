@@ -12,14 +12,16 @@ a name registered there is never registered here):
   all, they are refused.
 
 `refusals(args, unknown)` lists every refusal of one command, each with its reason: unknown flags
-(with the closest valid name; Megatron-LM's retired ones with its replacement, `RETIRED`), the
-features above, and the flags whose Megatron meaning the engine
-does not implement (`UNIMPLEMENTED`); the parser prints them in one message and exits 2.
+(with the closest valid name where one is plausible, suggest.py; the retired ones with their
+replacement, `RETIRED`) and the features above; the parser prints them in one message and exits
+2. Megatron-DeepSpeed's selectors and features are in compat_mds.py, merged into these tables.
 """
 from __future__ import annotations
 
 import argparse
-import difflib
+
+from megatron_2bw.config import compat_mds
+from megatron_2bw.config.suggest import closest_flag
 
 # flag -> (argparse keywords, the line logged when it is given)
 NOTED = {
@@ -183,20 +185,14 @@ for _flag in ("--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-
     NOTED[_flag] = (dict(action="store_true", default=None),
                     "a kernel-fusion switch: the engine's kernels compute the same either way")
 
-# Megatron-LM's retired flags (its arguments.py refuses them too, or dropped them): flag -> the
-# fix, in Megatron's meaning (a closest-name guess would mislead: --warmup took a fraction)
+# Megatron-LM's retired flags that Megatron-DeepSpeed retired too (its arguments.py refuses them
+# with the replacement): flag -> the fix, in Megatron's meaning (a closest-name guess would
+# mislead: --warmup took a fraction). The ones Megatron-DeepSpeed still uses (--checkpoint-
+# activations, --data-impl, ...) are taken with its meaning (mds_flags.py, compat_mds.py).
 RETIRED = {
     "--batch-size": "use --micro-batch-size",
     "--warmup": "use --lr-warmup-fraction (the same fraction)",
     "--model-parallel-size": "use --tensor-model-parallel-size",
-    "--checkpoint-activations": "use --recompute-granularity full --recompute-method uniform "
-                                "(what it did), or --recompute-activations (selective)",
-    "--checkpoint-num-layers": "use --recompute-num-layers",
-    "--distribute-checkpointed-activations": "use --distribute-saved-activations",
-    "--data-impl": "drop it (the .bin/.idx files are always memory-mapped, Megatron-LM's mmap, "
-                   "the one format it still reads)",
-    "--DDP-impl": "drop it (the engine's data-parallel reduction is its own, like Megatron's "
-                  "local DDP)",
 }
 
 # flag -> (argparse keywords, neutral value, the feature it selects)
@@ -205,7 +201,8 @@ NEUTRAL = {
     "--expert-model-parallel-size": (dict(type=int, default=1), 1, "expert parallelism (MoE)"),
     "--expert-tensor-parallel-size": (dict(type=int, default=None), (None, 1),
                                       "expert tensor parallelism (MoE)"),
-    "--num-experts": (dict(type=int, default=None), None, "mixture of experts"),
+    # Megatron-DeepSpeed's form (a list; its default [1] is the dense model) takes Megatron-LM's N
+    "--num-experts": (dict(type=int, nargs="+", default=None), (None, [1]), "mixture of experts"),
     "--num-layers-per-virtual-pipeline-stage": (dict(type=int, default=None), None,
                                                 "the interleaved (virtual pipeline) schedule"),
     "--virtual-pipeline-model-parallel-size": (dict(type=int, default=None), None,
@@ -234,8 +231,6 @@ NEUTRAL = {
                                 "the cross entropy in fp16"),
     "--no-position-embedding": (dict(action="store_true", default=False), False,
                                 "a GPT without any position information"),
-    "--use-rotary-position-embeddings": (dict(action="store_true", default=False), False,
-                                         "the old name of RoPE"),
     "--fp32-residual-connection": (dict(action="store_true", default=False), False,
                                    "fp32 residual connections"),
     "--apply-residual-connection-post-layernorm": (dict(action="store_true", default=False),
@@ -260,9 +255,6 @@ NEUTRAL = {
 }
 # features accepted where another flag makes them neutral: flag -> (is it neutral here, line)
 NEUTRAL_WHEN = {
-    "--use-rotary-position-embeddings": (
-        lambda args: getattr(args, "position_embedding_type", None) == "rope",
-        "the old name of --position-embedding-type rope, given with it"),
     "--no-position-embedding": (
         lambda args: getattr(args, "position_embedding_type", None) == "rope",
         "with --position-embedding-type rope there is no learned position table"),
@@ -280,7 +272,6 @@ INSTEAD = {
     "context parallelism": "use --context-parallel-size 1 (shorter sequences per rank need "
                            "tensor or pipeline parallelism here)",
     "the interleaved (virtual pipeline) schedule": "use --pipeline-schedule 2bw, flush or gpipe",
-    "the old name of RoPE": "use --position-embedding-type rope",
     "fp32 residual connections": "drop it (residuals run in the model's dtype)",
     "a weight-decay schedule": "use --weight-decay (constant)",
     "Xavier-uniform initialization": "use --init-method-std",
@@ -296,6 +287,12 @@ INSTEAD = {
     "different initial weights per data-parallel replica": "drop it (every replica starts from "
                                                            "the same weights)",
 }
+
+# Megatron-DeepSpeed's selectors and features (its own module: compat_mds.py)
+NOTED.update(compat_mds.NOTED)
+NEUTRAL.update(compat_mds.NEUTRAL)
+NEUTRAL_WHEN.update(compat_mds.NEUTRAL_WHEN)
+INSTEAD.update(compat_mds.INSTEAD)
 
 
 def _flag_dest(flag: str) -> str:
@@ -325,8 +322,11 @@ def notes(args: argparse.Namespace) -> list[str]:
             shown = flag if value is True else f"{flag} {value}"
             out.append(f"megatron-2bw: {shown}: {line}")
     for flag, (neutral_here, line) in NEUTRAL_WHEN.items():
-        if getattr(args, _flag_dest(flag), False) and neutral_here(args):
-            out.append(f"megatron-2bw: {flag}: {line}")
+        value = getattr(args, _flag_dest(flag), None)
+        neutral = NEUTRAL[flag][1] if flag in NEUTRAL else False
+        if value not in (None, False) + (neutral if isinstance(neutral, tuple) else (neutral,)) \
+                and neutral_here(args):  # given off its neutral value, where it changes nothing
+            out.append(f"megatron-2bw: {_shown(flag, value)}: {line}")
     return out
 
 
@@ -343,8 +343,8 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
         if flag in RETIRED:
             out.append(f"{flag} is a retired Megatron-LM flag: {RETIRED[flag]}")
             continue
-        close = difflib.get_close_matches(flag, valid, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        close = closest_flag(flag, valid)
+        hint = f" (did you mean {close}?)" if close else ""
         out.append(f"unknown flag {flag}{hint}")
     by_feature: dict[str, list[str]] = {}
     for flag, (_kw, neutral, feature) in NEUTRAL.items():
@@ -355,7 +355,7 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
         allowed = neutral if isinstance(neutral, tuple) else (neutral,)
         when = NEUTRAL_WHEN.get(flag)
         if value not in allowed and not (when and when[0](args)):
-            by_feature.setdefault(feature, []).append(flag if value is True else f"{flag} {value}")
+            by_feature.setdefault(feature, []).append(_shown(flag, value))
     for feature, flags in by_feature.items():
         instead = INSTEAD.get(feature, f"drop {'them' if len(flags) > 1 else 'it'}")
         out.append(f"{', '.join(flags)}: {feature} is not in this engine; {instead}")
@@ -364,6 +364,13 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
                    "batch's unmasked tokens is not in this engine (it takes the mean of the "
                    "microbatch means); drop --calculate-per-token-loss")
     return out
+
+
+def _shown(flag: str, value) -> str:
+    """A flag as typed: `--flag`, `--flag VALUE` or `--flag V1 V2` (a list)."""
+    if value is True:
+        return flag
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def _is_number(token: str) -> bool:

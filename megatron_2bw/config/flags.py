@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 
+from megatron_2bw.config.architecture_flags import (  # noqa: F401  (planner/cli.py's names)
+    ARCHITECTURE_FLAGS, add_architecture_args, apply_architecture_args)
 from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK_ORDERS,
                                  RECOMPUTE_GRANULARITIES, BatchConfig, Config,
                                  ConfigError, ModelConfig, OptimizerConfig, ParallelConfig,
@@ -12,11 +13,12 @@ from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.config.compat import refusals
 from megatron_2bw.config.log_flags import add_observability_args, logger_fields
+from megatron_2bw.config.mds_flags import fold_mds_args, mds_model
 from megatron_2bw.config.precision_flags import add_precision_args, precision_from_args
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
 from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
 from megatron_2bw.config.schedule_flags import add_schedule_args, schedule_fields
-from megatron_2bw.models.flavours import FLAVOURS, flavour_architecture, flavour_shape
+from megatron_2bw.models.flavours import FLAVOURS, flavour_shape
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -26,7 +28,8 @@ class FlagParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         args, unknown = self.parse_known_args(args, namespace)
-        problems = refusals(self, args, unknown) + batch_ramp_problems(args)
+        problems = fold_mds_args(args)  # Megatron-DeepSpeed's flags in Megatron-LM's terms
+        problems += refusals(self, args, unknown) + batch_ramp_problems(args)
         if problems:
             self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in problems))
         return args
@@ -83,66 +86,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
                    help="full recomputation: uniform (chunks of N layers) or block (the first N "
                         "layers of each stage)")
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full recomputation: the layers of a chunk (uniform) or of each stage "
+                        "(block); default 1, as in Megatron")
     add_architecture_args(p)
-
-
-# -- architecture flags (Megatron's names and meanings) -------------------------------------------
-# flag -> ModelConfig field; None defaults mean "not given": the --model flavour's value, else the
-# ModelConfig default (the GPT-2 shape)
-ARCHITECTURE_FLAGS = {"position_embedding_type": "position_embedding_type",
-                      "rotary_base": "rotary_base", "rotary_percent": "rotary_percent",
-                      "normalization": "normalization", "norm_epsilon": "layernorm_epsilon",
-                      "swiglu": "swiglu", "group_query_attention": "group_query_attention",
-                      "num_query_groups": "num_query_groups", "openai_gelu": "openai_gelu",
-                      "kv_channels": "num_kv_channels", "apply_layernorm_1p": "apply_layernorm_1p",
-                      "qk_layernorm": "qk_layernorm"}
-
-
-def add_architecture_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("architecture (Megatron's flags; default: the GPT-2 shape)")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
-                   default=None, help="rope: rotary embeddings, no learned position table")
-    g.add_argument("--rotary-base", type=float, default=None, help="RoPE base (10000)")
-    g.add_argument("--rotary-percent", type=float, default=None,
-                   help="fraction of each head's channels rotated (1.0)")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default=None)
-    g.add_argument("--norm-epsilon", type=float, default=None, help="(1e-5)")
-    g.add_argument("--swiglu", action="store_true", default=None,
-                   help="gated SiLU MLP; --ffn-hidden-size defaults to int(8h/3 / 64) * 64")
-    g.add_argument("--group-query-attention", action="store_true", default=None)
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="key/value heads with --group-query-attention (1)")
-    g.add_argument("--disable-bias-linear", action="store_true", default=None,
-                   help="no biases in the linear layers (norms keep theirs)")
-    g.add_argument("--openai-gelu", action="store_true", default=None,
-                   help="tanh-approximated GeLU (GPT-2's gelu_new)")
-    g.add_argument("--kv-channels", type=int, default=None,
-                   help="channels per attention head (default: hidden size / heads)")
-    g.add_argument("--apply-layernorm-1p", action="store_true", default=None,
-                   help="norm weights stored as gamma - 1 (zero at init, weight decay pulls "
-                        "gamma to 1): Megatron's zero-centred gamma, LayerNorm and RMSNorm")
-    g.add_argument("--qk-layernorm", action="store_true", default=None,
-                   help="a norm (of --normalization's kind) over each query and key head, "
-                        "before RoPE; at --tensor-model-parallel-size > 1 with "
-                        "--sequence-parallel")
-
-
-def apply_architecture_args(model: ModelConfig, args: argparse.Namespace) -> ModelConfig:
-    """The model with the --model flavour's architecture and the architecture flags applied
-    (a flag beats the flavour; the vocabulary still comes from the data)."""
-    fields = flavour_architecture(getattr(args, "model", None) or "")
-    fields.pop("vocab_size", None)
-    if getattr(args, "ffn_hidden_size", None) is not None:
-        fields.pop("ffn_hidden_size", None)
-    if getattr(args, "untie_embeddings_and_output_weights", False):
-        fields["untie_embeddings_and_output_weights"] = True
-    for flag, field_name in ARCHITECTURE_FLAGS.items():
-        if getattr(args, flag, None) is not None:
-            fields[field_name] = getattr(args, flag)
-    if getattr(args, "disable_bias_linear", None):
-        fields["add_bias_linear"] = False
-    return replace(model, **fields)
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -311,7 +258,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         reset_attention_mask=getattr(args, "reset_attention_mask", False),
         recompute_method=method, recompute_num_layers=num or 0,
         recompute_granularity=granularity)
-    model = apply_architecture_args(model, args)
+    model = mds_model(apply_architecture_args(model, args), args)
     parallel = ParallelConfig(
         tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
         data=args.data_parallel_size, rank_order=rank_order_of(args),
@@ -332,6 +279,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         lr_warmup_fraction=getattr(args, "lr_warmup_fraction", None),
         lr_warmup_samples=getattr(args, "lr_warmup_samples", 0),
         lr_decay_samples=getattr(args, "lr_decay_samples", None),
+        lr_warmup_tokens=getattr(args, "lr_warmup_tokens", None),
+        lr_decay_tokens=getattr(args, "lr_decay_tokens", None),
         decoupled_lr=getattr(args, "decoupled_lr", None),
         decoupled_min_lr=getattr(args, "decoupled_min_lr", None))
     precision = precision_from_args(args)
@@ -372,9 +321,10 @@ def recompute_from_args(args) -> tuple:
                               "attention), --recompute-granularity full whole layers: give one")
         granularity = "selective"
     if granularity == "full":
-        if method is None or num is None:
+        if method is None:
             raise ConfigError("--recompute-granularity full needs --recompute-method "
-                              "{uniform,block} and --recompute-num-layers N")
+                              "{uniform,block} (and --recompute-num-layers N, default 1)")
+        num = 1 if num is None else num  # Megatron's default
     elif method is not None or num is not None:
         raise ConfigError("--recompute-method/--recompute-num-layers need "
                           "--recompute-granularity full")

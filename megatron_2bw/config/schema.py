@@ -173,6 +173,10 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = None
     lr_warmup_samples: int = 0
     lr_decay_samples: int | None = None
+    # Megatron-DeepSpeed's --lr-warmup-tokens / --lr-decay-tokens: warmup and decay in tokens
+    # (samples x seq length; its arithmetic, optim/lr.py); None: by iterations or samples
+    lr_warmup_tokens: int | None = None
+    lr_decay_tokens: int | None = None
     # Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding and the output layer
     # step at their own lr, between these bounds on the same warmup and decay (optim/lr.py);
     # None: --lr (the min: --min-lr)

@@ -23,8 +23,12 @@ __all__ = ["DeepSpeedPipelineEngine", "add_config_arguments", "init_distributed"
 
 
 # -- process group --------------------------------------------------------------------------------
+# DeepSpeed's default group timeout (deepspeed/constants.py): DEEPSPEED_TIMEOUT minutes, else 10
+default_pg_timeout = datetime.timedelta(minutes=int(os.getenv("DEEPSPEED_TIMEOUT", default=10)))
+
+
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
-                     verbose=True, timeout=datetime.timedelta(minutes=30), init_method=None,
+                     verbose=True, timeout=default_pg_timeout, init_method=None,
                      dist_init_required=None, config=None, rank=-1, world_size=-1) -> None:
     """Start torch.distributed like deepspeed.init_distributed: nccl on GPUs, gloo otherwise;
     rank and world from torchrun, SLURM or MPI variables. A no-op when already initialized.
@@ -41,7 +45,7 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     env_rank, env_world, local_rank = env_rank_world()
     rank = env_rank if rank < 0 else rank
     world_size = env_world if world_size < 0 else world_size
-    minutes = float(os.environ.get("DEEPSPEED_TIMEOUT", timeout.total_seconds() / 60))
+    minutes = timeout.total_seconds() / 60
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     backend = dist_backend or default_backend()

@@ -22,9 +22,15 @@ class LRSchedule:
     """Megatron's warmup and decay in iterations. Megatron counts them in samples; with one global
     batch B its spans are, in iterations: --lr-decay-samples / B (else --lr-decay-iters, else
     --train-iters), warmup --lr-warmup-fraction x the decay span, else --lr-warmup-samples / B,
-    else --lr-warmup-iters (fractions of an iteration kept: the same lr at every step)."""
+    else --lr-warmup-iters (fractions of an iteration kept: the same lr at every step).
 
-    def __init__(self, cfg: OptimizerConfig, train_iters: int, global_batch: int = 1):
+    Megatron-DeepSpeed's token spans (--lr-warmup-tokens, --lr-decay-tokens; tokens = samples x
+    seq length S) replace the warmup / decay they name, with its arithmetic: its scheduler steps
+    inside batch k and reads the tokens consumed before it, (k - 1) x B x S; a decay in tokens
+    without a warmup in tokens starts where the iteration warmup's last batch began."""
+
+    def __init__(self, cfg: OptimizerConfig, train_iters: int, global_batch: int = 1,
+                 seq_length: int | None = None):
         self.cfg = cfg
         if cfg.lr_decay_samples is not None:
             self.decay_iters = cfg.lr_decay_samples / global_batch
@@ -36,6 +42,18 @@ class LRSchedule:
             self.warmup_iters = cfg.lr_warmup_samples / global_batch
         else:
             self.warmup_iters = cfg.lr_warmup_iters
+        self.tokens_per_iteration = None
+        if cfg.lr_warmup_tokens is not None or cfg.lr_decay_tokens is not None:
+            if seq_length is None:
+                raise ValueError("LRSchedule: token spans (--lr-warmup-tokens, "
+                                 "--lr-decay-tokens) need seq_length (LRSchedule.of(config))")
+            self.tokens_per_iteration = global_batch * seq_length
+
+    @classmethod
+    def of(cls, config) -> "LRSchedule":
+        """The schedule of a whole Config (its optimizer, iterations, batch and seq length)."""
+        return cls(config.optimizer, config.train.train_iters, config.global_batch_size,
+                   config.model.seq_length)
 
     def __call__(self, iteration: int) -> float:
         """lr used by the optimizer step of batch `iteration` (0-based)."""
@@ -60,17 +78,41 @@ class LRSchedule:
         """The schedule's value at `iteration` between `max_lr` and `min_lr` (warmup from
         --lr-warmup-init, default 0, for every lr class, as Megatron's scheduler)."""
         step = iteration + 1
-        warmup = self.warmup_iters
-        if warmup and step <= warmup:
+        ramp = self._warmup(step)
+        if ramp is not None:
             init = self.cfg.lr_warmup_init
-            return init + (max_lr - init) * step / warmup
+            return init + (max_lr - init) * ramp
         style = self.cfg.lr_decay_style
         if style == "constant":
             return max_lr
-        span = self.decay_iters - warmup
-        frac = min(max(step - warmup, 0) / span, 1.0) if span > 0 else 1.0
+        frac = self._decay(step)
         coeff = 1.0 - frac if style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
+
+    def _tokens(self, step: int) -> int:
+        """The tokens Megatron-DeepSpeed's scheduler reads at its step-th step: those consumed
+        before that batch."""
+        return (step - 1) * self.tokens_per_iteration
+
+    def _warmup(self, step: int) -> float | None:
+        """How far into the warmup step `step` is (0..1], or None past it."""
+        tokens = self.cfg.lr_warmup_tokens
+        if tokens is not None:
+            return self._tokens(step) / tokens if 0 < tokens and self._tokens(step) <= tokens \
+                else None
+        warmup = self.warmup_iters
+        return step / warmup if warmup and step <= warmup else None
+
+    def _decay(self, step: int) -> float:
+        """The decay's progress at step `step`, 0..1 (1: --min-lr)."""
+        c = self.cfg
+        if c.lr_decay_tokens is not None:
+            start = c.lr_warmup_tokens if c.lr_warmup_tokens is not None else \
+                self._tokens(round(self.warmup_iters))  # where the warmup's last batch began
+            done, span = self._tokens(step) - start, c.lr_decay_tokens - start
+        else:
+            done, span = step - self.warmup_iters, self.decay_iters - self.warmup_iters
+        return min(max(done, 0) / span, 1.0) if span > 0 else 1.0
 
 
 def rate_of(lr, k: int) -> float:

@@ -299,6 +299,17 @@ class Comm:
         return f"group {desc}" if desc and desc != "undefined" else "its group"
 
     # -- groups ---------------------------------------------------------------------------------
+    def group_ranks(self, group=None) -> list[int]:
+        """The global ranks of `group` (None: the world), in group-rank order."""
+        if group is None or not self.distributed:
+            return list(range(self.world_size))
+        return list(dist.get_process_group_ranks(group))
+
+    @property
+    def world_group(self):
+        """The world's group handle (every call here also takes None for it)."""
+        return dist.group.WORLD if self.distributed else None
+
     @property
     def can_split(self) -> bool:
         """Whether groups come from splitting the world's communicator (`dist.split_group`: one

@@ -1,4 +1,5 @@
-"""What the launcher (torchrun, srun, mpirun, torch multiprocessing) told this process: its rank,
+"""What the launcher (torchrun, DeepSpeed's `deepspeed`, srun, mpirun, torch multiprocessing) told
+this process: its rank,
 the world size and its local rank (`LAUNCHER_VARS`, the one list of the variables every launcher
 sets), SLURM's host list, and the rendezvous address when no torchrun set one. Environment
 reading (and `scontrol show hostnames` where SLURM is installed): no torch, no process group."""
@@ -17,6 +18,10 @@ LAUNCHER_VARS = (("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # to
                   "OMPI_COMM_WORLD_LOCAL_SIZE"),                            # Open MPI
                  ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))  # MPICH, Intel
 MPI_VARS = LAUNCHER_VARS[2:]
+# DeepSpeed's launcher (deepspeed.launcher.launch, under `deepspeed --num_gpus N ...`) sets RANK,
+# WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT as torchrun does, passes --local_rank=N, and names
+# the node and its processes: (node index, nodes, processes on this node)
+DEEPSPEED_VARS = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
 
 
 def env_rank_world() -> tuple[int, int, int]:
@@ -48,11 +53,15 @@ def node_ranks(rank: int, local_rank: int) -> list[int] | None:
     """The global ranks that share this process's node, where the launcher says so: torchrun
     numbers a node's workers contiguously (rank - local rank onwards, LOCAL_WORLD_SIZE of them);
     a plain `srun` names them in SLURM_GTIDS, whatever the task distribution (block, cyclic,
-    plane). None when no launcher says (mpirun's mapping, a hand-made environment)."""
+    plane); DeepSpeed's launcher numbers them contiguously too (LOCAL_SIZE of them). None when
+    no launcher says (mpirun's mapping, a hand-made environment)."""
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:  # torchrun's workers
         first = rank - local_rank
         return list(range(first, first + int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))))
+    if all(v in env for v in DEEPSPEED_VARS):  # DeepSpeed's launcher: a node's ranks in a row
+        first = rank - local_rank
+        return list(range(first, first + int(env["LOCAL_SIZE"])))
     if "SLURM_GTIDS" in env and env.get("SLURM_PROCID") == str(rank):  # srun, one task a rank
         try:
             return [int(x) for x in env["SLURM_GTIDS"].split(",")]

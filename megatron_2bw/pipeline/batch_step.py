@@ -79,8 +79,7 @@ class BatchStepper:
         self.sequence_parallel = (cfg.parallel.sequence_parallel and grid.group("tp") is not None
                                   and sp_hi > sp_lo)
         self.scaler = make_loss_scaler(cfg.precision)
-        self.lr = lr_schedule or LRSchedule(cfg.optimizer, cfg.train.train_iters,
-                                            cfg.global_batch_size)
+        self.lr = lr_schedule or LRSchedule.of(cfg)
         # what the optimizer steps with: the lr, or (lr, decoupled lr) (optim/lr.py `rates`)
         self.rates = self.lr
         if cfg.optimizer.decoupled_lr is not None:

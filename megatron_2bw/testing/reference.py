@@ -64,7 +64,7 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
     model = build_sequential(cfg, specs)
     params = list(model.named_parameters())
     optimizer = torch_reference_optimizer(cfg.optimizer, params)
-    lr_at = LRSchedule(cfg.optimizer, cfg.train.train_iters, cfg.global_batch_size)
+    lr_at = LRSchedule.of(cfg)
     kind = schedule_kind(cfg.schedule)
     method = compensation_method(cfg.compensation)
     delayed = kind.delay > 0

@@ -52,10 +52,15 @@ def _grid_worker(rank, world, outdir):
     dist.barrier()
     values["broadcast"] = b.item()
     values["rank_world"] = (dist.get_rank(), dist.get_world_size())
+    dp = PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=2, num_dp=2))
+    group = dp.get_data_parallel_group()
+    values["in_group"] = (dist.get_rank(group=group), dist.get_world_size(group=group),
+                          dist.get_all_ranks_from_group(group),
+                          dist.get_global_rank(group, 1))
     try:
-        dist.get_world_size(group=object())
+        dist.scatter(t)
     except ConfigError as e:
-        values["group_refused"] = str(e)
+        values["scatter_refused"] = str(e)
     with pytest.raises(ConfigError):
         PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=2, num_dp=1))
     out["comm"] = values
@@ -93,7 +98,10 @@ def test_pipeline_parallel_grid_comm_and_log_dist():
         c = r["comm"]
         assert (c["SUM"], c["AVG"], c["MAX"], c["MIN"]) == (10.0, 2.5, 4.0, 1.0)
         assert c["broadcast"] == 3.0 and c["rank_world"] == (rank, 4)
-        assert "group=" in c["group_refused"] and "\n" not in c["group_refused"]
+        ranks = c["in_group"][2]  # the data-parallel group of this rank's stage
+        assert rank in ranks and c["in_group"] == (ranks.index(rank), 2, ranks, ranks[1])
+        assert c["scatter_refused"] == "deepspeed.comm.scatter is not in the megatron_2bw " \
+            "drop-in: use broadcast (every rank receives the whole tensor) and take its part"
         want = ["[Rank 1] only rank 1"] if rank == 1 else []
         assert r["logged"] == want + [f"[Rank {rank}] every rank"]
 

@@ -157,7 +157,8 @@ def test_the_node_builder_is_its_first_rank_that_reads_data(d, order, per_node, 
 
 def test_the_launcher_names_the_ranks_of_this_node(monkeypatch):
     from megatron_2bw.parallel.launcher import node_ranks
-    for var in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "SLURM_GTIDS", "SLURM_PROCID"):
+    for var in ("TORCHELASTIC_RUN_ID", "GROUP_RANK", "SLURM_GTIDS", "SLURM_PROCID",
+                "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"):
         monkeypatch.delenv(var, raising=False)
     assert node_ranks(5, 1) is None
     monkeypatch.setenv("SLURM_GTIDS", "1,3,5,7")  # srun --distribution=cyclic, node 1 of 2

@@ -42,6 +42,21 @@ def test_plain_srun(clean_env):
     assert os.environ["MASTER_PORT"] == str(20000 + 123456 % 20000)
 
 
+def test_deepspeeds_launcher(clean_env):
+    """`deepspeed --num_nodes 2 --num_gpus 4 ...` (deepspeed.launcher.launch on each node):
+    torchrun's variables, the node as CROSS_RANK / CROSS_SIZE and its processes as LOCAL_SIZE,
+    numbered contiguously; inside an sbatch allocation its block wins over the batch step's
+    SLURM_GTIDS (which names the one batch task)."""
+    for k, v in (("RANK", "6"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "2"), ("CROSS_RANK", "1"),
+                 ("CROSS_SIZE", "2"), ("LOCAL_SIZE", "4"), ("SLURM_GTIDS", "0"),
+                 ("SLURM_PROCID", "6"), ("SLURM_NTASKS", "1")):
+        clean_env.setenv(k, v)
+    clean_env.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    clean_env.delenv("GROUP_RANK", raising=False)
+    assert D.env_rank_world() == (6, 8, 2) and D.launched()
+    assert D.node_ranks(6, 2) == [4, 5, 6, 7]
+
+
 def test_mpi(clean_env):
     clean_env.setenv("OMPI_COMM_WORLD_RANK", "2")
     clean_env.setenv("OMPI_COMM_WORLD_SIZE", "4")

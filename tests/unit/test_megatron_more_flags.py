@@ -1,8 +1,8 @@
 """More of Megatron-LM's flags (arguments.py, beyond its example scripts): performance, logging and
 initialization switches that leave the arithmetic alone are taken and stated in one line; the
 features the engine lacks are taken at their neutral value and refused at any other, in one line
-with what to do instead; --use-rotary-position-embeddings, RoPE's old name, is taken beside
---position-embedding-type rope."""
+with what to do instead; --use-rotary-position-embeddings (Megatron-DeepSpeed's RoPE) is taken
+beside --position-embedding-type rope too."""
 import pytest
 
 from megatron_2bw.config.build import build_config
@@ -25,8 +25,7 @@ REFUSED = [(["--fp32-residual-connection"], "fp32 residual connections"),
            (["--start-weight-decay", "0.01", "--end-weight-decay", "0.1",
              "--weight-decay-incr-style", "linear"], "a weight-decay schedule"),
            (["--init-method-xavier-uniform"], "Xavier-uniform initialization"),
-           (["--standalone-embedding-stage"], "Megatron's embedding-only first stage flag"),
-           (["--use-rotary-position-embeddings"], "the old name of RoPE")]
+           (["--standalone-embedding-stage"], "Megatron's embedding-only first stage flag")]
 
 
 @pytest.mark.parametrize("flags", STATED, ids=lambda f: f[0])
@@ -56,8 +55,8 @@ def test_their_neutral_values_are_taken():
     args = build_parser("gpt").parse_args(["--mock-data"] + neutral)
     built = build_config(args, "gpt", 1)
     assert built.config.model.position_embedding_type == "rope"
-    assert "megatron-2bw: --use-rotary-position-embeddings: the old name of " \
-           "--position-embedding-type rope, given with it" in "\n".join(built.notes)
+    assert "megatron-2bw: --use-rotary-position-embeddings: RoPE (= --position-embedding-type " \
+           "rope)" in "\n".join(built.notes)
 
 
 def test_every_refused_feature_says_what_to_do_instead():

@@ -1,9 +1,10 @@
-"""Megatron-LM's retired flags (its arguments.py refuses --batch-size, --warmup,
---model-parallel-size and --checkpoint-activations with the replacement; --data-impl, --DDP-impl
-and the checkpoint-named recompute flags are gone from it): refused in one line that gives
-Megatron's replacement, not a closest-name guess (--warmup took a fraction, --lr-warmup-iters
-takes iterations), with the rest of the command's refusals; --distribute-saved-activations, a
-current memory-placement flag, is accepted and stated."""
+"""Megatron-LM's retired flags that Megatron-DeepSpeed retired too (both arguments.py refuse
+--batch-size, --warmup and --model-parallel-size with the replacement): refused in one line that
+gives Megatron's replacement, not a closest-name guess (--warmup took a fraction,
+--lr-warmup-iters takes iterations), with the rest of the command's refusals. The ones
+Megatron-DeepSpeed still uses (--checkpoint-activations, --data-impl, --DDP-impl, ...) are taken
+with its meaning (tests/unit/test_mds_flags.py); --distribute-saved-activations, a current
+memory-placement flag, is accepted and stated."""
 import pytest
 
 from megatron_2bw.config import ConfigError
@@ -11,8 +12,7 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.config.compat import RETIRED
 from megatron_2bw.pretrain import build_parser
 
-VALUES = {"--batch-size": ["8"], "--warmup": [".01"], "--model-parallel-size": ["2"],
-          "--checkpoint-num-layers": ["1"], "--data-impl": ["mmap"], "--DDP-impl": ["local"]}
+VALUES = {"--batch-size": ["8"], "--warmup": [".01"], "--model-parallel-size": ["2"]}
 
 
 @pytest.mark.parametrize("flag", sorted(RETIRED))
@@ -42,12 +42,11 @@ def test_the_replacements_are_flags_that_parse():
 
 def test_retired_flags_come_with_the_commands_other_refusals(capsys):
     with pytest.raises(SystemExit):
-        build_parser("gpt").parse_args(["--mock-data", "--checkpoint-activations",
+        build_parser("gpt").parse_args(["--mock-data", "--batch-size", "4",
                                         "--num-layerz", "2", "--warmup", "0.01"])
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3, lines
-    assert "--checkpoint-activations is a retired Megatron-LM flag: use --recompute-granularity " \
-           "full --recompute-method uniform" in lines[0]
+    assert "--batch-size is a retired Megatron-LM flag: use --micro-batch-size" in lines[0]
     assert lines[1].endswith("unknown flag --num-layerz (did you mean --num-layers?)")
     assert "--warmup is a retired Megatron-LM flag: use --lr-warmup-fraction" in lines[2]
 

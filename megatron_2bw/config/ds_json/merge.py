@@ -47,9 +47,12 @@ def _check_microbatches(cfg: Config) -> None:
 
 def _with_lr_schedule(ds: dict, cfg: Config, settings: DeepSpeedSettings) -> DeepSpeedSettings:
     schedule = DeepSpeedLR.from_json(ds, cfg.optimizer.lr)
-    if schedule is not None and cfg.optimizer.decoupled_lr is not None:
-        fail("--decoupled-lr follows Megatron's lr schedule (--lr-decay-style, ...), not the "
-             "DeepSpeed config's \"scheduler\": drop one of them")
+    o = cfg.optimizer
+    for flag, value in (("--decoupled-lr", o.decoupled_lr), ("--lr-warmup-tokens",
+                        o.lr_warmup_tokens), ("--lr-decay-tokens", o.lr_decay_tokens)):
+        if schedule is not None and value is not None:
+            fail(f"{flag} follows Megatron's lr schedule (--lr-decay-style, ...), not the "
+                 "DeepSpeed config's \"scheduler\": drop one of them")
     return dataclasses.replace(settings, lr_schedule=schedule)
 
 
