@@ -1,12 +1,13 @@
 """pretrain_gpt.py with Megatron-DeepSpeed's token flags: --train-tokens ends the run where its
 loop does, and every log line's lr is its scheduler's (the reference:
 tests/unit/test_mds_lr_tokens.py)."""
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_2bw.training.observe.log_line import parse_line
 
 from test_mds_lr_tokens import B, S, MegatronDeepSpeedScheduler, logged_lrs
 
@@ -26,7 +27,8 @@ def test_a_run_logs_the_token_schedule_and_stops_at_its_tokens(tmp_path):
         env={"PATH": "/usr/bin:/bin", "WANDB_MODE": "offline", "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "run summary | iterations 4 (0->4) | samples 16 | tokens 256" in proc.stdout
-    lrs = [float(x) for x in re.findall(r"^iteration\s+\d+/4 \| .*?\| lr ([0-9.e+-]+) \|",
-                                        proc.stdout, re.M)]
+    lines = [parse_line(line) for line in proc.stdout.splitlines()]
+    lrs = [fields["learning rate"] for _, fields in filter(None, lines)
+           if "learning rate" in fields]
     want = logged_lrs(MegatronDeepSpeedScheduler(0.1, 0.01, 0, 10 * B, "linear", 100, 600), 4)
     assert lrs == pytest.approx(want, rel=1e-3, abs=1e-12) and len(lrs) == 4
