@@ -22,10 +22,26 @@ class LRSchedule:
     """Megatron's warmup and decay in iterations. Megatron counts them in samples; with one global
     batch B its spans are, in iterations: --lr-decay-samples / B (else --lr-decay-iters, else
     --train-iters), warmup --lr-warmup-fraction x the decay span, else --lr-warmup-samples / B,
-    else --lr-warmup-iters (fractions of an iteration kept: the same lr at every step)."""
+    else --lr-warmup-iters (fractions of an iteration kept: the same lr at every step).
 
-    def __init__(self, cfg: OptimizerConfig, train_iters: int, global_batch: int = 1):
+    With a batch-size ramp (`plan`, a config.ramps.BatchPlan whose batch changes) the schedule is
+    Megatron's in samples, as its OptimizerParamScheduler steps by each batch's samples: the step
+    of batch t takes the lr at plan.consumed(t + 1) samples (what the one-batch form above is at
+    (t + 1) x B), over the spans --lr-decay-samples (else --lr-decay-iters or --train-iters x B,
+    B the final global batch, as Megatron's iteration-based spans are), warmup the fraction of
+    it, else --lr-warmup-samples, else --lr-warmup-iters x B."""
+
+    def __init__(self, cfg: OptimizerConfig, train_iters: int, global_batch: int = 1,
+                 plan=None):
         self.cfg = cfg
+        self.samples = plan.consumed if plan is not None and plan.ramps else None
+        if self.samples is not None:  # spans in samples
+            self.decay_iters = (cfg.lr_decay_samples if cfg.lr_decay_samples is not None
+                                else (cfg.lr_decay_iters or train_iters) * global_batch)
+            self.warmup_iters = (cfg.lr_warmup_fraction * self.decay_iters
+                                 if cfg.lr_warmup_fraction is not None else
+                                 cfg.lr_warmup_samples or cfg.lr_warmup_iters * global_batch)
+            return
         if cfg.lr_decay_samples is not None:
             self.decay_iters = cfg.lr_decay_samples / global_batch
         else:
@@ -59,7 +75,7 @@ class LRSchedule:
     def at(self, iteration: int, max_lr: float, min_lr: float) -> float:
         """The schedule's value at `iteration` between `max_lr` and `min_lr` (warmup from
         --lr-warmup-init, default 0, for every lr class, as Megatron's scheduler)."""
-        step = iteration + 1
+        step = iteration + 1 if self.samples is None else self.samples(iteration + 1)
         warmup = self.warmup_iters
         if warmup and step <= warmup:
             init = self.cfg.lr_warmup_init
@@ -71,6 +87,12 @@ class LRSchedule:
         frac = min(max(step - warmup, 0) / span, 1.0) if span > 0 else 1.0
         coeff = 1.0 - frac if style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
+
+
+def lr_schedule_of(cfg) -> LRSchedule:
+    """The Megatron lr schedule of a Config (its batch plan when the batch ramps)."""
+    return LRSchedule(cfg.optimizer, cfg.train.train_iters, cfg.global_batch_size,
+                      cfg.batch_plan)
 
 
 def rate_of(lr, k: int) -> float:

@@ -56,6 +56,7 @@ class IntervalLog:
         self.first = True   # the run's first interval holds the warm-up
         self.started, self.start = time.time(), start
         self.skipped_before = engine.skipped_iterations
+        self.plan = cfg.replace(parallel={"data": grid.data}).batch_plan  # samples by iteration
         self.last_train = self.last_valid = self.best_valid = None
 
     def interval(self, iteration: int, losses: list[float],
@@ -72,9 +73,9 @@ class IntervalLog:
         mean = sum(kept) / len(kept) if kept else float("nan")
         self.last_train = mean if kept else self.last_train
         seconds, eta = self.pace.interval(iteration, n)
-        B = cfg.batch.global_batch_size
-        rate = B * n / max(seconds, 1e-9)
-        metrics = {"consumed samples": B * iteration,
+        consumed = self.plan.consumed  # a batch-size ramp's real sum
+        rate = (consumed(iteration) - consumed(iteration - n)) / max(seconds, 1e-9)
+        metrics = {"consumed samples": consumed(iteration),
                    "ms/iteration": 1e3 * seconds / max(n, 1), "ETA": format_duration(eta),
                    "lr": engine.stepper.last_lr,
                    **({"decoupled lr": engine.stepper.last_decoupled_lr}
@@ -110,40 +111,40 @@ class IntervalLog:
     def megatron_rows(self, iteration: int, losses: list[float], counts: list[int],
                       metrics: dict, seconds_per_iteration: float) -> list:
         """[(iteration, samples, {Megatron tag: value})] of this interval for the writers."""
-        t, B = self.cfg.train, self.cfg.batch.global_batch_size
+        t, plan = self.cfg.train, self.plan
         lr_at = self.engine.lr_schedule
         rows = []
         first = iteration - len(losses) + 1
         for i, (loss, a, b) in enumerate(zip(losses, counts, counts[1:])):
             it = first + i
             if it % t.tensorboard_log_interval == 0 or it == iteration:
-                tags = {"learning-rate": float(lr_at(it - 1)), "batch-size": float(B)}
+                tags = {"learning-rate": float(lr_at(it - 1)),
+                        "batch-size": float(plan.batch(it - 1))}
                 if self.cfg.optimizer.decoupled_lr is not None:  # Megatron's tag for it
                     tags["decoupled-learning-rate"] = float(lr_at.decoupled(it - 1))
                 if a == b:  # a skipped fp16 step's loss is not reported
                     tags["lm loss"] = float(loss)
-                rows.append((it, B * it, tags))
+                rows.append((it, plan.consumed(it), tags))
         end = {"grad-norm": metrics["grad norm"], "loss-scale": metrics["loss scale"],
                "iteration-time": seconds_per_iteration, "throughput": metrics["TFLOP/s/device"]}
         if "params norm" in metrics:
             end["params-norm"] = metrics["params norm"]
-        rows.append((iteration, B * iteration, end))
+        rows.append((iteration, plan.consumed(iteration), end))
         return rows
 
     def validation(self, iteration: int, loss: float) -> None:
         ppl = math.exp(min(loss, PPL_CAP))
         self.last_valid = loss
         self.best_valid = loss if self.best_valid is None else min(self.best_valid, loss)
-        B = self.cfg.batch.global_batch_size
         self.logger.log(iteration, {"validation loss": loss, "validation ppl": ppl},
-                        rows=[(iteration, B * iteration, {"lm loss validation": loss,
-                                                          "lm loss validation ppl": ppl})])
+                        rows=[(iteration, self.plan.consumed(iteration),
+                               {"lm loss validation": loss, "lm loss validation ppl": ppl})])
 
     def summary(self, iteration: int, checkpoint: str | None) -> None:
         """The run's last line: iterations, samples, tokens, wall time, mean throughput, final
         train and validation loss, best validation loss, last checkpoint."""
         iters = iteration - self.start
-        samples = iters * self.cfg.batch.global_batch_size
+        samples = self.plan.consumed(iteration) - self.plan.consumed(self.start)
         seconds = time.time() - self.started
         show = (lambda x: "n/a" if x is None else f"{x:.4g}")  # noqa: E731
         self.logger.note(
