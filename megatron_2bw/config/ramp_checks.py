@@ -103,8 +103,9 @@ def ramp_note(cfg) -> str | None:
         how = "the global batch steps " + ", ".join(
             f"{b} from sample {t}" for t, b in schedule_samples(batch, cfg.model.seq_length))
     else:
-        how = f"the global batch runs as {plan.stretches[0].batch}"
-    if batch.decrease_batch_size_if_needed and batch.step_batch_size_schedule is None:
+        how = (f"the global batch {batch.global_batch_size} runs rounded down to a multiple "
+               f"of micro batch x data-parallel size {plan.unit}")
+    if batch.decrease_batch_size_if_needed and batch.rampup_batch_size is not None:
         how += (f" (each rounded down to a multiple of micro batch x data-parallel size "
                 f"{plan.unit})")
     line = (f"megatron-2bw: {flag}: {how} (Megatron's num-microbatches arithmetic): the "

@@ -252,3 +252,26 @@ def test_the_memory_check_and_the_planner_size_for_the_largest_batch():
     assert ramped and all(suits(L) for L in ramped) and any(L.pipeline > 1 for L in ramped)
     unramped = layouts(built("--global-batch-size 32 --train-iters 8", world=8).config)
     assert any(not suits(L) for L in unramped)  # e.g. 2bw d=8 b=2: m=16 at 32, 4 at 8
+
+
+def test_decrease_batch_size_if_needed_with_one_global_batch_and_a_deepspeed_json(tmp_path):
+    """Megatron's constant calculator rounds the one batch down too; a DeepSpeed JSON's
+    train_batch_size is the ramp's final batch (Megatron-DeepSpeed's BLOOM scripts)."""
+    b = built("--global-batch-size 10 --micro-batch-size 4 --decrease-batch-size-if-needed "
+              "--train-iters 3")
+    real = calculator.ConstantNumMicroBatchesCalculator(10, 4, 1, True, 1)
+    assert (b.config.batch_plan.batch(2), b.config.batch_plan.m(2)) == \
+        (real.get_current_running_global_batch_size(), real.get()) == (8, 2)
+    assert b.config.batch_plan.consumed(3) == 24 and "runs rounded down" in b.notes[-1]
+    with pytest.raises(ConfigError, match="is not divisible by --micro-batch-size"):
+        built("--global-batch-size 10 --micro-batch-size 4 --train-iters 3")
+    import json
+
+    from megatron_2bw.config.ds_json import explicit_flags
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2}))
+    argv = shlex.split(f"{TINY} --rampup-batch-size 4 4 24 --global-batch-size 12 --deepspeed "
+                       f"--deepspeed_config {ds} --train-iters 7")
+    cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 1,
+                       explicit_flags(argv)).config
+    assert [cfg.batch_plan.batch(t) for t in range(7)] == [4, 4, 4, 8, 8, 12, 12]
