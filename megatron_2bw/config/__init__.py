@@ -4,7 +4,8 @@ Owns: the frozen dataclasses (schema.py), the settings' vocabularies and `Config
 (choices.py), every rule that needs no process group (checks.py), the one pipeline from flags
 and DeepSpeed JSON to a validated Config (build.py), Megatron's command line (flags.py; logging
 flags: log_flags.py; the flags of Megatron's scripts taken for compatibility, stated or refused:
-compat.py; batch-size ramps: ramps.py), the directories a run writes into (config/paths.py) and the DeepSpeed JSON
+compat.py; batch-size ramps, Megatron's num-microbatches arithmetic: ramps.py, their
+refusals: ramp_checks.py), the directories a run writes into (config/paths.py) and the DeepSpeed JSON
 (ds_json/).
 Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
 testing, pretrain, generate.

@@ -2,9 +2,10 @@
 
 `ramp_error(cfg)` is `Config.validate`'s rule (checks.py), before any process group, one line,
 Megatron's own refusals where it has them:
-- a step schedule whose first threshold is not 0 samples, two thresholds on the same sample, or a
-  batch that falls (Megatron's training loop asserts that m never decreases), or a step schedule
-  with --decrease-batch-size-if-needed (Megatron: "Cannot specify both");
+- a step schedule whose largest batch is not the global batch, whose first threshold is not 0
+  samples, with two thresholds on the same sample, or a batch that falls (Megatron's training
+  loop asserts that m never decreases), or with --decrease-batch-size-if-needed (Megatron:
+  "Cannot specify both");
 - a first batch that rounds down to no microbatch per replica;
 - without --decrease-batch-size-if-needed, a batch the run reaches that is not a multiple of
   micro batch x data-parallel size (Megatron asserts it when it gets there);
@@ -34,6 +35,11 @@ def _schedule_error(batch, seq_length: int) -> str | None:
                 "rule): drop --decrease-batch-size-if-needed and give batches that are "
                 "multiples of micro batch x data-parallel size")
     table, tokens = schedule_samples(batch, seq_length), batch.step_batch_size_schedule
+    top = max(b for _, b in table)
+    if batch.global_batch_size != top:  # e.g. a DeepSpeed JSON's train_batch_size
+        return (f"{flag} sets the global batch to its largest step ({top}), not "
+                f"{batch.global_batch_size}: drop the other global batch (--global-batch-size, "
+                "train_batch_size in the DeepSpeed config)")
     if table[0][0] != 0:
         return (f"{flag}: its first threshold is {tokens[0][0]} tokens = {table[0][0]} samples "
                 f"of --seq-length {seq_length}: start the schedule at 0")

@@ -13,7 +13,8 @@ that the tied embedding copies on the first and last stage and all data-parallel
 bitwise equal. `tests/distributed/test_equivalence.py` shows that a broken engine fails it
 (`run(..., engine_class=...)`). Megatron's batch-size ramps (--rampup-batch-size,
 --step-batch-size-schedule, --decrease-batch-size-if-needed) are judged the same way: the engine
-changes m between batches, the reference runs each batch's m (tests/distributed/test_ramps.py).
+changes m between batches, the reference runs each batch's m
+(tests/distributed/test_ramp_equivalence.py).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 features the engine lacks refused in one line and accepted at their neutral value, selectors
 stated as no-ops, --sequence-parallel at t=1 turned off, the sample-based lr flags against
 Megatron's arithmetic, --kv-channels, --apply-layernorm-1p and the output paths checked before
-anything runs (the batch-size ramps: test_ramps.py)."""
+anything runs (the batch-size ramps: test_ramp_arithmetic.py)."""
 import math
 
 import pytest

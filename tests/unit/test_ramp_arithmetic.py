@@ -275,3 +275,8 @@ def test_decrease_batch_size_if_needed_with_one_global_batch_and_a_deepspeed_jso
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 1,
                        explicit_flags(argv)).config
     assert [cfg.batch_plan.batch(t) for t in range(7)] == [4, 4, 4, 8, 8, 12, 12]
+    argv = shlex.split(f'{TINY} --step-batch-size-schedule "0:4 0.192K:8 0.448K:16" '
+                       f"--deepspeed --deepspeed_config {ds} --train-iters 7")
+    with pytest.raises(ConfigError, match=r"sets the global batch to its largest step \(16\), "
+                                          "not 12: drop the other global batch"):
+        build_config(build_parser("gpt").parse_args(argv), "gpt", 1, explicit_flags(argv))
