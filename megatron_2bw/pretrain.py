@@ -220,8 +220,10 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
 
 
 def _ramped(cfg: Config, value) -> str:
-    """`value(stretch)` of the run's batch stretches, "16->32->48" along a batch-size ramp."""
-    return "->".join(str(value(s)) for s in cfg.batch_plan.reached(cfg.train.train_iters))
+    """`value(stretch)` of the run's batch stretches: "16->32->48" along a batch-size ramp,
+    "16->...->1536" along a long one."""
+    values = [str(value(s)) for s in cfg.batch_plan.reached(cfg.train.train_iters)]
+    return "->".join(values if len(values) <= 4 else [values[0], "...", values[-1]])
 
 
 def _exit(line: str, code: int) -> None:

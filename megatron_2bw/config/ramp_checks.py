@@ -114,9 +114,11 @@ def ramp_note(cfg) -> str | None:
     if batch.decrease_batch_size_if_needed and batch.rampup_batch_size is not None:
         how += (f" (each rounded down to a multiple of micro batch x data-parallel size "
                 f"{plan.unit})")
+    steps = [f"{s.batch} (m={s.m}) from iteration {s.first + 1}" for s in reached]
+    if len(steps) > 6:  # a GPT-3 ramp has 96
+        steps = steps[:3] + [f"... {len(steps) - 5} more ..."] + steps[-2:]
     line = (f"megatron-2bw: {flag}: {how} (Megatron's num-microbatches arithmetic): the "
-            f"{iters} iterations of this run train at global batch "
-            + " -> ".join(f"{s.batch} (m={s.m}) from iteration {s.first + 1}" for s in reached))
+            f"{iters} iterations of this run train at global batch " + " -> ".join(steps))
     if len(reached) > 1 and not schedule_kind(cfg.schedule).flushes:
         line += (f"; {cfg.schedule} drains and refills the pipeline at each of the "
                  f"{len(reached) - 1} changes")

@@ -194,6 +194,11 @@ def test_a_ramp_the_run_never_leaves_is_its_first_batch():
     assert b.config.global_batch_size == 1536 and b.config.batch_plan.batch(2) == 16
     assert "the 3 iterations of this run train at global batch 16 (m=16) from iteration 1" \
         in b.notes[-1]
+    long = built("--rampup-batch-size 16 16 5859375 --global-batch-size 1536 "
+                 "--train-iters 500000").notes[-1]
+    assert "16 (m=16) from iteration 1 -> 32 (m=32) from iteration 3856 -> " in long
+    assert "-> ... 91 more ... -> 1520 (m=1520) from iteration 19763 -> 1536 (m=1536) " in long
+    assert "drains" not in long and len(long) < 600  # flush drains at every batch anyway
     # Megatron checks only the batches it reaches: 1536 % 7 is never asked
     built("--rampup-batch-size 14 14 5859375 --global-batch-size 1540 --micro-batch-size 7 "
           "--train-iters 3")
