@@ -105,7 +105,8 @@ def ramp_fields(args: argparse.Namespace) -> dict:
     text = getattr(args, "step_batch_size_schedule", None)
     schedule = parse_schedule(text) if text is not None else None
     top = max(b for _, b in schedule) if schedule else None
-    return {"global_batch_size": args.global_batch_size or top,
+    given = args.global_batch_size
+    return {"global_batch_size": given if given is not None else top,
             "rampup_batch_size": tuple(ramp) if ramp is not None else None,
             "step_batch_size_schedule": schedule,
             "decrease_batch_size_if_needed": getattr(args, "decrease_batch_size_if_needed",
