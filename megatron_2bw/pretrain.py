@@ -135,8 +135,8 @@ def parse(family: str, argv=None) -> Parsed:
         reads, builder = data_role(cfg, rank, world_size,  # middle stages read none
                                    node_ranks(rank, local_rank))
         data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
-                                   t.train_iters * gbs, valid, tokenizer=tokenizer, reads=reads,
-                                   builder=builder)
+                                   cfg.batch_plan.consumed(t.train_iters), valid,
+                                   tokenizer=tokenizer, reads=reads, builder=builder)
         if t.skip_train and data.valid is None:
             raise ConfigError("--skip-train evaluates the validation data, and it is empty: "
                               "give --split a validation part (or --valid-data-path)")
@@ -191,7 +191,8 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
     if rank == 0:
         print(f"megatron-2bw: {family} schedule={cfg.schedule} t={grid.tensor} d={grid.pipeline} "
               f"w={grid.data} micro-batch={cfg.batch.micro_batch_size} "
-              f"global-batch={cfg.batch.global_batch_size} m={cfg.num_microbatches} "
+              f"global-batch={_ramped(cfg, lambda s: s.batch)} "
+              f"m={_ramped(cfg, lambda s: s.m)} "
               f"precision={cfg.precision.dtype} backend={backend}", flush=True)
         from megatron_2bw.models.flops import num_parameters
         print(f"megatron-2bw: {num_parameters(cfg.model) / 1e6:.2f}M parameters "
@@ -223,6 +224,13 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
     return 0
 
 
+def _ramped(cfg: Config, value) -> str:
+    """`value(stretch)` of the run's batch stretches: "16->32->48" along a batch-size ramp,
+    "16->...->1536" along a long one."""
+    values = [str(value(s)) for s in cfg.batch_plan.reached(cfg.train.train_iters)]
+    return "->".join(values if len(values) <= 4 else [values[0], "...", values[-1]])
+
+
 def _exit(line: str, code: int) -> None:
     """Print one line on stderr and leave at once (no atexit, no waiting on peers)."""
     print(line, file=sys.stderr, flush=True)
@@ -234,7 +242,8 @@ def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None) -> None
     from megatron_2bw.training.loop import train
     train(cfg, grid, device, lr_schedule=lr_schedule,
           make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank, start),
-          make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank))
+          make_eval_data=(lambda: batches(cfg, data.valid, grid.data, grid.dp_rank,
+                                          training=False))
           if data.valid is not None else None,
           log=lambda line: print(line, flush=True), hooks=hooks,
           progress=sys.stdout if sys.stdout.isatty() else None)  # a bar on a terminal only

@@ -66,7 +66,8 @@ def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: s
 def common_state(engine, cfg: Config, grid) -> dict:
     """What every checkpoint records beside the tensors, at the engine's current iteration."""
     t = engine.iteration
-    return {"iteration": t, "consumed_samples": t * cfg.batch.global_batch_size,
+    consumed = cfg.replace(parallel={"data": grid.data}).batch_plan.consumed(t)  # ramps too
+    return {"iteration": t, "consumed_samples": consumed,
             "schedule": cfg.schedule, "scaler": engine.stepper.scaler.state_dict(),
             "skipped": engine.skipped_iterations, "layout": layout(cfg, grid),
             "parallel": common_parallel(cfg, grid), "config": cfg.to_dict()}

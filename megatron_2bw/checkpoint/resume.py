@@ -84,8 +84,13 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
             "data": cfg.data_parallel_size, "world": world_size, "schedule": cfg.schedule,
             "compensation": cfg.compensation}
     how = " (chosen by --auto-plan)" if planned else ""
-    B = cfg.global_batch_size
-    if not cfg.train.finetune and consumed != it * B:
+    B, ours_consumed = cfg.global_batch_size, cfg.batch_plan.consumed(it)
+    if not cfg.train.finetune and consumed != ours_consumed:
+        if cfg.batch_plan.ramps or consumed % max(it, 1):  # a ramp, here or in that run
+            raise CheckpointError(f"--load {load} consumed {consumed} samples in {it} "
+                                  f"iterations, this run's batches consume {ours_consumed} in "
+                                  "them and would resume from other samples: give the batch "
+                                  "flags (global batch, batch-size ramp) of the run that saved it")
         raise CheckpointError(f"--load {load} consumed {consumed} samples in {it} iterations "
                               f"(global batch {consumed // max(it, 1)}); this run's global batch "
                               f"{B} would resume from other samples: use --global-batch-size "

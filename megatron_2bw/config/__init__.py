@@ -6,7 +6,8 @@ and DeepSpeed JSON to a validated Config (build.py), Megatron's command line (fl
 flags: log_flags.py; architecture flags: architecture_flags.py; the flags of Megatron's scripts
 taken for compatibility, stated or refused: compat.py, Megatron-DeepSpeed's: compat_mds.py, and
 those with a meaning of their own: mds_flags.py; an unknown flag's did-you-mean: suggest.py;
-batch-size ramps: ramps.py), the directories a run writes into (config/paths.py),
+batch-size ramps, Megatron's num-microbatches arithmetic: ramps.py, their
+refusals: ramp_checks.py), the directories a run writes into (config/paths.py),
 whether the loggers' packages import (packages.py) and the DeepSpeed JSON (ds_json/).
 Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
 testing, pretrain, generate.

@@ -18,9 +18,10 @@ The steps, in order (each returns a new Config; nothing is mutated):
 3. the vocabulary size the tokenizer implies (known before anything is validated);
 4. --auto-plan: the planner returns a new Config, searching only what nobody fixed
    (`planner.auto.plan`); a contradiction between fixed settings names their sources;
-5. --train-samples -> --train-iters (over the global batch); Megatron-DeepSpeed's --train-tokens
-   ends the run earlier when its tokens are reached first;
-6. `Config.validate(world_size)`: once, on the final config.
+5. --train-samples -> --train-iters (over the global batch; with a batch-size ramp Megatron's
+   count, and --lr-decay-samples defaults to --train-samples: config/ramps.py);
+   Megatron-DeepSpeed's --train-tokens ends the run earlier when its tokens are reached first;
+6. `Config.validate(world_size)`: once, on the final config (a ramp's log line after it).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.config.mds_flags import (cap_by_tokens, deepspeed_clipping, mds_notes,
                                            zero_stage_error)
 from megatron_2bw.config.schedule_flags import schedule_given
-from megatron_2bw.config.ramps import resolve_ramp
+from megatron_2bw.config.ramp_checks import ramp_note
+from megatron_2bw.config.ramps import train_iterations
 from megatron_2bw.schedule.kinds import default_schedule, one_stage_note, schedule_kind
 
 # typed flag -> the Config path it fixes (what --auto-plan keeps as given)
@@ -104,9 +106,6 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
     _check_sample_mode(args)
     cfg = config_from_args(args, family)
     notes = list(compat_notes(args)) + mds_notes(args)
-    ramp_line = resolve_ramp(args, cfg.model.seq_length)[1]
-    if ramp_line:
-        notes.append(ramp_line)
     cfg = cfg.replace(fixed=tuple(f._replace(value=cfg.get(f.path))
                                   for f in fixed_by_flags(args, typed)))
     deepspeed = None
@@ -144,10 +143,19 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
     if samples is not None:
         if samples < 1:
             raise ConfigError(f"--train-samples must be >= 1, got {samples}")
-        cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
-    cfg, line = cap_by_tokens(cfg, args)  # Megatron-DeepSpeed's --train-tokens
+        b = cfg.batch
+        if b.rampup_batch_size or b.step_batch_size_schedule:  # Megatron's count, lr in samples
+            cfg = cfg.replace(train={"train_iters": max(1, train_iterations(
+                b, cfg.model.seq_length, samples))})
+            if cfg.optimizer.lr_decay_samples is None:
+                cfg = cfg.replace(optimizer={"lr_decay_samples": samples})
+        else:
+            cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
+    cfg, line = cap_by_tokens(cfg, args, world_size)  # Megatron-DeepSpeed's --train-tokens
     notes += [line] if line else []
-    return BuiltConfig(cfg.validate(world_size), deepspeed, tuple(notes))
+    cfg = cfg.validate(world_size)
+    note = ramp_note(cfg)
+    return BuiltConfig(cfg, deepspeed, tuple(notes + [note] if note else notes))
 
 
 def _one_stage_lines(cfg: Config, explicit: bool, planned: bool) -> list[str]:

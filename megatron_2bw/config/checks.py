@@ -11,6 +11,7 @@ from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FA
                                          PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
                                          RECOMPUTE_METHODS, SCHEDULES, ConfigError)
 from megatron_2bw.config.mds_flags import check_lr_tokens
+from megatron_2bw.config.ramp_checks import ramp_error
 from megatron_2bw.pipeline.compensation import compensation_error
 from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_kind_of
@@ -118,16 +119,19 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
               f"{m.num_layers}: every stage needs at least one transformer layer")
     check_dropouts(m)
     w = cfg.data_parallel_size
-    if b.global_batch_size % (b.micro_batch_size * w) != 0:
-        _fail(f"--global-batch-size {b.global_batch_size} is not divisible by "
-              f"--micro-batch-size x data-parallel size = {b.micro_batch_size} x {w}: "
-              f"use a multiple of {b.micro_batch_size * w}")
-    kind = schedule_kind(cfg.schedule)
-    low = kind.min_microbatches(p.pipeline)
-    error = kind.microbatch_error(
-        p.pipeline, cfg.num_microbatches,
-        f"raise --global-batch-size to at least {low * b.micro_batch_size * w} or lower "
-        "--micro-batch-size")
+    if b.rampup_batch_size or b.step_batch_size_schedule or b.decrease_batch_size_if_needed:
+        error = ramp_error(cfg)  # every batch of the ramp the run reaches (ramp_checks.py)
+    elif b.global_batch_size % (b.micro_batch_size * w) != 0:
+        error = (f"--global-batch-size {b.global_batch_size} is not divisible by "
+                 f"--micro-batch-size x data-parallel size = {b.micro_batch_size} x {w}: "
+                 f"use a multiple of {b.micro_batch_size * w}")
+    else:
+        kind = schedule_kind(cfg.schedule)
+        low = kind.min_microbatches(p.pipeline)
+        error = kind.microbatch_error(
+            p.pipeline, cfg.num_microbatches,
+            f"raise --global-batch-size to at least {low * b.micro_batch_size * w} or lower "
+            "--micro-batch-size")
     if error:
         _fail(error)
     error = compensation_error(cfg.compensation, cfg.schedule, o.name, o.sgd_momentum)

@@ -15,7 +15,7 @@ from megatron_2bw.config.compat import refusals
 from megatron_2bw.config.log_flags import add_observability_args, logger_fields
 from megatron_2bw.config.mds_flags import fold_mds_args, mds_model
 from megatron_2bw.config.precision_flags import add_precision_args, precision_from_args
-from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, resolve_ramp
+from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, ramp_fields
 from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
 from megatron_2bw.config.schedule_flags import add_schedule_args, schedule_fields
 from megatron_2bw.models.flavours import FLAVOURS, flavour_shape
@@ -266,9 +266,7 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         backend=args.distributed_backend, timeout_minutes=args.distributed_timeout_minutes,
         distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
         sequence_parallel=getattr(args, "sequence_parallel", False), **reduce_config(args))
-    ramp_batch, _ = resolve_ramp(args, shape["seq_length"])
-    batch = BatchConfig(micro_batch_size=args.micro_batch_size,
-                        global_batch_size=ramp_batch or args.global_batch_size)
+    batch = BatchConfig(micro_batch_size=args.micro_batch_size, **ramp_fields(args))
     optimizer = OptimizerConfig(
         name=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,

@@ -199,20 +199,27 @@ def deepspeed_clipping(cfg, args, ds_json):
     return cfg.replace(optimizer={"clip_grad": 0.0}), note
 
 
-def cap_by_tokens(cfg, args):
+def cap_by_tokens(cfg, args, world_size: int | None = None):
     """(cfg, note): --train-tokens T ends the run after the first iteration whose consumed tokens
     reach T (Megatron-DeepSpeed's loop: while consumed tokens < T), or at the iterations given,
     whichever comes first; the lr's default decay span stays the one given (--train-iters or
-    --train-samples), as there."""
+    --train-samples), as there. Consumed tokens are consumed samples x seq length: with a
+    batch-size ramp the plan's (the config resolved for `world_size` knows it)."""
     tokens = getattr(args, "train_tokens", None)
     if tokens is None:
         return cfg, None
-    per_iteration = cfg.global_batch_size * cfg.model.seq_length
-    by_tokens = -(-tokens // per_iteration)
-    iters = cfg.train.train_iters
-    if by_tokens >= iters:
+    seq, iters = cfg.model.seq_length, cfg.train.train_iters
+    b = cfg.batch
+    if b.rampup_batch_size or b.step_batch_size_schedule:
+        consumed = cfg.validate(world_size).batch_plan.consumed
+    else:
+        consumed = lambda k: k * cfg.global_batch_size  # noqa: E731
+    by_tokens = 1
+    while by_tokens < iters and consumed(by_tokens) * seq < tokens:
+        by_tokens += 1
+    if consumed(by_tokens) * seq < tokens or by_tokens >= iters:
         return cfg, (f"megatron-2bw: --train-tokens {tokens}: not reached in the {iters} "
-                     f"iterations given ({iters * per_iteration} tokens)")
+                     f"iterations given ({consumed(iters) * seq} tokens)")
     o = cfg.optimizer
     if o.lr_decay_iters is None and o.lr_decay_samples is None:
         samples = getattr(args, "train_samples", None)
@@ -220,8 +227,7 @@ def cap_by_tokens(cfg, args):
                           else {"lr_decay_iters": iters})
     return cfg.replace(train={"train_iters": by_tokens}), (
         f"megatron-2bw: --train-tokens {tokens}: the run stops after iteration {by_tokens} "
-        f"({by_tokens * per_iteration} tokens of {per_iteration} per iteration), before the "
-        f"{iters} iterations given")
+        f"({consumed(by_tokens) * seq} tokens), before the {iters} iterations given")
 
 
 def check_lr_tokens(cfg) -> str | None:

@@ -11,6 +11,11 @@ Megatron's default global batch filled in). It never mutates. `Config.num_microb
 `Config.data_parallel_size` (w) are properties of a resolved config: the one place m is computed
 (`num_microbatches` below).
 
+A batch that changes during the run (Megatron's ramps, `BatchConfig`; arithmetic: ramps.py) is
+answered here too: `Config.global_batch_at(consumed)`, `Config.num_microbatches_at(consumed)` and
+`Config.batch_plan` (every iteration's); `global_batch_size` / `num_microbatches` stay the largest
+(the final) batch: what the planner and the memory check size for and an evaluation runs.
+
 `Config.fixed` records which settings the user fixed and where (a flag or a DeepSpeed key), so
 the planner keeps them and a contradiction names both sources; it is not part of the settings
 (`to_dict` and `==` ignore it).
@@ -20,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import NamedTuple
 
+from megatron_2bw.config import ramps
 from megatron_2bw.config.choices import NO_COMPENSATION
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 
@@ -29,6 +36,13 @@ from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 def num_microbatches(global_batch: int, micro_batch: int, data_parallel: int) -> int:
     """m = B / (b x w): microbatches per batch per pipeline (the one place it is computed)."""
     return global_batch // (micro_batch * data_parallel)
+
+
+@lru_cache(maxsize=64)
+def _batch_plan(batch: BatchConfig, seq_length: int, data_parallel: int) -> "ramps.BatchPlan":
+    unit = batch.micro_batch_size * data_parallel
+    return ramps.plan_of(ramps.batch_stretches(batch, seq_length, unit), unit,
+                         lambda b: num_microbatches(b, batch.micro_batch_size, data_parallel))
 
 
 class Fixed(NamedTuple):
@@ -148,6 +162,19 @@ class ParallelConfig:
 class BatchConfig:
     micro_batch_size: int = 1       # b
     global_batch_size: int | None = 1  # B = b * m * w; None: one microbatch per replica
+    # Megatron's batch-size ramps (ramps.py): (START, INCREMENT, SAMPLES) up to B, or
+    # ((threshold in tokens, global batch), ...) sorted (B is the largest); with
+    # decrease_batch_size_if_needed each batch runs rounded down to a multiple of b x w
+    rampup_batch_size: tuple[int, int, int] | None = None
+    step_batch_size_schedule: tuple[tuple[int, int], ...] | None = None
+    decrease_batch_size_if_needed: bool = False
+
+    def __post_init__(self):  # tuples (hashable) also from a saved config's lists
+        for name in ("rampup_batch_size", "step_batch_size_schedule"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(tuple(v) if isinstance(v, list) else v
+                                                     for v in value))
 
 
 @dataclass(frozen=True)
@@ -291,9 +318,32 @@ class Config:
 
     @property
     def num_microbatches(self) -> int:
-        """m = B / (b x w)."""
+        """m = B / (b x w) (a ramp's largest, the final one)."""
         return num_microbatches(self.global_batch_size, self.batch.micro_batch_size,
                                 self.data_parallel_size)
+
+    def global_batch_at(self, consumed: int) -> int:
+        """The global batch of the iteration after `consumed` samples (Megatron's calculator's
+        running batch; ramps.py), B without a ramp."""
+        unit = self.batch.micro_batch_size * self.data_parallel_size
+        return ramps.running_batch(self._sized_batch, self.model.seq_length, unit, consumed)
+
+    def num_microbatches_at(self, consumed: int) -> int:
+        """m of the iteration that starts after `consumed` samples."""
+        return num_microbatches(self.global_batch_at(consumed), self.batch.micro_batch_size,
+                                self.data_parallel_size)
+
+    @property
+    def batch_plan(self) -> "ramps.BatchPlan":
+        """Every iteration's global batch, m and consumed samples (ramps.BatchPlan); ValueError
+        when the batch falls or rounds to nothing (`validate` refuses such a config first)."""
+        return _batch_plan(self._sized_batch, self.model.seq_length, self.data_parallel_size)
+
+    @property
+    def _sized_batch(self) -> BatchConfig:
+        b = self.batch
+        return b if b.global_batch_size else dataclasses.replace(
+            b, global_batch_size=self.global_batch_size)
 
     def resolved(self, world_size: int | None) -> "Config":
         """This config on `world_size` processes: the data-parallel size (world / (t x d)) and the

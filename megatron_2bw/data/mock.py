@@ -37,13 +37,23 @@ def microbatch_sample_indices(batch: int, microbatch: int, dp_rank: int, micro_b
 
 class MicrobatchIterator:
     """Microbatches of a dataset for one data-parallel replica, in schedule order, from batch
-    `start_batch` on (the layout of `microbatch_sample_indices`)."""
+    `start_batch` on (the layout of `microbatch_sample_indices`). `num_microbatches` is m, or
+    a batch plan whose batch changes (config.ramps.BatchPlan: a batch-size ramp): batch t is
+    then samples [consumed(t), consumed(t) + B_t), each replica's share of it split into m_t
+    microbatches, as Megatron's sampler hands out consumed .. consumed + B."""
 
-    def __init__(self, dataset, micro_batch_size: int, num_microbatches: int,
+    def __init__(self, dataset, micro_batch_size: int, num_microbatches,
                  data_parallel_size: int = 1, dp_rank: int = 0, start_batch: int = 0):
-        self.dataset, self.b, self.m = dataset, micro_batch_size, num_microbatches
+        plan = num_microbatches if hasattr(num_microbatches, "locate") else None
+        if plan is not None and plan.unit != micro_batch_size * data_parallel_size:
+            raise ValueError(f"the batch plan is for micro batch x replicas = {plan.unit}, not "
+                             f"{micro_batch_size} x {data_parallel_size}")
+        self.plan = plan if plan is not None and plan.ramps else None
+        m = plan.m(0) if plan is not None else num_microbatches
+        self.dataset, self.b, self.m = dataset, micro_batch_size, m
         self.w, self.r = data_parallel_size, dp_rank
-        self.k = start_batch * num_microbatches  # next microbatch (global index for this replica)
+        # the next microbatch (this replica's count of microbatches before it)
+        self.k = self.plan.microbatch(start_batch) if self.plan else start_batch * m
 
     def __iter__(self):
         return self
@@ -51,13 +61,23 @@ class MicrobatchIterator:
     @property
     def next_microbatch(self) -> tuple[int, int]:
         """(batch, microbatch) of the next item."""
-        return divmod(self.k, self.m)
+        return self.locate(self.k)
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """(batch, microbatch in it) of this replica's k-th microbatch."""
+        return self.plan.locate(k) if self.plan else divmod(k, self.m)
 
     def microbatch(self, k: int):
-        """Microbatch k (= batch * m + microbatch) of this replica, whatever was read before:
-        a loader's workers (data/prefetch.py) read them by index, in any order."""
-        batch, mb = divmod(k, self.m)
-        idx = microbatch_sample_indices(batch, mb, self.r, self.b, self.m, self.w)
+        """Microbatch k (= batch * m + microbatch, or its place in a batch plan) of this
+        replica, whatever was read before: a loader's workers (data/prefetch.py) read them by
+        index, in any order."""
+        batch, mb = self.locate(k)
+        if self.plan:
+            m = self.plan.m(batch)
+            first = self.plan.consumed(batch) + (self.r * m + mb) * self.b
+            idx = range(first, first + self.b)
+        else:
+            idx = microbatch_sample_indices(batch, mb, self.r, self.b, self.m, self.w)
         return self.collate([self.dataset[i] for i in idx])
 
     def __next__(self):

@@ -6,7 +6,8 @@
     data.close()
 
 A torch DataLoader reads the microbatch iterator's microbatches by index (k = batch * m +
-microbatch, `MicrobatchIterator.microbatch`), from the iterator's next one on, in order: the
+microbatch, or its place in a batch-size ramp, `MicrobatchIterator.microbatch`), from the
+iterator's next one on, in order: the
 index decides every sample, so N changes when a microbatch is read, never which. N worker
 processes (persistent, each `prefetch` microbatches ahead) build them; N = 0 builds each one in
 the main process when the engine asks for it. With `pin` (CUDA only) they are moved to
@@ -108,7 +109,7 @@ class Loader:
         if num_workers < 0:
             raise ValueError(f"num_workers {num_workers}: must be >= 0")
         self.name, self.num_workers, self.pin = name, num_workers, pin
-        self._m, self._next, self._done = batches.m, batches.k, False
+        self._locate, self._next, self._done = batches.locate, batches.k, False
         loader = DataLoader(_Microbatches(batches), batch_size=None, sampler=_From(batches.k),
                             num_workers=num_workers, collate_fn=_as_is, pin_memory=pin,
                             persistent_workers=num_workers > 0,
@@ -124,7 +125,7 @@ class Loader:
     def __next__(self):
         if self._done:
             raise StopIteration
-        where = "batch {} microbatch {}".format(*divmod(self._next, self._m))
+        where = "batch {} microbatch {}".format(*self._locate(self._next))
         try:
             item = next(self._it)
         except Exception as e:  # noqa: BLE001 - the loader's own failure (a worker died)

@@ -46,7 +46,8 @@ from __future__ import annotations
 import torch
 
 from megatron_2bw.config import Config
-from megatron_2bw.optim import LRSchedule, make_loss_scaler, make_optimizer
+from megatron_2bw.optim import make_loss_scaler, make_optimizer
+from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.compensation import Compensator, compensation_method
@@ -79,7 +80,7 @@ class BatchStepper:
         self.sequence_parallel = (cfg.parallel.sequence_parallel and grid.group("tp") is not None
                                   and sp_hi > sp_lo)
         self.scaler = make_loss_scaler(cfg.precision)
-        self.lr = lr_schedule or LRSchedule.of(cfg)
+        self.lr = lr_schedule or LRSchedule.of(cfg)  # Megatron's (in samples with a ramp)
         # what the optimizer steps with: the lr, or (lr, decoupled lr) (optim/lr.py `rates`)
         self.rates = self.lr
         if cfg.optimizer.decoupled_lr is not None:

@@ -9,6 +9,7 @@ which one a step writes is the schedule kind's rule (`schedule/kinds.py`); the e
 
 Data: the first stage takes inputs and the last stage takes labels from `next(data_iter)`, one
 (inputs, labels) pair per forward, in microbatch order; other stages never touch the iterator.
+A batch-size ramp (`Config.batch_plan`) runs one segment per m: nothing changes inside a window.
 
 Public surface (what the training loop and the DeepSpeed adapter use; nothing else is theirs to
 touch): `train_batch`, `eval_batch`, `start`, `state_dict`/`load_state_dict`, `module` (the stage
@@ -64,7 +65,8 @@ class PipelineEngine(Interpreter):
             raise ValueError(f"the config's data-parallel size {cfg.parallel.data} differs from "
                              f"the grid's {grid.data}: build the grid from the config")
         cfg = cfg.replace(parallel={"data": grid.data})  # the config on this grid
-        self.m = cfg.num_microbatches
+        self.m = self.eval_m = cfg.num_microbatches  # the segment's m (start); eval: the final
+        self.plan, self._end = cfg.batch_plan, None  # every iteration's m; where the run ends
         start, end = partition[self.stage], partition[self.stage + 1]
         module = StageModule(specs, start, end, seed=cfg.train.seed,
                              recompute_method=cfg.model.recompute_method,
@@ -98,12 +100,19 @@ class PipelineEngine(Interpreter):
 
     # -- public API -------------------------------------------------------------------------------
     def start(self, num_batches: int | None = None) -> None:
-        """Begin a schedule segment at the current iteration (warm-up happens here once)."""
-        self.schedule = make_schedule(self.kind, self.num_stages, self.m,
-                                      num_batches=num_batches or UNBOUNDED,
-                                      first_batch=self.iteration)
+        """Begin a schedule segment at the current iteration (warm-up happens here once) for
+        `num_batches` batches (None: to the end the last call set, else without end), or up to
+        where the config's batch plan changes m (a ramp; `train_batch` starts the next)."""
+        t = self.iteration
+        if num_batches is not None:
+            self._end = t + num_batches
+        end = min(self._end if (self._end or 0) > t else t + UNBOUNDED,
+                  self.plan.next_change(t) or t + UNBOUNDED)
+        self.m = self.plan.m(t)
+        self.schedule = make_schedule(self.kind, self.num_stages, self.m, num_batches=end - t,
+                                      first_batch=t)
         self._plan_receives(self.schedule)
-        self.stepper.reduction.reset()
+        self.stepper.reduction.reset(self.m)
         self.p2p.reset()
         self._clear_stash()
 
@@ -122,10 +131,10 @@ class PipelineEngine(Interpreter):
 
     def eval_batch(self, data_iter: Iterator, num_microbatches: int | None = None
                    ) -> torch.Tensor:
-        """Forward-only pass over `num_microbatches` (default m) microbatches on the newest
+        """Forward-only pass over `num_microbatches` (default: the final batch's m) on the newest
         weights, without touching in-flight 2BW state; returns the mean loss (over microbatches
         and replicas) on every rank."""
-        n = num_microbatches or self.m
+        n = num_microbatches or self.eval_m
         schedule = forward_only(self.num_stages, n)
         check_schedule(schedule)
         actions = schedule.window(self.stage, 0)
@@ -260,23 +269,18 @@ class PipelineEngine(Interpreter):
 
     @property
     def optimizer(self):
-        """The optimizer over this stage's flat weights (state_dict / load_state_dict); the
-        engine steps it inside train_batch."""
+        """The optimizer over this stage's flat weights (the engine steps it in train_batch)."""
         self.stepper.compensation.finish()  # a pending prediction reads its state
         return self.stepper.optimizer
 
-    @property
-    def lr_schedule(self) -> Callable[[int], float]:
-        return self.stepper.lr
+    lr_schedule = property(lambda self: self.stepper.lr)  # Callable[[int], float]
 
     @property
     def lr(self) -> float:
         """The lr of the next optimizer step (batch `iteration`)."""
         return float(self.stepper.lr(self.iteration))
 
-    @property
-    def skipped_iterations(self) -> int:
-        return self.stepper.skipped
+    skipped_iterations = property(lambda self: self.stepper.skipped)
 
     # -- interpreter (the loop and the communication groups: interpreter.py) ---------------------
     @property
@@ -297,7 +301,6 @@ class PipelineEngine(Interpreter):
     def save_trace(self, path: str) -> None:
         """Write this rank's trace as JSON: {"stage", "rank", "schedule", "events": [...]}."""
         import json
-
         from megatron_2bw.fs import atomic_write_text
         atomic_write_text(path, json.dumps({
             "stage": self.stage, "rank": self.grid.rank, "dp": self.grid.dp_rank,

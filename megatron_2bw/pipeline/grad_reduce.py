@@ -71,10 +71,12 @@ class GradReduction:
         self._backwards: dict[int, int] = {}  # batch -> its backwards run on this stage so far
 
     # -- the last backward of a batch -------------------------------------------------------------
-    def reset(self) -> None:
-        """A new schedule segment (it starts at a batch boundary)."""
+    def reset(self, microbatches: int | None = None) -> None:
+        """A new schedule segment (it starts at a batch boundary) of `microbatches` per batch
+        (None: as before)."""
         self.disarm()
         self._backwards = {}
+        self.m = microbatches or self.m
 
     def before_backward(self, batch: int, slot: int) -> None:
         """Before each backward of `batch` (into `grads[slot]`): the m-th arms the hooks."""

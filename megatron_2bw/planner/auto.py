@@ -173,6 +173,23 @@ def _only(cfg: Config, path: str):
     return (cfg.get(path) if value is None else value,)
 
 
+def _ramp_accepts(cfg: Config):
+    """With a batch-size ramp: Layout -> whether the ramp's batches suit it (its smallest batch
+    the schedule's minimum m, every batch the run reaches a multiple of b x w: the config's
+    rules, config/ramp_checks.py); the search sizes the layout for the largest batch. None
+    without a ramp."""
+    b = cfg.batch
+    if not (b.rampup_batch_size or b.step_batch_size_schedule or b.decrease_batch_size_if_needed):
+        return None
+    from megatron_2bw.config.ramp_checks import ramp_error
+
+    def accept(L) -> bool:
+        return ramp_error(cfg.replace(
+            parallel={"tensor": L.tensor, "pipeline": L.pipeline, "data": L.data},
+            batch={"micro_batch_size": L.micro_batch}, schedule=L.schedule)) is None
+    return accept
+
+
 def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
     """The planner's search restricted to what `cfg` leaves free."""
     if cfg.batch.global_batch_size is None:
@@ -204,7 +221,7 @@ def search_for(cfg: Config, topology, profile, top_k: int = 1) -> SearchResult:
                       one_buffer=cfg.grad_buffers in (None, 1, FIRST_STAGE),
                       grad_accumulation=cfg.precision.grad_accumulation,
                       overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-                      bucket=cfg.parallel.grad_bucket_size)
+                      bucket=cfg.parallel.grad_bucket_size, accept=_ramp_accepts(cfg))
     except PlanError as e:
         fixed = [f.source for f in cfg.fixed
                  if f.path in PLANNED + ("batch.global_batch_size",)]

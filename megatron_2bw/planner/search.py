@@ -100,10 +100,11 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
                       schedules=SCHEDULES, recompute=RECOMPUTE, tensor_sizes=None,
                       micro_batches=None, rank_orders=RANK_ORDERS, pipeline_sizes=None,
                       data_sizes=None, num_microbatches=None, distributed_optimizer=(False, True),
-                      sequence_parallel=(False, True)):
+                      sequence_parallel=(False, True), accept=None):
     """Yield every candidate Layout (memory is checked later). A filter that is None allows
     every value; the distributed optimizer is tried only with w > 1, sequence parallelism only
-    with t > 1 dividing the sequence."""
+    with t > 1 dividing the sequence; `accept(layout)`, when given, must say yes (--auto-plan:
+    a batch-size ramp's smallest batch, planner/auto.py)."""
     n, gpn = topology.num_gpus, topology.gpus_per_node
     orders = tuple(rank_orders) if topology.num_nodes > 1 else tuple(rank_orders)[:1]
     kinds = [schedule_kind(s) for s in schedules]
@@ -126,6 +127,8 @@ def enumerate_layouts(model: ModelConfig, topology: Topology, global_batch: int,
                 for kind in kinds:
                     if not kind.accepts(d, m) or (d == 1 and any_synchronous
                                                   and not kind.synchronous):
+                        continue
+                    if accept is not None and not accept(Layout(kind.name, t, d, w, b, m)):
                         continue
                     for rc, do, sp in _options(recompute, distributed_optimizer,
                                                sequence_parallel, t, w, model.seq_length):
@@ -249,7 +252,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
            one_buffer: bool = True, grad_accumulation: str = "fp32",
            overlap_grad_reduce: bool = True, bucket: int | None = None,
            gpipe_flushes: bool = True, fit_only: bool = False,
-           flash: bool = True, fit_partition: bool = True) -> SearchResult:
+           flash: bool = True, fit_partition: bool = True, accept=None) -> SearchResult:
     """`grad_reduce_bytes`: Setup's (4, the engine's fp32 gradient all-reduce). `one_buffer`:
     try a 2BW layout whose two gradient buffers do not fit with fewer (`_fewer_buffers`; False:
     two only). `gpipe_flushes`: run a GPipe layout whose m stashes do not fit in flushes of
@@ -263,7 +266,8 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     (source "bound"); a PlanError as always when none does. `flash`: Setup's (False: attention
     keeps its s x s scores, as before FlashAttention: bench/paper_table.py's 2020 stack).
     `fit_partition`: plan a layout whose time-balanced partition does not fit on the fastest
-    partition that does (`_fitting_partition`; False: the time-balanced one only)."""
+    partition that does (`_fitting_partition`; False: the time-balanced one only). `accept`:
+    `enumerate_layouts`'."""
     start = time.perf_counter()
     topology.validate()
     _check_inputs(model, global_batch, schedules, dtype, optimizer, recompute)
@@ -276,7 +280,7 @@ def search(model: ModelConfig, topology: Topology, profile, global_batch: int,
     layouts = list(enumerate_layouts(model, topology, global_batch, schedules, recompute,
                                      tensor_sizes, micro_batches, rank_orders, pipeline_sizes,
                                      data_sizes, num_microbatches, distributed_optimizer,
-                                     sequence_parallel))
+                                     sequence_parallel, accept))
     if not layouts:
         raise PlanError(f"no valid layout for {topology.num_gpus} GPUs, global batch "
                         f"{global_batch} "

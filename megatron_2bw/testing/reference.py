@@ -5,7 +5,8 @@ optimizer, clipping and reductions instead of reusing them.
 gpipe / flush:  W(t+1) = step(W(t), g_t(W(t)))
 2bw:            W(t+1) = step(W(t), g_t(V(t))),  V(t) = W(max(t-1, 0))
 g_t is the mean gradient over the batch's m * w microbatches; which W(k) batch t runs on is the
-schedule kind's `weight_of_batch(t)` (schedule/kinds.py).
+schedule kind's `weight_of_batch(t)` (schedule/kinds.py). With a batch-size ramp m is batch t's
+(`Config.batch_plan`), the lr Megatron's in samples (optim/lr.py); evaluation runs the final m.
 
 2BW's staleness compensation (`--2bw-compensation`, pipeline/compensation.py), with k = t - 1:
     predict  V(t) = P(t) for t >= 2: W(k) moved by the update torch.optim's state after k steps
@@ -60,7 +61,7 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
     name or None, "optimizer": {"steps": n, "exp_avg"/"exp_avg_sq" (Adam) or "momentum" (SGD):
     buffers by name}}; batches t0 .. t0 + num_iters - 1 are trained."""
     w = cfg.data_parallel_size
-    m = cfg.num_microbatches
+    plan, eval_m = cfg.batch_plan, cfg.num_microbatches
     model = build_sequential(cfg, specs)
     params = list(model.named_parameters())
     optimizer = torch_reference_optimizer(cfg.optimizer, params)
@@ -79,7 +80,7 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
     losses, eval_losses = [], []
     for t in range(t0, t0 + num_iters):
         grad_model.zero_grad(set_to_none=True)
-        total = 0.0
+        total, m = 0.0, plan.m(t)
         for stream in streams:
             for _ in range(m):
                 inputs, labels = next(stream)
@@ -106,7 +107,7 @@ def reference_train(cfg: Config, specs: list[LayerSpec], loss_fn, make_batches,
             grad_model.load_state_dict(versions[k])
             versions = {j: v for j, v in versions.items() if j >= k}
         if eval_interval and (t + 1) % eval_interval == 0:
-            eval_losses.append(_evaluate(model, loss_fn, eval_streams, m))
+            eval_losses.append(_evaluate(model, loss_fn, eval_streams, eval_m))
     return {name: p.detach().clone() for name, p in params}, losses, eval_losses
 
 

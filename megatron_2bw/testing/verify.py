@@ -11,7 +11,10 @@ whatever its sign) cannot fail the check on their own. The run passes when the l
 difference over all tensors, and over the per-iteration losses, is within --rtol. It also checks
 that the tied embedding copies on the first and last stage and all data-parallel replicas are
 bitwise equal. `tests/distributed/test_equivalence.py` shows that a broken engine fails it
-(`run(..., engine_class=...)`).
+(`run(..., engine_class=...)`). Megatron's batch-size ramps (--rampup-batch-size,
+--step-batch-size-schedule, --decrease-batch-size-if-needed) are judged the same way: the engine
+changes m between batches, the reference runs each batch's m
+(tests/distributed/test_ramp_equivalence.py).
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ def _worker(rank: int, world_size: int, cfg: Config, outdir: str, engine_class,
     grid = build_grid(cfg, rank, world_size)
     engine = build_engine(cfg, grid, "cpu", engine_class)
     data = mock_batches(cfg, grid.data, grid.dp_rank)
-    eval_data = mock_batches(cfg, grid.data, grid.dp_rank, start_batch=EVAL_DATA_OFFSET)
+    eval_data = mock_batches(cfg, grid.data, grid.dp_rank, start_batch=EVAL_DATA_OFFSET,
+                             training=False)
     engine.start(cfg.train.train_iters)
     losses, norms, eval_losses = [], [], []
     for it in range(cfg.train.train_iters):
@@ -143,7 +147,8 @@ def run(cfg: Config, timeout_minutes: float = 2.0, eval_interval: int = 0,
     w = cfg.data_parallel_size
     ref_params, ref_losses, ref_eval = reference_train(
         cfg, specs, loss_fn, lambda r: mock_batches(cfg, w, r), cfg.train.train_iters,
-        eval_interval, lambda r: mock_batches(cfg, w, r, start_batch=EVAL_DATA_OFFSET))
+        eval_interval, lambda r: mock_batches(cfg, w, r, start_batch=EVAL_DATA_OFFSET,
+                                              training=False))
     ref_tied = build_sequential(cfg, specs).tied_parameter_names()
     return compare(cfg, results, ref_params, ref_losses, ref_tied, ref_eval)
 
@@ -180,7 +185,8 @@ def report(cfg: Config, rep: Report, rtol: float) -> int:
     ok = rep.passed(rtol)
     print(f"verify_equivalence: model={cfg.model.family} schedule={cfg.schedule} "
           f"compensation={cfg.compensation} t={p.tensor} d={p.pipeline} w={p.data} "
-          f"m={cfg.num_microbatches} iters={cfg.train.train_iters} "
+          f"m={'->'.join(str(s.m) for s in cfg.batch_plan.reached(cfg.train.train_iters))} "
+          f"iters={cfg.train.train_iters} "
           f"optimizer={cfg.optimizer.name} precision={cfg.precision.dtype}")
     if cfg.optimizer.clip_grad > 0:
         print(f"  gradient clipping at {cfg.optimizer.clip_grad}: active in "

@@ -46,10 +46,14 @@ def build_engine(cfg: Config, grid: ProcessGrid, device, engine_class=PipelineEn
                         dynamic_shape="fixed")  # every batch [b, seq]: no shape headers
 
 
-def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
-    """Microbatches of `dataset` for one data-parallel replica, from batch `start_batch` on."""
+def batches(cfg: Config, dataset, data_parallel_size: int, dp_rank: int, start_batch: int = 0,
+            training: bool = True):
+    """Microbatches of `dataset` for one data-parallel replica, from batch `start_batch` on:
+    training batches follow the config's batch plan (a batch-size ramp), evaluation batches
+    (`training=False`) are all of the final global batch."""
     batches_cls = FAMILIES[cfg.model.family].batches
-    m = cfg.replace(parallel={"data": data_parallel_size}).num_microbatches
+    on_grid = cfg.replace(parallel={"data": data_parallel_size})
+    m = on_grid.batch_plan if training else on_grid.num_microbatches
     eod = {"eod": cfg.model.eod_token} if cfg.model.eod_mask_loss else {}  # GPT only (config)
     return batches_cls(dataset, cfg.batch.micro_batch_size, m, data_parallel_size, dp_rank,
                        start_batch=start_batch, **eod)
@@ -60,6 +64,7 @@ def mock_dataset(cfg: Config):
                                                    seed=cfg.train.seed)
 
 
-def mock_batches(cfg: Config, data_parallel_size: int, dp_rank: int, start_batch: int = 0):
+def mock_batches(cfg: Config, data_parallel_size: int, dp_rank: int, start_batch: int = 0,
+                 training: bool = True):
     """Synthetic microbatches of the configured family for one data-parallel replica."""
-    return batches(cfg, mock_dataset(cfg), data_parallel_size, dp_rank, start_batch)
+    return batches(cfg, mock_dataset(cfg), data_parallel_size, dp_rank, start_batch, training)

@@ -35,11 +35,12 @@ def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool
     return False
 
 
-def consumed_samples(cfg: Config, iteration: int) -> int:
-    """The samples the first `iteration` iterations consume: the one place the loop learns the
-    global batch (iteration i trains consumed_samples(i) - consumed_samples(i - 1) samples; a
-    batch-size ramp changes that between iterations). The logs take it from the loop."""
-    return iteration * cfg.global_batch_size
+def consumed_samples(cfg: Config, grid: ProcessGrid) -> Callable[[int], int]:
+    """iteration -> the samples the first `iteration` iterations consume: the one place the loop
+    learns the global batch (iteration i trains consumed(i) - consumed(i - 1) samples; a
+    batch-size ramp changes that between iterations: the config's batch plan). The logs take it
+    from the loop."""
+    return cfg.replace(parallel={"data": grid.data}).batch_plan.consumed
 
 
 def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
@@ -80,7 +81,8 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     eval_data = input_pipeline(make_eval_data(), "validation data", grid, device,
                                t.num_workers) if (make_eval_data and evaluates) else None
     logger = TrainLogger(cfg, grid, reporter, log, progress, start)
-    report = IntervalLog(cfg, grid, device, engine, logger, start, consumed_samples(cfg, start))
+    consumed = consumed_samples(cfg, grid)
+    report = IntervalLog(cfg, grid, device, engine, logger, start, consumed(start))
     if t.skip_train:  # Megatron's --skip-train: evaluate the weights loaded, train none
         total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
         report.validation(start, total / t.eval_iters, on_validation_set=True)
@@ -117,7 +119,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     for it in range(start + 1, t.train_iters + 1):
         pending.append(engine.train_batch(data).detach().clone())
         skips.append(engine.skipped_iterations)  # a host count: the interval mean leaves them out
-        sizes.append(consumed_samples(cfg, it) - consumed_samples(cfg, it - 1))
+        sizes.append(consumed(it) - consumed(it - 1))
         hooks.after_iteration(grid, it)
         if saver is not None:
             saver.poll()  # publishes an --async-save once every rank has written it

@@ -157,8 +157,9 @@ def test_gpt3_175b_script_flags_train_to_completion(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "megatron-2bw: --attention-backend auto: attention runs torch's" in out
-    assert "--rampup-batch-size 16 16 5859375: all 2 iterations stay on the first step, " \
-           "global batch 16" in out
+    assert "--rampup-batch-size 16 16 5859375: the global batch grows from 16 by 16 to 1536 " \
+           "over 5859375 samples (Megatron's num-microbatches arithmetic): the 2 iterations " \
+           "of this run train at global batch 16 (m=16) from iteration 1" in out
     # fp16 from Megatron's --initial-loss-scale 2^32: the first steps overflow and are skipped
     # (the scale halves), as in Megatron; no iteration is left to average in this short run:
     # the line has no lm loss

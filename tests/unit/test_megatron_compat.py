@@ -1,8 +1,8 @@
 """Megatron-LM's flags (issue 34, points 1 and 6): every refusal of a command in one message, the
 features the engine lacks refused in one line and accepted at their neutral value, selectors
 stated as no-ops, --sequence-parallel at t=1 turned off, the sample-based lr flags against
-Megatron's arithmetic, --kv-channels, --apply-layernorm-1p, the batch-size ramps and the output
-paths checked before anything runs."""
+Megatron's arithmetic, --kv-channels, --apply-layernorm-1p and the output paths checked before
+anything runs (the batch-size ramps: test_ramp_arithmetic.py)."""
 import math
 
 import pytest
@@ -155,18 +155,6 @@ def test_layernorm_1p_is_the_plain_norm_with_gamma_plus_one(norm):
     (gw1,) = torch.autograd.grad(y1, one_p.weight, g)
     (gw2,) = torch.autograd.grad(y2, plain.weight, g)
     assert torch.allclose(gw1, gw2, atol=1e-5)
-
-
-def test_a_batch_ramp_is_taken_while_the_run_stays_on_its_first_step():
-    b = built(["--rampup-batch-size", "16", "16", "5859375", "--global-batch-size", "1536",
-               "--train-iters", "3"])
-    assert b.config.global_batch_size == 16
-    assert any("all 3 iterations stay on the first step, global batch 16" in n for n in b.notes)
-    b = built(["--step-batch-size-schedule", "0:8 1M:16", "--train-iters", "2"])
-    assert b.config.global_batch_size == 8
-    with pytest.raises(ConfigError, match=r"would change at iteration 3 \(sample 8\) .* one global batch"):
-        built(["--rampup-batch-size", "4", "4", "24", "--global-batch-size", "16",
-               "--train-iters", "5"])
 
 
 def test_every_output_path_is_checked_before_training(tmp_path):
