@@ -210,10 +210,12 @@ def cap_by_tokens(cfg, args, world_size: int | None = None):
         return cfg, None
     seq, iters = cfg.model.seq_length, cfg.train.train_iters
     b = cfg.batch
+    per = ""  # tokens per iteration, when the batch does not ramp
     if b.rampup_batch_size or b.step_batch_size_schedule:
         consumed = cfg.validate(world_size).batch_plan.consumed
     else:
         consumed = lambda k: k * cfg.global_batch_size  # noqa: E731
+        per = f" of {cfg.global_batch_size * seq} per iteration"
     by_tokens = 1
     while by_tokens < iters and consumed(by_tokens) * seq < tokens:
         by_tokens += 1
@@ -227,7 +229,7 @@ def cap_by_tokens(cfg, args, world_size: int | None = None):
                           else {"lr_decay_iters": iters})
     return cfg.replace(train={"train_iters": by_tokens}), (
         f"megatron-2bw: --train-tokens {tokens}: the run stops after iteration {by_tokens} "
-        f"({consumed(by_tokens) * seq} tokens), before the {iters} iterations given")
+        f"({consumed(by_tokens) * seq} tokens{per}), before the {iters} iterations given")
 
 
 def check_lr_tokens(cfg) -> str | None:

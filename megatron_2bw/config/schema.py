@@ -200,8 +200,7 @@ class OptimizerConfig:
     lr_warmup_fraction: float | None = None
     lr_warmup_samples: int = 0
     lr_decay_samples: int | None = None
-    # Megatron-DeepSpeed's --lr-warmup-tokens / --lr-decay-tokens: warmup and decay in tokens
-    # (samples x seq length; its arithmetic, optim/lr.py); None: by iterations or samples
+    # Megatron-DeepSpeed's --lr-warmup-tokens / --lr-decay-tokens (samples x seq length; optim/lr.py)
     lr_warmup_tokens: int | None = None
     lr_decay_tokens: int | None = None
     # Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding and the output layer
@@ -260,8 +259,8 @@ class TrainConfig:
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
-    wandb_entity: str | None = None   # Megatron's --wandb-entity: the team or user of the run
-    wandb_group: str | None = None    # DeepSpeed's wandb.group (no Megatron flag)
+    wandb_entity: str | None = None   # Megatron's --wandb-entity (team or user); DeepSpeed's
+    wandb_group: str | None = None    # wandb.group (no Megatron flag)
     log_throughput: bool = False      # --log-throughput: Megatron's TFLOP/s field in the line
     wall_clock_breakdown: bool = False
     trace: str | None = None          # write per-rank action traces to {trace}.rank{r}.json
