@@ -196,11 +196,10 @@ class OptimizerConfig:
     # where it runs, else apex (CUDA) or the unfused ops; "native" (Adam, CPU) only when asked
     impl: str = "auto"
     # Megatron's sample-based schedule: warmup as a fraction of the decay span, or warmup and
-    # decay in samples (converted with the global batch: optim/lr.py)
+    # decay in samples; Megatron-DeepSpeed's in tokens (samples x seq length; optim/lr.py)
     lr_warmup_fraction: float | None = None
     lr_warmup_samples: int = 0
     lr_decay_samples: int | None = None
-    # Megatron-DeepSpeed's --lr-warmup-tokens / --lr-decay-tokens (samples x seq length; optim/lr.py)
     lr_warmup_tokens: int | None = None
     lr_decay_tokens: int | None = None
     # Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding and the output layer
