@@ -15,6 +15,7 @@ from megatron_2bw.schedule import actions as A
 from megatron_2bw.testing.launch import spawn
 from megatron_2bw.training.build import batches, build_grid, mock_dataset
 from megatron_2bw.training.loop import train
+from log_lines import interval_fields
 
 sys.path.insert(0, os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
@@ -139,7 +140,7 @@ def test_engine_breakdown_and_trace_end_to_end():
         argv = BASE + ["--trace", f"{d}/tr"]
         cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 2).config
         spawn(_worker, 2, args=(cfg, d), timeout_minutes=1)
-        lines = [x for x in torch.load(f"{d}/log1") if x.startswith("iteration")]
+        lines = [x for x in torch.load(f"{d}/log1") if interval_fields(x)]
         assert len(lines) == 2  # (beside them: the kernels line and the run summary)
         for key in ("ms forward", "ms backward", "ms p2p", "ms optimizer"):
             assert key in lines[0], lines[0]

@@ -30,6 +30,7 @@ import torch
 
 from megatron_2bw.checkpoint.dist.load import read_full
 from megatron_2bw.checkpoint.files import LATEST, TMP_PREFIX, temporary_files
+from log_lines import interval_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = str(ROOT / "tests" / "fault_entry.py")
@@ -100,7 +101,7 @@ def test_workers_exit_within_seconds_when_torchrun_dies(tmp_path, sig):
                                 stderr=subprocess.PIPE, text=True)
     try:
         for line in launcher.stdout:
-            if line.startswith("iteration"):
+            if interval_fields(line):
                 break
         workers = children(launcher.pid)
         assert len(workers) == 2, workers
@@ -288,13 +289,12 @@ def test_resume_with_another_precision_starts_a_fresh_loss_scaler(checkpoints, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint {ck} (iteration 10) was saved with fp32; continuing with fp16 (dynamic " \
            "loss scale): the loss scaler starts fresh" in proc.stdout
-    scales = [float(x.split("loss scale ")[1].split()[0]) for x in proc.stdout.splitlines()
-              if x.startswith("iteration")]
-    assert scales == [65540.0] * 2, "2 ** 16 as the log prints it (4 digits)"
+    scales = [f["loss scale"] for f in map(interval_fields, proc.stdout.splitlines()) if f]
+    assert scales == [65536.0] * 2, "2 ** 16 as the log prints it (Megatron's {:.1f})"
     proc = torchrun("--bf16", "--train-iters", "14", "--load", ck, "--save", ck)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint {ck} (iteration 12) was saved with fp16 (dynamic loss scale); " \
            "continuing with bf16: the loss scaler starts fresh" in proc.stdout
-    assert all(" loss scale 1 " in x for x in proc.stdout.splitlines()
-               if x.startswith("iteration"))
+    assert all(f["loss scale"] == 1.0 for f in map(interval_fields, proc.stdout.splitlines())
+               if f)
     assert latest(ck) == 14

@@ -17,6 +17,7 @@ from fault_hooks import InjectedFault
 from megatron_2bw.checkpoint.api import LATEST
 from megatron_2bw.testing.launch import free_port, spawn
 from test_resume import _worker, make_cfg, run
+from log_lines import interval_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = str(ROOT / "tests" / "fault_entry.py")
@@ -45,7 +46,7 @@ def test_killed_rank_stops_the_others_under_torchrun(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:  # every worker is up and training; rank 1 dies at iteration 3
-            if line.startswith("iteration"):
+            if interval_fields(line):
                 break
         t0 = time.monotonic()  # from here, not from start-up (which load stretches)
         proc.communicate(timeout=300)
@@ -144,7 +145,7 @@ def test_real_signal_to_a_run_checkpoints_and_exits_zero(tmp_path, sig):
                             cwd=ROOT, env=_single_process_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if line.startswith("iteration"):
+        if interval_fields(line):
             break
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
@@ -160,7 +161,7 @@ def test_ctrl_c_without_save_is_one_line_and_exit_130(tmp_path):
                             cwd=ROOT, env=_single_process_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
-        if line.startswith("iteration"):
+        if interval_fields(line):
             break
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -129,16 +129,16 @@ def run(tmp_path, data, launch: str, schedule: str) -> str:
                  "--use-rotary-position-embeddings: RoPE", "--num-key-value-heads 2: grouped",
                  "--zero-stage 0: no sharding", "--clip-grad 1: no effect with --deepspeed"):
         assert f"megatron-2bw: {line}" in out, line
-    assert re.search(r"iteration\s+3/3 \| .*\| lm loss [0-9.]+ \|", out), out[-3000:]
+    assert re.search(r"iteration +3/ +3 \|.*\| lm loss: [0-9.E+-]+ \|", out), out[-3000:]
     assert f"successfully saved checkpoint at iteration 3 to {ckpt}" in out, out[-3000:]
     assert "run summary | iterations 3 (0->3) | samples 24 | tokens 384" in out
     if launch != "torchrun":  # DeepSpeed's launcher started the ranks, with --local_rank=N
         assert "--local_rank=3" in proc.stderr + out
-    return "\n".join(re.findall(r"^iteration .*lm loss [0-9.]+", out, re.M))
+    return "\n".join(re.findall(r"iteration .*lm loss: [0-9.E+-]+", out))
 
 
 def _losses(log: str) -> list[str]:
-    return re.findall(r"lm loss ([0-9.]+)", log)
+    return re.findall(r"lm loss: ([0-9.E+-]+)", log)
 
 
 def test_the_llama2_script_trains_under_the_deepspeed_launcher(tmp_path, data):
