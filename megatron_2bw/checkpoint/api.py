@@ -186,23 +186,30 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     A checkpoint saved with another precision or loss-scaling mode loads with a fresh loss
     scaler (log says so): fp16's scale means nothing to fp32/bf16 and vice versa. `load_rng`
     False (--no-load-rng): keep this process's RNG state instead of the checkpoint's."""
-    from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint
+    from megatron_2bw.checkpoint.megatron.detect import detect
     from megatron_2bw.checkpoint.torch_format import stage_file
     t = agreed_latest(load_dir, grid)  # one reduction: every rank loads the same iteration
     if t is None:
         return 0
     directory = iteration_dir(load_dir, t)
-    dist = is_dist_checkpoint(directory)
-    where = directory if dist else stage_file(load_dir, t, grid)
-    payload, problem = None, None
+    payload, problem, found = None, None, None
     try:
-        payload = _read_dist(directory, engine, cfg, grid, load_optim and not finetune) if dist \
-            else _read(where, t, cfg, grid, engine, load_optim and not finetune)
+        found = detect(directory)  # the same files on every rank: the same verdict
+    except CheckpointError as e:
+        problem = str(e)
+    dist = found is not None and found.format in ("torch_dist", "megatron")
+    where = directory if dist or found is None else stage_file(load_dir, t, grid)
+    try:
+        if found is not None:
+            payload = _read_any(found, directory, where, t, engine, cfg, grid,
+                                load_optim and not finetune)
     except CheckpointError as e:
         problem = str(e)
     first = agree(problem, grid)  # every rank reports the same first error
     if first:
         raise CheckpointError(first)
+    for line in payload.get("notes", ()) if log is not None else ():
+        log(line)
     state = payload["engine"]
     if finetune or not load_optim:
         state = {k: v for k, v in state.items() if k != "optimizer"}  # the optimizer starts fresh
@@ -221,19 +228,37 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     except ValueError as e:
         raise CheckpointError(f"checkpoint {where}: {e}") from None
     if dist and not finetune and load_rng:
-        _restore_rng(payload, cfg, grid, engine.device)
+        _restore_rng(payload, cfg, grid, engine.device, found.foreign)
     return engine.iteration
 
 
-def _restore_rng(payload: dict, cfg: Config, grid, device) -> None:
+def _read_any(found, directory: str, where: str, t: int, engine, cfg: Config, grid,
+              load_optim: bool) -> dict:
+    """Collective: this rank's payload from a checkpoint of the format `found` names."""
+    if found.format == "torch_dist":
+        return _read_dist(directory, engine, cfg, grid, load_optim)
+    if found.format == "torch":
+        return _read(where, t, cfg, grid, engine, load_optim)
+    from megatron_2bw.checkpoint.dist.load import stage_boxes
+    if found.format == "megatron":
+        from megatron_2bw.checkpoint.megatron.dist_read import read_megatron_dist
+        return read_megatron_dist(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
+                                  load_optim, found.verified)
+    from megatron_2bw.checkpoint.megatron.torch_read import read_megatron_torch
+    return read_megatron_torch(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
+                               load_optim)
+
+
+def _restore_rng(payload: dict, cfg: Config, grid, device, foreign: bool = False) -> None:
     """This rank's RNG state, when the checkpoint was saved by the same layout (on another,
     the rank's coordinates mean another rank; dropout masks are a function of the seed, the
-    stage and the microbatch anyway: engine._seed_microbatch)."""
+    stage and the microbatch anyway: engine._seed_microbatch). A Megatron checkpoint's reader
+    gives the RNG state only when its (t, d) is this run's (Megatron's own rule)."""
     rng = payload.get("rng")
     saved = dict(payload["common"].get("parallel", {}))
     ours = common_parallel(cfg, grid)
     saved.pop("compensation", None), ours.pop("compensation")  # the RNG streams do not use it
-    if rng is None or saved != ours:
+    if rng is None or (saved != ours and not foreign):
         return
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.device(device).type == "cuda":

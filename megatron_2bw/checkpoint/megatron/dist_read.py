@@ -1,0 +1,229 @@
+"""Reading megatron-core torch_dist checkpoints into an engine of any layout, box by box through
+the same DCP machinery as our own format (checkpoint/dist/storage.py): the boxes this rank's
+state needs (checkpoint/dist/shards.py, our global names) are translated into boxes of
+megatron-core's sharded keys (mapping.py: names, stacked layers, QKV, SwiGLU), so every rank reads
+only what it holds, from a checkpoint of any megatron-core (t, d) and dp.
+
+    model.<ours>              <- optimizer.state.fp32_param.<key> (plain optimizer, bf16/fp16)
+                                 or optimizer.state.param.<key> (distributed, fully_reshardable)
+                                 or the model's <key> (fp32 runs; --no-load-optim)
+    optimizer.exp_avg.<ours>  <- optimizer.state.exp_avg.<key>; exp_avg_sq alike; SGD's momentum
+                                 <- optimizer.state.momentum_buffer.<key>
+    the optimizer's steps     <- common.pt: optimizer "common_step" (plain) or param_groups' "step"
+                                 (distributed)
+    RNG (same t and d only)   <- the rng_state object of this rank's (pipeline, tensor) rank
+
+A distributed optimizer saved in its bucket layouts (dp_reshardable, dp_zero_gather_scatter,
+fully_sharded_model_space) cannot be cut into our parameters: its optimizer state restarts,
+said in one line. A checkpoint without our checksums.sha256 (every one Megatron writes) is not
+verified ("not written by megatron-2bw: files not verified").
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatron_2bw.checkpoint.dist.shards import MODEL, OPTIMIZER, Shard, empty_state, state_shards
+from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, METADATA, file_problem, plan_read,
+                                                  read_checksums, read_metadata, run_read)
+from megatron_2bw.checkpoint.files import CheckpointError, verify_once
+from megatron_2bw.checkpoint.megatron import mapping
+from megatron_2bw.checkpoint.megatron.common import args_of, check_model
+from megatron_2bw.checkpoint.megatron.detect import OURS_KEY
+
+COMMON = "common.pt"
+NOT_VERIFIED = "not written by megatron-2bw: files not verified"
+MODEL_SPACE = ("fully_reshardable",)  # distributed optimizer layouts held per model parameter
+_STATE = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum": "momentum_buffer"}
+
+
+def read_megatron_common(directory: str, verified: bool = False) -> dict:
+    """common.pt of a megatron-core checkpoint (Megatron's pickles, safely: pickles.py)."""
+    from megatron_2bw.checkpoint.megatron.pickles import load
+    path = os.path.join(directory, COMMON)
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {directory} lacks {COMMON}: the checkpoint is "
+                              "incomplete; load an earlier iteration")
+    if verified:
+        problem = file_problem(directory, COMMON, read_checksums(directory))
+        if problem:
+            raise CheckpointError(problem)
+    try:
+        state = load(path)
+    except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways
+        raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
+                              "truncated or corrupted; load an earlier iteration") from None
+    return state if isinstance(state, dict) else {}
+
+
+def optimizer_record(state: dict) -> dict:
+    """The optimizer's non-tensor state in common.pt, whatever wrapper Megatron used."""
+    opt = state.get("optimizer") or {}
+    while isinstance(opt, dict) and "param_groups" not in opt and isinstance(
+            opt.get("optimizer"), dict):
+        opt = dict(opt["optimizer"], **{k: v for k, v in opt.items() if k != "optimizer"})
+    return opt if isinstance(opt, dict) else {}
+
+
+def optimizer_steps(state: dict) -> int | None:
+    opt = optimizer_record(state)
+    step = (opt.get("state") or {}).get("common_step")
+    if step is None:
+        steps = [g.get("step") for g in opt.get("param_groups") or () if g.get("step") is not None]
+        step = steps[0] if steps else None
+    return None if step is None else int(step)
+
+
+def _main_prefix(keys, key: str, load_optim: bool) -> str:
+    """Where the exact fp32 weights of `key` are: the optimizer's copy, else the model's."""
+    if load_optim:
+        for prefix in ("optimizer.state.fp32_param.", "optimizer.state.param."):
+            if prefix + key in keys:
+                return prefix
+    return ""
+
+
+def translate(shards: list[Shard], m, keys, load_optim: bool, stacked: bool
+              ) -> tuple[list[Shard], list]:
+    """Our boxes (views into the buffers to fill) -> megatron-core's boxes (views of the same
+    memory), and the key-bias boxes to check ((link, layer box, temp))."""
+    by_name = {x.ours: x for x in mapping.links(m)}
+    L, out, checks = m.num_layers, [], []
+
+    def theirs(key: str, layer, offsets, sizes, tensor, link):
+        if layer is None:
+            return Shard(key, tensor, link.shape, tuple(offsets))
+        return Shard(key, tensor.unsqueeze(0), (L, *link.shape), (layer, *offsets))
+
+    for s in shards:
+        if s.name.startswith(MODEL):
+            ours, kind = s.name[len(MODEL):], None
+        else:
+            kind, ours = s.name[len(OPTIMIZER):].split(".", 1)
+        link = by_name[ours]
+        key, layer = mapping.dist_key(link.theirs, stacked)
+        prefix = _main_prefix(keys, key, load_optim) if kind is None else \
+            f"optimizer.state.{_STATE.get(kind, kind)}."
+        for p in mapping.pieces(link, s.offsets, tuple(s.tensor.shape)):
+            out.append(theirs(prefix + key, layer, p.offsets, p.sizes, p.select(s.tensor), link))
+        if kind is None:
+            for o, n in mapping.key_pieces(link, s.offsets, tuple(s.tensor.shape)):
+                temp = torch.zeros(n)
+                out.append(theirs(key, layer, o, n, temp, link))
+                checks.append((link, temp))
+    return out, checks
+
+
+def _stacked(m, keys) -> bool:
+    probe = mapping.links(m)[-1].theirs if m.num_layers == 0 else \
+        f"{mapping.block_name(m.family)}.layers.0.self_attention.linear_qkv.weight"
+    return mapping.dist_key(probe, True)[0] in keys
+
+
+def _rng_key(args: dict, grid) -> str | None:
+    t, d = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
+    if (t, d) != (grid.tensor, grid.pipeline):
+        return None
+    return f"rng_state/shard_{grid.stage}.{grid.tp_rank}_{d}.{t}"
+
+
+def optimizer_layout(state: dict, keys) -> tuple[bool, str | None]:
+    """(whether the optimizer's tensors can be read per parameter, else why they cannot)."""
+    opt = optimizer_record(state)
+    if not opt and not any(k.startswith("optimizer.") for k in keys):
+        return False, "the checkpoint holds no optimizer state"
+    sharding = (state.get("optimizer") or {}).get("param_state_sharding_type") or \
+        opt.get("param_state_sharding_type")
+    if sharding is not None and sharding not in MODEL_SPACE:
+        return False, (f"its distributed optimizer state is in Megatron's {sharding} layout "
+                       "(flat buffers of its own bucketing); re-save it in Megatron with "
+                       "--dist-ckpt-optim-fully-reshardable to carry Adam's moments over")
+    if not any(k.startswith("optimizer.state.exp_avg.") or
+               k.startswith("optimizer.state.momentum_buffer.") for k in keys):
+        return False, "the checkpoint holds no per-parameter optimizer state"
+    return True, None
+
+
+def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool,
+                       verified: bool) -> dict:
+    """Collective: this rank's engine state from the megatron-core checkpoint in `directory`,
+    shaped like checkpoint/dist/load.read_engine_state's payload, plus "notes" (lines for the
+    log: what was not verified, what restarts)."""
+    problem, sums, notes = None, {}, []
+    if verified:
+        try:
+            sums = read_checksums(directory)
+        except CheckpointError as e:
+            problem = str(e)
+        check = lambda name: file_problem(directory, name, sums)  # noqa: E731
+    else:
+        notes.append(f"checkpoint {directory}: {NOT_VERIFIED}")
+        check = lambda name: None if os.path.exists(os.path.join(directory, name)) else \
+            f"checkpoint file {os.path.join(directory, name)} is missing: the checkpoint is " \
+            "incomplete; load an earlier iteration"  # noqa: E731
+    verify_once([COMMON, METADATA], grid, check, problem, shared=True)
+    read, files, checks, want_optim = None, [], [], False
+    try:
+        state = read_megatron_common(directory)
+        args = args_of(state)
+        check_model(args, cfg.model, directory)
+        metadata = read_metadata(directory, verify=False)
+        keys = metadata.state_dict_metadata
+        if load_optim:
+            want_optim, why = optimizer_layout(state, keys)
+            if not want_optim:
+                notes.append(f"optimizer state restarts: {why}")
+        buffers = empty_state(view.numel, None,
+                              engine.optimizer.state_dict() if want_optim else {})
+        ours, _ = state_shards(buffers, view.params, view.numel, reading=True)
+        targets, checks = translate(ours, cfg.model, keys, want_optim, _stacked(cfg.model, keys))
+        rng = _rng_key(args, grid)
+        read = plan_read(directory, targets, [rng] if rng in keys else [], metadata)
+        files = read.files
+    except CheckpointError as e:
+        problem = str(e)
+    verify_once(files, grid, check, problem)
+    objects = run_read(read)
+    _check_key_bias(checks, cfg.model, directory, notes)
+    it = int(state.get("iteration", 0))
+    engine_state = {"iteration": it, "schedule": cfg.schedule, "names": list(engine.weights.names),
+                    "newest": buffers["newest"], "scaler": engine.stepper.scaler.state_dict(),
+                    "skipped": 0}
+    if want_optim:
+        steps = optimizer_steps(state)
+        engine_state["optimizer"] = dict(buffers["optimizer"], steps=it if steps is None
+                                         else steps)
+    from megatron_2bw.checkpoint.megatron.common import consumed_samples, parallel_of
+    rng = objects.get(_rng_key(args, grid) or "")
+    if isinstance(rng, (list, tuple)):
+        rng = rng[0] if rng else None
+    ours_record = state.get(OURS_KEY) or {}
+    return {"engine": engine_state, "iteration": it,
+            "consumed_samples": consumed_samples(state, it),
+            "config": {"precision": _precision(args)}, "notes": notes,
+            "rng": {"cpu": rng["torch_rng_state"], "cuda": rng.get("cuda_rng_state")}
+            if isinstance(rng, dict) and "torch_rng_state" in rng else None,
+            "common": {"parallel": parallel_of(args), **ours_record}, "state": state}
+
+
+def _precision(args: dict) -> dict:
+    dtype = "fp16" if args.get("fp16") else "bf16" if args.get("bf16") else "fp32"
+    return {"dtype": dtype, "loss_scale": args.get("loss_scale")}
+
+
+def _check_key_bias(checks: list, m, directory: str, notes: list) -> None:
+    """Their key biases: dropped where softmax ignores them (learned positions, no
+    --qk-layernorm), refused where they change the scores."""
+    top = max((float(t.abs().max()) for _, t in checks), default=0.0)
+    if top == 0.0:
+        return
+    if m.position_embedding_type == "rope" or m.qk_layernorm:
+        why = "RoPE rotates it" if m.position_embedding_type == "rope" else \
+            "--qk-layernorm normalizes it"
+        raise CheckpointError(f"checkpoint {directory} holds non-zero key biases (max |b| "
+                              f"{top:g}) in self_attention.linear_qkv.bias; this project's "
+                              f"attention has none, and {why} into the scores: it cannot load "
+                              "this checkpoint exactly")
+    notes.append(f"checkpoint {directory}: the key biases (max |b| {top:g}) are left out: "
+                 "softmax is invariant to them without RoPE")
