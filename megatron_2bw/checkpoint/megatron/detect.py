@@ -85,7 +85,7 @@ def detect(directory: str) -> Found:
 
 
 def _torch_writer(path: str) -> str:
-    from megatron_2bw.checkpoint.megatron.pickles import load
+    from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file as load
     try:
         payload = load(path, mmap=True)
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways

@@ -40,7 +40,7 @@ _STATE = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "momentum": "momentu
 
 def read_megatron_common(directory: str, verified: bool = False) -> dict:
     """common.pt of a megatron-core checkpoint (Megatron's pickles, safely: pickles.py)."""
-    from megatron_2bw.checkpoint.megatron.pickles import load
+    from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file as load
     path = os.path.join(directory, COMMON)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {directory} lacks {COMMON}: the checkpoint is "
