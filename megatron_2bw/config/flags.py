@@ -346,6 +346,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         save_optim=not args.no_save_optim, ckpt_format=args.ckpt_format,
         async_save=args.async_save,
         load_optim=not args.no_load_optim, finetune=args.finetune,
+        override_opt_param_scheduler=bool(getattr(args, "override_opt_param_scheduler",
+                                                  None)),
         load_rng=getattr(args, "load_rng", True),
         exit_interval=args.exit_interval or 0,
         exit_duration_in_mins=args.exit_duration_in_mins or 0.0,

@@ -192,3 +192,28 @@ def schedule_problems(state: dict, cfg, global_batch: int) -> list[str]:
                        if not isinstance(have, str) else
                        f"{key} {shown} (this run: {value}; use {flag} {fix})")
     return out
+
+
+def optimizer_problems(state: dict, cfg) -> list[str]:
+    """What in the checkpoint's optimizer settings differs from this run's, where its state
+    would carry over (Megatron steps on with the param groups it saved: betas, eps)."""
+    from megatron_2bw.checkpoint.megatron.dist_read import optimizer_record
+    args, o = args_of(state), cfg.optimizer
+    name = args.get("optimizer")
+    out = []
+    if name is not None and name != o.name:
+        out.append(f"optimizer {name} (this run: {o.name}; use --optimizer {name}, or "
+                   "--no-load-optim to start its state fresh)")
+        return out
+    groups = optimizer_record(state).get("param_groups") or [{}]
+    betas = groups[0].get("betas")
+    saved = {"adam_beta1": betas[0] if betas else args.get("adam_beta1"),
+             "adam_beta2": betas[1] if betas else args.get("adam_beta2"),
+             "adam_eps": groups[0].get("eps", args.get("adam_eps"))} if o.name == "adam" else \
+        {"sgd_momentum": groups[0].get("momentum", args.get("sgd_momentum"))}
+    for key, have in saved.items():
+        ours = getattr(o, key)
+        if have is not None and not math.isclose(float(have), ours, rel_tol=1e-9):
+            out.append(f"{key} {float(have):g} (this run: {ours:g}; use "
+                       f"--{key.replace('_', '-')} {float(have):g}, or --no-load-optim)")
+    return out
