@@ -96,33 +96,30 @@ def build(shape: str, tp: int):
     return model.eval()
 
 
+def sample_loss(model, shape: str, i: int) -> torch.Tensor:
+    """megatron-core's forward loss on sample i of our mock data, as our loss defines it: the
+    mean token loss (GPT) or the masked LM loss plus sentence-order cross entropy (BERT)."""
+    if SHAPES[shape][0] == "gpt":
+        from megatron_2bw.data.mock import MockGPTDataset
+        sample = MockGPTDataset(VOCAB, SEQ)[i]
+        tokens, labels = sample[None, :-1], sample[None, 1:]
+        mask = torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None]
+        return model(tokens, torch.arange(SEQ)[None], mask, labels=labels).float().mean()
+    from megatron_2bw.data.bert_mock import MockBertDataset
+    s = MockBertDataset(VOCAB, SEQ)[i]
+    per_token, binary = model(s["tokens"][None], s["padding_mask"][None],
+                              tokentype_ids=s["types"][None],
+                              lm_labels=s["labels"].clamp_min(0)[None])
+    mask = s["loss_mask"].float()
+    lm = (per_token[0].float() * mask).sum() / mask.sum().clamp_min(1.0)
+    return lm + torch.nn.functional.cross_entropy(binary.float(), s["is_random"][None])
+
+
 def batch_loss(model, shape: str, first: int = 0) -> float:
-    """megatron-core's forward loss on the samples [first, first + BATCH) of our mock data, as
-    our loss defines it: the mean over samples of each sample's mean token loss (GPT) or masked
-    LM loss plus sentence-order cross entropy (BERT)."""
-    family = SHAPES[shape][0]
-    losses = []
+    """The mean of `sample_loss` over the samples [first, first + BATCH) (our batch loss)."""
     with torch.no_grad():
-        for i in range(first, first + BATCH):
-            if family == "gpt":
-                from megatron_2bw.data.mock import MockGPTDataset
-                sample = MockGPTDataset(VOCAB, SEQ)[i]
-                tokens, labels = sample[None, :-1], sample[None, 1:]
-                mask = torch.triu(torch.ones(SEQ, SEQ), 1).bool()[None, None]
-                per_token = model(tokens, torch.arange(SEQ)[None], mask, labels=labels)
-                losses.append(float(per_token.float().mean()))
-            else:
-                from megatron_2bw.data.bert_mock import MockBertDataset
-                s = MockBertDataset(VOCAB, SEQ)[i]
-                per_token, binary = model(s["tokens"][None], s["padding_mask"][None],
-                                          tokentype_ids=s["types"][None],
-                                          lm_labels=s["labels"].clamp_min(0)[None])
-                mask = s["loss_mask"].float()
-                lm = float((per_token[0].float() * mask).sum() / mask.sum().clamp_min(1.0))
-                lm += float(torch.nn.functional.cross_entropy(binary.float(),
-                                                              s["is_random"][None]))
-                losses.append(lm)
-    return sum(losses) / len(losses)
+        return sum(float(sample_loss(model, shape, i)) for i in range(first, first + BATCH)) \
+            / BATCH
 
 
 def megatron_args(shape: str, tp: int, world: int, **extra) -> argparse.Namespace:
@@ -202,3 +199,134 @@ def save_worker(rank, world, runs, out):
         losses[shape, tp] = batch_loss(model, shape)  # every tensor rank takes part
     if rank == 0:
         torch.save(losses, out)
+
+
+# -- optimizer state ----------------------------------------------------------------------------
+BETAS, EPS, WEIGHT_DECAY, STEPS = (0.9, 0.999), 1e-8, 0.01, 3
+
+
+def plain_optimizer(model):
+    """megatron-core's FP32Optimizer over torch.optim.AdamW with Megatron's two parameter groups
+    (weight decay on matrices, none on biases and norms; optimizer/__init__.py's keys). Its
+    constructor makes a CUDA tensor (the loss scale 1.0): made on the CPU here (test stub)."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    keys = dict(lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False,
+                default_config=True, max_lr=LR, min_lr=MIN_LR)
+    groups = [dict(params=decay, wd_mult=1.0, weight_decay=WEIGHT_DECAY, **keys),
+              dict(params=no_decay, wd_mult=0.0, weight_decay=0.0, **keys)]
+    inner = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    real = torch.tensor
+    torch.tensor = lambda *a, device=None, **k: real(*a, **k)  # the CUDA loss scale -> CPU
+    try:
+        return FP32Optimizer(inner, OptimizerConfig(lr=LR, clip_grad=0.0), lambda opt, cfg: None)
+    finally:
+        torch.tensor = real
+
+
+def train_steps(model, shape: str, optimizer, steps: int = STEPS) -> None:
+    """`steps` real steps of megatron-core's optimizer on batches 0.. of our mock data."""
+    model.train()
+    for k in range(steps):
+        optimizer.zero_grad()
+        loss = sum(sample_loss(model, shape, k * BATCH + i) for i in range(BATCH)) / BATCH
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def fully_reshardable(model_sd: dict, optimizer) -> dict:
+    """The distributed optimizer's model-space layout (DistributedOptimizer.sharded_state_dict
+    with distrib_optim_sharding_type "fully_reshardable", sharded_param_state_fully_reshardable):
+    per model parameter its fp32 "param" and Adam's moments under optimizer.state.<key>.<model
+    key>, the step in param_groups. Built from megatron-core's own ShardedTensor metadata and
+    the plain optimizer's state (megatron-core's DistributedOptimizer needs CUDA buffers)."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+    sharded, _ = extract_sharded_tensors_and_factories(model_sd)
+    state = optimizer.optimizer.state
+    param_state = {}
+    for i, sh in enumerate(sharded.values()):
+        own = state[sh.data] if sh.data in state else None
+        if own is None:
+            continue
+        tensors = {"param": sh.data.detach().clone(), "exp_avg": own["exp_avg"],
+                   "exp_avg_sq": own["exp_avg_sq"]}
+        param_state[i] = {}
+        for key, t in tensors.items():
+            kw = dict(key=f"optimizer.state.{key}.{sh.key}", data=t)
+            if not isinstance(sh, ShardedTensorFactory):
+                kw["dtype"] = t.dtype
+            param_state[i][key] = replace(sh, **kw)
+    groups = []
+    for g in optimizer.optimizer.state_dict()["param_groups"]:
+        g = {k: v for k, v in g.items() if k != "params"}
+        groups.append(dict(g, step=STEPS))
+    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
+            "param_state_sharding_type": "fully_reshardable"}
+
+
+def bf16_model(model_sd: dict) -> dict:
+    """The model's sharded state with its tensors in bf16 (a bf16 run's model weights; the
+    exact fp32 ones are the optimizer's "param")."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    out = {}
+    for k, v in model_sd.items():
+        if isinstance(v, ShardedTensor):
+            out[k] = replace(v, data=v.data.detach().bfloat16(), dtype=torch.bfloat16)
+        elif isinstance(v, ShardedTensorFactory):
+            out[k] = replace(v, data=v.data.detach().bfloat16())
+        else:
+            out[k] = v
+    return out
+
+
+def rng_state(rank: int, tp: int):
+    """Megatron-LM's get_rng_state for torch_dist: one ShardedObject per (pipeline, tensor) rank
+    (the CUDA entries, accelerator-only, hold the CPU state's bytes here)."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    torch.manual_seed(1000 + ps.get_tensor_model_parallel_rank())
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": {}}
+    return ShardedObject("rng_state", [state], (1, tp), (0, ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank())
+
+
+def optimizer_save_worker(rank, world, runs, out):
+    """megatron-core runs that train STEPS steps with its own FP32Optimizer and save with their
+    optimizer state: (shape, tp, root, layout) with layout "plain" (the FP32Optimizer's
+    sharded_state_dict), "distributed" (`fully_reshardable`, bf16 model weights) or
+    "dp_reshardable" (a bucket layout: no per-parameter tensors). Writes each run's loss on the
+    fixed batch and its tensors per key to `out`."""
+    results = {}
+    for shape, tp, root, layout in runs:
+        model = build(shape, tp)
+        opt = plain_optimizer(model)
+        train_steps(model, shape, opt)
+        model_sd = model.sharded_state_dict()
+        if layout == "plain":
+            extra = {"optimizer": opt.sharded_state_dict(model_sd)}
+        elif layout == "distributed":
+            extra = {"optimizer": fully_reshardable(model_sd, opt)}
+            model_sd = bf16_model(model_sd)
+        else:
+            extra = {"optimizer": {"optimizer": {"param_groups": []},
+                                   "param_state_sharding_type": "dp_reshardable"}}
+        extra.update(model=model_sd, rng_state=rng_state(rank, tp))
+        save(model, shape, root, rank, world, tp, extra_state=extra,
+             use_distributed_optimizer=layout != "plain", bf16=layout == "distributed")
+        results[shape, tp, layout] = batch_loss(model, shape)
+    if rank == 0:
+        torch.save(results, out)

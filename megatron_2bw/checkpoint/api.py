@@ -261,7 +261,7 @@ def _restore_rng(payload: dict, cfg: Config, grid, device, foreign: bool = False
     if rng is None or (saved != ours and not foreign):
         return
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.device(device).type == "cuda":
+    if rng.get("cuda") is not None and torch.device(device).type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], torch.device(device))
 
 

@@ -179,7 +179,9 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
         ours, _ = state_shards(buffers, view.params, view.numel, reading=True)
         targets, checks = translate(ours, cfg.model, keys, want_optim, _stacked(cfg.model, keys))
         rng = _rng_key(args, grid)
-        read = plan_read(directory, targets, [rng] if rng in keys else [], metadata)
+        from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file
+        read = plan_read(directory, targets, [rng] if rng in keys else [], metadata,
+                         unpickle=load_megatron_file)
         files = read.files
     except CheckpointError as e:
         problem = str(e)
@@ -196,7 +198,7 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
                                          else steps)
     from megatron_2bw.checkpoint.megatron.common import consumed_samples, parallel_of
     rng = objects.get(_rng_key(args, grid) or "")
-    if isinstance(rng, (list, tuple)):
+    while isinstance(rng, (list, tuple)):  # [rng_state] (per data rank), as DCP holds it
         rng = rng[0] if rng else None
     ours_record = state.get(OURS_KEY) or {}
     return {"engine": engine_state, "iteration": it,

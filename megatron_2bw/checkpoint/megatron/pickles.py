@@ -73,7 +73,8 @@ restricted = types.SimpleNamespace(Unpickler=Unpickler, load=lambda f, **kw: Unp
                                    .load(), __name__="megatron_2bw_restricted_pickle")
 
 
-def load_megatron_file(path: str, mmap: bool = False):
-    """torch.load of a Megatron file onto the CPU through the allow-list above."""
+def load_megatron_file(path, mmap: bool = False):
+    """torch.load of a Megatron file (a path or a file object) onto the CPU through the
+    allow-list above."""
     return torch.load(path, map_location="cpu", weights_only=False, pickle_module=restricted,
                       mmap=mmap)
