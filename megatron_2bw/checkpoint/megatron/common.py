@@ -197,7 +197,6 @@ def schedule_problems(state: dict, cfg, global_batch: int) -> list[str]:
 def optimizer_problems(state: dict, cfg) -> list[str]:
     """What in the checkpoint's optimizer settings differs from this run's, where its state
     would carry over (Megatron steps on with the param groups it saved: betas, eps)."""
-    from megatron_2bw.checkpoint.megatron.dist_read import optimizer_record
     args, o = args_of(state), cfg.optimizer
     name = args.get("optimizer")
     out = []
@@ -217,3 +216,21 @@ def optimizer_problems(state: dict, cfg) -> list[str]:
             out.append(f"{key} {float(have):g} (this run: {ours:g}; use "
                        f"--{key.replace('_', '-')} {float(have):g}, or --no-load-optim)")
     return out
+
+
+def optimizer_record(state: dict) -> dict:
+    """The optimizer's non-tensor state in common.pt, whatever wrapper Megatron used."""
+    opt = state.get("optimizer") or {}
+    while isinstance(opt, dict) and "param_groups" not in opt and isinstance(
+            opt.get("optimizer"), dict):
+        opt = dict(opt["optimizer"], **{k: v for k, v in opt.items() if k != "optimizer"})
+    return opt if isinstance(opt, dict) else {}
+
+
+def optimizer_steps(state: dict) -> int | None:
+    opt = optimizer_record(state)
+    step = (opt.get("state") or {}).get("common_step")
+    if step is None:
+        steps = [g.get("step") for g in opt.get("param_groups") or () if g.get("step") is not None]
+        step = steps[0] if steps else None
+    return None if step is None else int(step)

@@ -25,11 +25,12 @@ import os
 import torch
 
 from megatron_2bw.checkpoint.dist.shards import MODEL, OPTIMIZER, Shard, empty_state, state_shards
-from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, METADATA, file_problem, plan_read,
+from megatron_2bw.checkpoint.dist.storage import (METADATA, file_problem, plan_read,
                                                   read_checksums, read_metadata, run_read)
 from megatron_2bw.checkpoint.files import CheckpointError, verify_once
 from megatron_2bw.checkpoint.megatron import mapping
-from megatron_2bw.checkpoint.megatron.common import args_of, check_model
+from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, optimizer_record,
+                                                     optimizer_steps)
 from megatron_2bw.checkpoint.megatron.detect import OURS_KEY
 
 COMMON = "common.pt"
@@ -55,24 +56,6 @@ def read_megatron_common(directory: str, verified: bool = False) -> dict:
         raise CheckpointError(f"cannot read checkpoint file {path} ({type(e).__name__}): it is "
                               "truncated or corrupted; load an earlier iteration") from None
     return state if isinstance(state, dict) else {}
-
-
-def optimizer_record(state: dict) -> dict:
-    """The optimizer's non-tensor state in common.pt, whatever wrapper Megatron used."""
-    opt = state.get("optimizer") or {}
-    while isinstance(opt, dict) and "param_groups" not in opt and isinstance(
-            opt.get("optimizer"), dict):
-        opt = dict(opt["optimizer"], **{k: v for k, v in opt.items() if k != "optimizer"})
-    return opt if isinstance(opt, dict) else {}
-
-
-def optimizer_steps(state: dict) -> int | None:
-    opt = optimizer_record(state)
-    step = (opt.get("state") or {}).get("common_step")
-    if step is None:
-        steps = [g.get("step") for g in opt.get("param_groups") or () if g.get("step") is not None]
-        step = steps[0] if steps else None
-    return None if step is None else int(step)
 
 
 def _main_prefix(keys, key: str, load_optim: bool) -> str:
