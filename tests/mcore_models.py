@@ -330,3 +330,102 @@ def optimizer_save_worker(rank, world, runs, out):
         results[shape, tp, layout] = batch_loss(model, shape)
     if rank == 0:
         torch.save(results, out)
+
+
+# -- --ckpt-format torch ------------------------------------------------------------------------
+# Megatron's legacy model (NVIDIA/Megatron-LM megatron/legacy/model/language_model.py,
+# transformer.py and bert_model.py, removed in commits 39ec5ebeb4, 8de8238844 and 7f8f37e0c0; its
+# converter tools/checkpoint/loader_legacy.py reads the same names) saves a nested state dict:
+# model["language_model"]["embedding"]["word_embeddings"]["weight"], ...["position_embeddings"],
+# model["language_model"]["encoder"]["layers.<i>.<attribute>.<param>"] and "final_norm.*",
+# model["language_model"]["output_layer"]["weight"] (untied), and on a last pipeline stage of a
+# tied model model["word_embeddings_for_head"]["weight"]. Its ParallelTransformerLayer's
+# attributes for megatron-core's local-spec modules:
+LEGACY_LAYER = {"input_layernorm": "input_norm", "self_attention.linear_qkv":
+                "self_attention.query_key_value", "self_attention.linear_proj":
+                "self_attention.dense", "pre_mlp_layernorm": "post_attention_norm",
+                "mlp.linear_fc1": "mlp.dense_h_to_4h", "mlp.linear_fc2": "mlp.dense_4h_to_h"}
+
+
+def legacy_model_state(state: dict, layers: range, first: bool, last: bool, tied: bool) -> dict:
+    """megatron-core's (local spec) state dict of a whole model as the legacy model's state of
+    the pipeline stage holding `layers` (numbered from 0 in the stage, as Megatron saves)."""
+    lm = {"encoder": {}}
+    out = {"language_model": lm}
+    for key, value in state.items():
+        if key.endswith("_extra_state"):
+            continue
+        if key.startswith("embedding.") and first:
+            table, param = key[len("embedding."):].rsplit(".", 1)
+            lm.setdefault("embedding", {}).setdefault(table, {})[param] = value
+        elif key.startswith("decoder.layers."):
+            i, rest = key[len("decoder.layers."):].split(".", 1)
+            module, param = rest.rsplit(".", 1)
+            if int(i) in layers:
+                lm["encoder"][f"layers.{int(i) - layers.start}.{LEGACY_LAYER[module]}.{param}"] = \
+                    value
+        elif key.startswith("decoder.final_layernorm.") and last:
+            lm["encoder"]["final_norm." + key.rsplit(".", 1)[1]] = value
+        elif key == "output_layer.weight" and last:
+            lm["output_layer"] = {"weight": value}
+    if last and tied and not first:
+        out["word_embeddings_for_head"] = {"weight": state["embedding.word_embeddings.weight"]}
+    return out
+
+
+def core_model_state(state: dict, layers: range, first: bool, last: bool) -> dict:
+    """The same stage with megatron-core's names (its state_dict_for_save_checkpoint)."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith("decoder.layers."):
+            i, rest = key[len("decoder.layers."):].split(".", 1)
+            if int(i) in layers:
+                out[f"decoder.layers.{int(i) - layers.start}.{rest}"] = value
+        elif (key.startswith("embedding.") and first) or (not key.startswith("embedding.")
+                                                          and last):
+            out[key] = value
+    return out
+
+
+def save_torch_format(model, shape: str, root: str, tp: int, world: int, stages: int,
+                      legacy: bool) -> None:
+    """Megatron's --ckpt-format torch save (checkpointing.py: one model_optim_rng.pt per tensor
+    rank and pipeline stage, mp_rank_TT[_PPP]) of this tensor rank's model, cut into `stages`
+    pipeline stages by hand (the stage files a pipeline of that depth writes)."""
+    from megatron.core import parallel_state as ps
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor)}
+    tied = SHAPES[shape][3].get("share_embeddings_and_output_weights", False)
+    per = LAYERS // stages
+    for pp in range(stages):
+        layers = range(pp * per, (pp + 1) * per)
+        first, last = pp == 0, pp == stages - 1
+        model_state = legacy_model_state(state, layers, first, last, tied) if legacy else \
+            core_model_state(state, layers, first, last)
+        name = f"mp_rank_{tp_rank:02d}" + (f"_{pp:03d}" if stages > 1 else "")
+        path = os.path.join(root, f"iter_{ITERATION:07d}", name, "model_optim_rng.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        args = megatron_args(shape, tp, tp * stages, pipeline_model_parallel_size=stages,
+                             data_parallel_size=1, ckpt_format="torch")
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                    "model": model_state, "opt_param_scheduler":
+                    scheduler_state(list(model.parameters())),
+                    "rng_state": [{"torch_rng_state": torch.get_rng_state()}],
+                    "num_floating_point_operations_so_far": 0}, path)
+    if tp_rank == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+
+
+def torch_format_worker(rank, world, runs, out):
+    """megatron-core models saved in Megatron's torch format: (shape, tp, stages, legacy, root)
+    each; every batch loss to `out`."""
+    losses = {}
+    for shape, tp, stages, legacy, root in runs:
+        model = build(shape, tp)
+        save_torch_format(model, shape, root, tp, world, stages, legacy)
+        losses[root] = batch_loss(model, shape)
+    torch.distributed.barrier()
+    if rank == 0:
+        torch.save(losses, out)

@@ -120,12 +120,12 @@ def test_boxes_read_and_write_what_the_whole_tensors_hold(name):
             for p in mp.pieces(link, offsets, sizes):
                 view = p.select(box)
                 assert view.is_contiguous() and tuple(view.shape) == tuple(p.sizes)
-                view.copy_(mp._box(theirs[link.theirs], p.offsets, p.sizes))
-            assert torch.equal(box, mp._box(whole, offsets, sizes)), (link.ours, offsets, sizes)
+                view.copy_(mp.box(theirs[link.theirs], p.offsets, p.sizes))
+            assert torch.equal(box, mp.box(whole, offsets, sizes)), (link.ours, offsets, sizes)
             for p in mp.pieces(link, offsets, sizes):
-                mp._box(rebuilt[link.theirs], p.offsets, p.sizes).copy_(p.select(box))
+                mp.box(rebuilt[link.theirs], p.offsets, p.sizes).copy_(p.select(box))
             for o, s in mp.key_pieces(link, offsets, sizes):
-                mp._box(rebuilt[link.theirs], o, s).zero_()
+                mp.box(rebuilt[link.theirs], o, s).zero_()
     assert all(torch.equal(rebuilt[k], theirs[k]) for k in theirs)
 
 

@@ -170,7 +170,7 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
         problem = str(e)
     verify_once(files, grid, check, problem)
     objects = run_read(read)
-    _check_key_bias(checks, cfg.model, directory, notes)
+    check_key_bias(checks, cfg.model, directory, notes)
     it = int(state.get("iteration", 0))
     engine_state = {"iteration": it, "schedule": cfg.schedule, "names": list(engine.weights.names),
                     "newest": buffers["newest"], "scaler": engine.stepper.scaler.state_dict(),
@@ -186,18 +186,18 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
     ours_record = state.get(OURS_KEY) or {}
     return {"engine": engine_state, "iteration": it,
             "consumed_samples": consumed_samples(state, it),
-            "config": {"precision": _precision(args)}, "notes": notes,
+            "config": {"precision": precision_of(args)}, "notes": notes,
             "rng": {"cpu": rng["torch_rng_state"], "cuda": rng.get("cuda_rng_state")}
             if isinstance(rng, dict) and "torch_rng_state" in rng else None,
             "common": {"parallel": parallel_of(args), **ours_record}, "state": state}
 
 
-def _precision(args: dict) -> dict:
+def precision_of(args: dict) -> dict:
     dtype = "fp16" if args.get("fp16") else "bf16" if args.get("bf16") else "fp32"
     return {"dtype": dtype, "loss_scale": args.get("loss_scale")}
 
 
-def _check_key_bias(checks: list, m, directory: str, notes: list) -> None:
+def check_key_bias(checks: list, m, directory: str, notes: list) -> None:
     """Their key biases: dropped where softmax ignores them (learned positions, no
     --qk-layernorm), refused where they change the scores."""
     top = max((float(t.abs().max()) for _, t in checks), default=0.0)

@@ -210,7 +210,7 @@ def key_pieces(link: Link, offsets: tuple, sizes: tuple) -> list[tuple[tuple, tu
     return [((g * (P + 2) * d + P * d,), (d,)) for g in range(g0, g0 + ng)]
 
 
-def _box(t: torch.Tensor, offsets: tuple, sizes: tuple) -> torch.Tensor:
+def box(t: torch.Tensor, offsets: tuple, sizes: tuple) -> torch.Tensor:
     for dim, (o, n) in enumerate(zip(offsets, sizes)):
         t = t.narrow(dim, o, n)
     return t
@@ -220,7 +220,7 @@ def to_ours(link: Link, theirs: torch.Tensor) -> torch.Tensor:
     """Our full tensor of `link` from their full tensor."""
     out = torch.empty(link.ours_shape, dtype=theirs.dtype)
     for p in pieces(link, (0,) * len(link.ours_shape), link.ours_shape):
-        p.select(out).copy_(_box(theirs, p.offsets, p.sizes))
+        p.select(out).copy_(box(theirs, p.offsets, p.sizes))
     return out
 
 
@@ -229,14 +229,14 @@ def to_theirs(link: Link, ours: torch.Tensor, into: torch.Tensor | None = None) 
     tensor: GATE and UP); key-bias rows are zeros."""
     out = torch.zeros(link.shape, dtype=ours.dtype) if into is None else into
     for p in pieces(link, (0,) * len(link.ours_shape), link.ours_shape):
-        _box(out, p.offsets, p.sizes).copy_(p.select(ours))
+        box(out, p.offsets, p.sizes).copy_(p.select(ours))
     return out
 
 
 def key_bias(link: Link, theirs: torch.Tensor) -> torch.Tensor:
     """QV: their key-bias rows, [G, d]."""
     G, _, d = link.ours_shape
-    return torch.stack([_box(theirs, o, s) for o, s in key_pieces(link, (0, 0, 0), (G, 1, d))])
+    return torch.stack([box(theirs, o, s) for o, s in key_pieces(link, (0, 0, 0), (G, 1, d))])
 
 
 def theirs_tensors(m, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
