@@ -429,3 +429,40 @@ def torch_format_worker(rank, world, runs, out):
     torch.distributed.barrier()
     if rank == 0:
         torch.save(losses, out)
+
+
+def init_adam_state(opt, config=None):
+    """megatron-core's init_state_fn for Adam (optimizer/__init__.py): zero moments, so that its
+    sharded_state_dict(is_loading=True) has tensors to load into."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if len(opt.state[p]) == 0:
+                opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def load_export_worker(rank, world, shape, tp, directory, out):
+    """megatron-core reads one of our exports the way Megatron-LM's load_checkpoint does:
+    dist_checkpointing.load of its model's and its FP32Optimizer's sharded state dicts (the
+    common state merged in), then model.load_state_dict / optimizer.load_state_dict. Writes its
+    loss on the fixed batch, the common entries and, by sharded key, this rank's Adam moments."""
+    from megatron.core import dist_checkpointing
+    model = build(shape, tp)
+    opt = plain_optimizer(model)
+    opt.init_state_fn = init_adam_state
+    model_sd = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(
+        model_sd, is_loading=True)}, directory)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    moments = {}
+    for name, p in model.named_parameters():
+        state = opt.optimizer.state[p]
+        moments[name] = {k: state[k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        moments[name]["step"] = float(state["step"])
+    loss = batch_loss(model, shape)
+    if rank == 0:
+        torch.save({"loss": loss, "moments": moments, "common": {
+            k: loaded.get(k) for k in ("iteration", "checkpoint_version", "opt_param_scheduler",
+                                       "num_floating_point_operations_so_far")},
+            "args": vars(loaded["args"])}, out)

@@ -97,15 +97,19 @@ def start_checkpoint(save_dir: str, engine, cfg: Config, grid, view, save_optim:
     if grid.rank == 0 and os.path.exists(tmp_dir(save_dir, engine.iteration)):
         shutil.rmtree(tmp_dir(save_dir, engine.iteration))  # a failed save of this iteration
     state = _state_to_save(save_dir, engine, grid, everyone=True)
+    export = None
+    if cfg.train.ckpt_format == "megatron":  # the same boxes under megatron-core's names
+        from megatron_2bw.checkpoint.megatron.export import MegatronExport
+        export = MegatronExport(cfg, grid.rank)
     return start_save(save_dir, engine, grid, view, common_state(engine, cfg, grid), save_optim,
-                      keep_last, hooks, asynchronous, state=state)
+                      keep_last, hooks, asynchronous, state=state, export=export)
 
 
 def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True,
                     keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, view=None) -> str:
     """Collective, synchronous: save the current iteration in --ckpt-format, move `latest`
     forward and prune old iterations (keep_last > 0); returns this rank's file or directory."""
-    if cfg.train.ckpt_format == "torch_dist":
+    if cfg.train.ckpt_format in ("torch_dist", "megatron"):
         if view is None:
             from megatron_2bw.checkpoint.dist.load import stage_boxes
             view = stage_boxes(engine, cfg, grid)

@@ -258,7 +258,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default=CKPT_FORMATS[0],
                    help="torch_dist: layout-free (loads into any t, d, w and schedule); torch: "
                         "Megatron's one file per stage and tensor rank (loads into the same "
-                        "layout only). Loading reads either")
+                        "layout only); megatron: megatron-core's torch_dist names and layout, "
+                        "which Megatron-LM's --load continues from (and this project too). "
+                        "Loading reads any of them and Megatron-LM's own")
     g.add_argument("--async-save", action="store_true",
                    help="torch_dist: copy the state to host memory and write the checkpoint in "
                         "the background while training continues")

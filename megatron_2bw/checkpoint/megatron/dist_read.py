@@ -24,7 +24,8 @@ import os
 
 import torch
 
-from megatron_2bw.checkpoint.dist.shards import MODEL, OPTIMIZER, Shard, empty_state, state_shards
+from megatron_2bw.checkpoint.dist.shards import (MODEL, OPTIMIZER, PREVIOUS, Shard, empty_state,
+                                                 state_shards)
 from megatron_2bw.checkpoint.dist.storage import (METADATA, file_problem, plan_read,
                                                   read_checksums, read_metadata, run_read)
 from megatron_2bw.checkpoint.files import CheckpointError, verify_once
@@ -32,6 +33,8 @@ from megatron_2bw.checkpoint.megatron import mapping
 from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, optimizer_record,
                                                      optimizer_steps)
 from megatron_2bw.checkpoint.megatron.detect import OURS_KEY
+
+OURS_PREFIX = OURS_KEY + "."  # our own keys in a megatron-core checkpoint (export.py)
 
 COMMON = "common.pt"
 NOT_VERIFIED = "not written by megatron-2bw: files not verified"
@@ -80,6 +83,9 @@ def translate(shards: list[Shard], m, keys, load_optim: bool, stacked: bool
         return Shard(key, tensor.unsqueeze(0), (L, *link.shape), (layer, *offsets))
 
     for s in shards:
+        if s.name.startswith(PREVIOUS) or s.name.startswith(OPTIMIZER + "last_grad."):
+            out.append(Shard(OURS_PREFIX + s.name, s.tensor, s.global_shape, s.offsets))
+            continue  # our own boxes (export.py): no Megatron counterpart
         if s.name.startswith(MODEL):
             ours, kind = s.name[len(MODEL):], None
         else:
@@ -104,7 +110,15 @@ def _stacked(m, keys) -> bool:
     return mapping.dist_key(probe, True)[0] in keys
 
 
-def _rng_key(args: dict, grid) -> str | None:
+def _rng_key(args: dict, grid, ours: dict | None, cfg) -> str | None:
+    """This rank's RNG object: ours where our export's layout is this run's, Megatron's where
+    its (t, d) is (its own rule); None elsewhere."""
+    if ours:
+        from megatron_2bw.checkpoint.dist.save import rng_key
+        from megatron_2bw.checkpoint.layout import common_parallel
+        saved, now = dict(ours.get("parallel") or {}), common_parallel(cfg, grid)
+        saved.pop("compensation", None), now.pop("compensation")
+        return OURS_PREFIX + rng_key(grid) if saved == now else None
     t, d = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
     if (t, d) != (grid.tensor, grid.pipeline):
         return None
@@ -146,22 +160,32 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
             f"checkpoint file {os.path.join(directory, name)} is missing: the checkpoint is " \
             "incomplete; load an earlier iteration"  # noqa: E731
     verify_once([COMMON, METADATA], grid, check, problem, shared=True)
-    read, files, checks, want_optim = None, [], [], False
+    read, files, checks, want_optim, rng = None, [], [], False, None
     try:
         state = read_megatron_common(directory)
-        args = args_of(state)
-        check_model(args, cfg.model, directory)
+        args, ours = args_of(state), state.get(OURS_KEY)
+        if ours:  # our own export: the layout it was saved for is ours to check
+            from megatron_2bw.checkpoint.layout import check_layout
+            check_layout(ours["layout"], cfg, grid, directory, resharding=True)
+        else:
+            check_model(args, cfg.model, directory)
         metadata = read_metadata(directory, verify=False)
         keys = metadata.state_dict_metadata
         if load_optim:
             want_optim, why = optimizer_layout(state, keys)
             if not want_optim:
                 notes.append(f"optimizer state restarts: {why}")
-        buffers = empty_state(view.numel, None,
+        previous = engine.weights.num_slots > 1 and any(
+            k.startswith(OURS_PREFIX + PREVIOUS) for k in keys)
+        buffers = empty_state(view.numel, engine.weights.dtype if previous else None,
                               engine.optimizer.state_dict() if want_optim else {})
-        ours, _ = state_shards(buffers, view.params, view.numel, reading=True)
-        targets, checks = translate(ours, cfg.model, keys, want_optim, _stacked(cfg.model, keys))
-        rng = _rng_key(args, grid)
+        if not any(k.startswith(OURS_PREFIX + OPTIMIZER + "last_grad.") for k in keys):
+            for entry in [buffers["optimizer"], *buffers["optimizer"].get("pieces", ())]:
+                entry.pop("last_grad", None)  # Adam's kept gradient: the optimizer fills it in
+        targets, _ = state_shards(buffers, view.params, view.numel, reading=True)
+        targets, checks = translate(targets, cfg.model, keys, want_optim,
+                                    _stacked(cfg.model, keys))
+        rng = _rng_key(args, grid, ours, cfg)
         from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file
         read = plan_read(directory, targets, [rng] if rng in keys else [], metadata,
                          unpickle=load_megatron_file)
@@ -171,25 +195,32 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
     verify_once(files, grid, check, problem)
     objects = run_read(read)
     check_key_bias(checks, cfg.model, directory, notes)
+    return _payload(state, args, ours or {}, buffers, previous, want_optim, engine, cfg,
+                    objects.get(rng), notes)
+
+
+def _payload(state, args, ours, buffers, previous, want_optim, engine, cfg, rng, notes):
+    from megatron_2bw.checkpoint.megatron.common import consumed_samples, parallel_of
     it = int(state.get("iteration", 0))
-    engine_state = {"iteration": it, "schedule": cfg.schedule, "names": list(engine.weights.names),
-                    "newest": buffers["newest"], "scaler": engine.stepper.scaler.state_dict(),
-                    "skipped": 0}
+    engine_state = {"iteration": it, "schedule": ours.get("schedule", cfg.schedule),
+                    "names": list(engine.weights.names), "newest": buffers["newest"],
+                    "scaler": ours.get("scaler", engine.stepper.scaler.state_dict()),
+                    "skipped": ours.get("skipped", 0)}
+    if previous:
+        engine_state["previous"] = buffers["previous"]
     if want_optim:
-        steps = optimizer_steps(state)
+        steps = (ours.get("optimizer") or {}).get("steps", optimizer_steps(state))
         engine_state["optimizer"] = dict(buffers["optimizer"], steps=it if steps is None
                                          else steps)
-    from megatron_2bw.checkpoint.megatron.common import consumed_samples, parallel_of
-    rng = objects.get(_rng_key(args, grid) or "")
     while isinstance(rng, (list, tuple)):  # [rng_state] (per data rank), as DCP holds it
         rng = rng[0] if rng else None
-    ours_record = state.get(OURS_KEY) or {}
+    if isinstance(rng, dict) and "torch_rng_state" in rng:  # Megatron's
+        rng = {"cpu": rng["torch_rng_state"], "cuda": rng.get("cuda_rng_state")}
     return {"engine": engine_state, "iteration": it,
-            "consumed_samples": consumed_samples(state, it),
-            "config": {"precision": precision_of(args)}, "notes": notes,
-            "rng": {"cpu": rng["torch_rng_state"], "cuda": rng.get("cuda_rng_state")}
-            if isinstance(rng, dict) and "torch_rng_state" in rng else None,
-            "common": {"parallel": parallel_of(args), **ours_record}, "state": state}
+            "consumed_samples": ours.get("consumed_samples", consumed_samples(state, it)),
+            "config": ours.get("config") or {"precision": precision_of(args)}, "notes": notes,
+            "rng": rng if isinstance(rng, dict) and "cpu" in rng else None,
+            "common": {"parallel": parallel_of(args), **ours}, "state": state}
 
 
 def precision_of(args: dict) -> dict:
