@@ -3,7 +3,8 @@ format) the first stage file's keys, without reading a tensor:
 
     ours, torch_dist       .metadata + common.pt + checksums.sha256, no metadata.json
     ours, torch            mp_rank_*/model_optim_rng.pt with its .sha256 sidecar
-    megatron-core          metadata.json (dist_checkpointing's), .metadata, *.distcp, common.pt;
+    megatron-core          metadata.json (dist_checkpointing's), .metadata, *.distcp, common.pt
+                           (or without metadata.json: a common.pt that is not ours);
                            written by this project (`--ckpt-format megatron`, to-megatron) when
                            common.pt holds our record and checksums.sha256 lists the files
     Megatron torch         mp_rank_*/model_optim_rng.pt without a sidecar, holding "model":
@@ -70,6 +71,8 @@ def detect(directory: str) -> Found:
         ours = os.path.isfile(os.path.join(directory, CHECKSUMS))
         return Found("megatron", f"{OURS} (megatron-core format)" if ours else MCORE, ours)
     if is_dist_checkpoint(directory):
+        if not os.path.isfile(os.path.join(directory, CHECKSUMS)) and _foreign_common(directory):
+            return Found("megatron", MCORE, False)  # without its metadata.json
         return Found("torch_dist", OURS, True)
     files = stage_files(directory)
     if files:
@@ -84,8 +87,22 @@ def detect(directory: str) -> Found:
                           "Megatron-LM or megatron-core")
 
 
+def _foreign_common(directory: str) -> bool:
+    """A common.pt that is not ours (ours always records the layout it was saved for)."""
+    from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file
+    try:
+        state = load_megatron_file(os.path.join(directory, "common.pt"))
+    except Exception:  # noqa: BLE001 - missing or damaged: ours, reported as today
+        return False
+    return isinstance(state, dict) and "layout" not in state
+
+
 def _torch_writer(path: str) -> str:
     from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file as load
+    from megatron_2bw.checkpoint.torch_format import record_problem
+    problem = record_problem(path)  # zip's CRC-32 of what unpickles, before unpickling it
+    if problem:
+        raise CheckpointError(problem)
     try:
         payload = load(path, mmap=True)
     except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways

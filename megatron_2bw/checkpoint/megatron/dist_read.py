@@ -147,7 +147,7 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
     """Collective: this rank's engine state from the megatron-core checkpoint in `directory`,
     shaped like checkpoint/dist/load.read_engine_state's payload, plus "notes" (lines for the
     log: what was not verified, what restarts)."""
-    problem, sums, notes = None, {}, []
+    problem, sums, notes, needed = None, {}, [], {}
     if verified:
         try:
             sums = read_checksums(directory)
@@ -156,9 +156,7 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
         check = lambda name: file_problem(directory, name, sums)  # noqa: E731
     else:
         notes.append(f"checkpoint {directory}: {NOT_VERIFIED}")
-        check = lambda name: None if os.path.exists(os.path.join(directory, name)) else \
-            f"checkpoint file {os.path.join(directory, name)} is missing: the checkpoint is " \
-            "incomplete; load an earlier iteration"  # noqa: E731
+        check = lambda name: unverified_problem(directory, name, needed)  # noqa: E731
     verify_once([COMMON, METADATA], grid, check, problem, shared=True)
     read, files, checks, want_optim, rng = None, [], [], False, None
     try:
@@ -170,6 +168,7 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
         else:
             check_model(args, cfg.model, directory)
         metadata = read_metadata(directory, verify=False)
+        needed.update(bytes_needed(metadata))
         keys = metadata.state_dict_metadata
         if load_optim:
             want_optim, why = optimizer_layout(state, keys)
@@ -221,6 +220,27 @@ def _payload(state, args, ours, buffers, previous, want_optim, engine, cfg, rng,
             "config": ours.get("config") or {"precision": precision_of(args)}, "notes": notes,
             "rng": rng if isinstance(rng, dict) and "cpu" in rng else None,
             "common": {"parallel": parallel_of(args), **ours}, "state": state}
+
+
+def bytes_needed(metadata) -> dict[str, int]:
+    """file -> the bytes its shards end at (DCP's storage index: offset + length of each)."""
+    out: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        out[info.relative_path] = max(out.get(info.relative_path, 0), info.offset + info.length)
+    return out
+
+
+def unverified_problem(directory: str, name: str, needed: dict) -> str | None:
+    """What can be told of a file without checksums: missing, or shorter than the shards the
+    checkpoint's .metadata places in it (truncated)."""
+    path = os.path.join(directory, name)
+    if not os.path.exists(path):
+        return f"checkpoint file {path} is missing: the checkpoint is incomplete"
+    size, want = os.path.getsize(path), needed.get(name, 0)
+    if size < want:
+        return (f"checkpoint file {path} is truncated ({size} bytes, its shards end at "
+                f"{want}): copy it again or load another checkpoint")
+    return None
 
 
 def precision_of(args: dict) -> dict:

@@ -34,11 +34,11 @@ from megatron_2bw.checkpoint.megatron.dist_read import NOT_VERIFIED, check_key_b
 _RANKS = re.compile(r"mp_rank_(\d+)(?:_(\d+))?$")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
     return out
@@ -61,7 +61,7 @@ def _read(path: str) -> dict:
 def logical_state(model: dict, family: str) -> dict[str, torch.Tensor]:
     """A stage file's tensors by logical name (its layers numbered from 0, as the stage holds
     them); the tied head copy and extra state left out."""
-    flat = _flatten(model)
+    flat = flatten(model)
     legacy = any(k.startswith("language_model.") for k in flat)
     out = {}
     for key, value in flat.items():
