@@ -39,6 +39,20 @@ SHAPES = {
                   dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)),
     "bert": ("bert", [], dict(ffn_hidden_size=4 * HIDDEN),
              dict(share_embeddings_and_output_weights=True)),
+    # SwiGLU with biases (gate and up biases), --kv-channels != hidden / heads, untied, learned
+    "gpt-swiglu-bias": ("gpt", ["--swiglu", "--ffn-hidden-size", "48", "--kv-channels", "16",
+                                "--untie-embeddings-and-output-weights"],
+                        dict(ffn_hidden_size=48, gated_linear_unit=True, kv_channels=16,
+                             activation_func=torch.nn.functional.silu),
+                        dict(position_embedding_type="learned_absolute",
+                             share_embeddings_and_output_weights=False)),
+    # --qk-layernorm (RMSNorm over each head), RoPE, multi-query attention, tied, no biases
+    "gpt-qk": ("gpt", ["--position-embedding-type", "rope", "--normalization", "RMSNorm",
+                       "--qk-layernorm", "--group-query-attention", "--num-query-groups", "2",
+                       "--kv-channels", "16", "--disable-bias-linear", "--sequence-parallel"],
+               dict(ffn_hidden_size=4 * HIDDEN, normalization="RMSNorm", qk_layernorm=True,
+                    num_query_groups=2, kv_channels=16, add_bias_linear=False),
+               dict(position_embedding_type="rope", share_embeddings_and_output_weights=True)),
 }
 BASE = (f"--mock-data --num-layers {LAYERS} --hidden-size {HIDDEN} --num-attention-heads {HEADS} "
         f"--seq-length {SEQ} --micro-batch-size 1 --global-batch-size {BATCH} --vocab-size {VOCAB} "
@@ -79,7 +93,8 @@ def build(shape: str, tp: int):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
         model = GPTModel(config, get_gpt_layer_local_spec(
-            normalization=config_kw.get("normalization")), vocab_size=VOCAB,
+            normalization=config_kw.get("normalization"),
+            qk_layernorm=config_kw.get("qk_layernorm", False)), vocab_size=VOCAB,
             max_sequence_length=SEQ, **model_kw)
     else:
         from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
@@ -129,7 +144,7 @@ def megatron_args(shape: str, tp: int, world: int, **extra) -> argparse.Namespac
     groups = c.get("num_query_groups")
     args = dict(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=c["ffn_hidden_size"],
-        num_attention_heads=HEADS, kv_channels=HIDDEN // HEADS,
+        num_attention_heads=HEADS, kv_channels=c.get("kv_channels", HIDDEN // HEADS),
         group_query_attention=groups is not None, num_query_groups=groups or 1,
         max_position_embeddings=SEQ, seq_length=SEQ,
         position_embedding_type=m.get("position_embedding_type", "learned_absolute"),
@@ -139,7 +154,8 @@ def megatron_args(shape: str, tp: int, world: int, **extra) -> argparse.Namespac
         norm_epsilon=1e-5, apply_layernorm_1p=False, swiglu=swiglu,
         add_bias_linear=c.get("add_bias_linear", True), add_qkv_bias=False,
         untie_embeddings_and_output_weights=not m["share_embeddings_and_output_weights"],
-        qk_layernorm=False, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128,
+        qk_layernorm=c.get("qk_layernorm", False), padded_vocab_size=VOCAB,
+        make_vocab_size_divisible_by=128,
         bias_gelu_fusion=False, openai_gelu=False, bert_binary_head=family == "bert",
         num_experts=None, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
         data_parallel_size=world // tp, world_size=world, micro_batch_size=1,

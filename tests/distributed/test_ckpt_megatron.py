@@ -4,8 +4,11 @@ BertModel (tests/mcore_models.py: local layer spec, use_cpu_initialization, gloo
 and (1, 2, 2); the loss on a fixed batch (samples 0..3 of the mock data) equals megatron-core's
 forward loss on that batch within 1e-5 (fp32), and training continues from the checkpoint's
 iteration. Shapes: learned positions + LayerNorm + GeLU + tied (GPT-2); RoPE + RMSNorm + SwiGLU +
-GQA + untied without biases (Llama); BERT with its binary head. Each megatron-core checkpoint is
-built once per module."""
+GQA + untied without biases (Llama); BERT with its binary head; SwiGLU with biases and
+--kv-channels 16 (untied, learned); --qk-layernorm with RoPE, RMSNorm, GQA and --kv-channels 16
+(tied). Each megatron-core checkpoint is built once per module. (--apply-layernorm-1p: megatron-
+core's CPU norms refuse zero-centred gamma; the map is the identity, tests/unit/
+test_megatron_mapping.py.)"""
 import math
 
 import pytest
@@ -20,7 +23,7 @@ from megatron_2bw.training.build import build_engine, build_grid, mock_batches
 
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (1, 2, 2)]
 SAVED = [("gpt-learned", 1), ("gpt-learned", 2), ("gpt-llama", 1), ("gpt-llama", 2),
-         ("bert", 1), ("bert", 2)]
+         ("bert", 1), ("bert", 2), ("gpt-swiglu-bias", 2), ("gpt-qk", 2)]
 
 
 def our_cfg(shape, t, d, w, extra=()):

@@ -91,6 +91,14 @@ def test_megatrons_fused_bias_gelu_is_the_tanh_approximation(megatron_checkpoint
     assert resume_note(cfg_for(ckpt, "--openai-gelu"), 1) is None
 
 
+def test_a_padded_vocabulary_that_differs_is_named(megatron_checkpoint, tmp_path):
+    """Megatron pads the vocabulary for its tensor size (padded_vocab_size): a run padding it
+    otherwise would compute other logits (the padded rows count in the softmax)."""
+    ckpt = variant(megatron_checkpoint, tmp_path, padded_vocab_size=256)
+    assert "vocab_size 256 (this run: 128; use --vocab-size (the padded vocabulary) 256)" in \
+        refusal(cfg_for(ckpt))
+
+
 def test_features_this_project_lacks_are_named(megatron_checkpoint, tmp_path):
     ckpt = variant(megatron_checkpoint, tmp_path, num_experts=8)
     assert "it uses --num-experts 8 (mixture of experts), which this project does not build" \
