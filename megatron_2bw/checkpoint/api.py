@@ -1,4 +1,5 @@
-"""Checkpoints with exact resume, in two formats (`--ckpt-format`; loading detects the format):
+"""Checkpoints with exact resume, in three formats (`--ckpt-format`; loading detects the format,
+Megatron-LM's own included: checkpoint/megatron/):
 
 - torch_dist (the default; dist/ package): layout-free. Every tensor is saved under its global
   name and shape by the ranks that own it, so any (t, d, w), schedule and optimizer sharding
@@ -10,6 +11,10 @@
   optim/distributed.py's state) and the stage file records how many there are
   ("optimizer_shards"); a run with the same data-parallel size reads its own shard, any other
   run (another w, or no distributed optimizer) reads all of them and re-cuts them.
+- megatron (checkpoint/megatron/export.py): torch_dist's boxes under megatron-core's names and
+  layout, with Megatron-LM's common.pt: Megatron-LM's --load continues from it, and so does ours.
+  Loading also reads what Megatron-LM writes (megatron-core torch_dist, Megatron's torch format
+  with megatron-core or legacy names: checkpoint/megatron/dist_read.py, torch_read.py).
 
 Both hold the engine state at an iteration boundary (newest fp32 weights, the 2BW version the
 next batch runs on, optimizer, loss scaler, skipped steps), the iteration, the consumed samples,
