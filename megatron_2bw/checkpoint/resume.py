@@ -104,7 +104,7 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
             "compensation": cfg.compensation}
     how = " (chosen by --auto-plan)" if planned else ""
     B = cfg.global_batch_size
-    if not cfg.train.finetune and consumed != it * B:
+    if not cfg.train.finetune and consumed is not None and consumed != it * B:
         raise CheckpointError(f"--load {load} consumed {consumed} samples in {it} iterations "
                               f"(global batch {consumed // max(it, 1)}); this run's global batch "
                               f"{B} would resume from other samples: use --global-batch-size "
@@ -123,7 +123,10 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
         return None
     note = (f"resuming iteration {it} of --load {load} ({fmt}) saved with {_describe(saved)}, "
             f"now {_describe(ours)}{how}: {', '.join(changed)} changed")
-    if "tensor" in changed or "pipeline" in changed or "data" in changed:
+    if fmt.startswith("Megatron torch format"):
+        note += "; every rank reads the whole checkpoint (its format is per stage and tensor " \
+            "rank) and keeps its own shards"
+    elif "tensor" in changed or "pipeline" in changed or "data" in changed:
         note += "; every rank reads its own shards of the global tensors"
     if saved.get("schedule") and saved["schedule"] != cfg.schedule:
         before, now = schedule_kind(saved["schedule"]), schedule_kind(cfg.schedule)

@@ -140,3 +140,20 @@ def test_an_unknown_directory_is_one_line(tmp_path):
         resume_note(cfg_for(str(root)), 1)
     assert "is in no format this project reads (it holds weights.bin" in str(e.value)
     assert os.listdir(root / "iter_0000003") == ["weights.bin"]
+
+
+def test_a_checkpoint_without_args_loads_and_says_what_was_checked(megatron_checkpoint,
+                                                                   tmp_path):
+    """dist_checkpointing.save of a model alone (no Megatron-LM around it) records no args:
+    only the tensors' names and shapes are checked, said in one line, and it loads."""
+    from test_ckpt_megatron import load_and_evaluate
+    out = tmp_path / "bare"
+    shutil.copytree(megatron_checkpoint, out)
+    path = out / f"iter_{mc.ITERATION:07d}" / "common.pt"
+    state = torch.load(path, weights_only=False)
+    torch.save({"iteration": state["iteration"]}, path)
+    resume_note(cfg_for(str(out)), 1)  # no data position to check: the iterations' samples
+    got = load_and_evaluate(cfg_for(str(out)), str(out), tmp_path / "got.pt")
+    assert got["start"] == mc.ITERATION
+    assert any("records no Megatron args: only its tensors' names and shapes are checked" in x
+               for x in got["lines"])

@@ -167,6 +167,9 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
             check_layout(ours["layout"], cfg, grid, directory, resharding=True)
         else:
             check_model(args, cfg.model, directory)
+            if not args:
+                notes.append(f"checkpoint {directory} records no Megatron args: only its "
+                             "tensors' names and shapes are checked against this model")
         metadata = read_metadata(directory, verify=False)
         needed.update(bytes_needed(metadata))
         keys = metadata.state_dict_metadata

@@ -37,7 +37,10 @@ def saved(directory: str, found) -> tuple[str, dict, int, dict]:
                 int(ours.get("consumed_samples", 0)), state)
     fmt = "megatron-core torch_dist" if found.format == "megatron" else \
         f"Megatron torch format ({found.writer})"
-    return fmt, parallel_of(args_of(state)), consumed_samples(state, it), state
+    args = args_of(state)
+    # without Megatron's args the data position is unknown: the iterations' samples go on
+    consumed = consumed_samples(state, it) if "consumed_train_samples" in args else None
+    return fmt, parallel_of(args), consumed, state
 
 
 def resume_problems(cfg, state: dict, where: str) -> None:

@@ -122,6 +122,9 @@ def read_megatron_torch(directory: str, engine, view, grid, cfg, load_optim: boo
     full, state = full_tensors(directory, m)
     args = args_of(state)
     check_model(args, m, directory)
+    if not args:
+        notes.append(f"checkpoint {directory} records no Megatron args: only its tensors' "
+                     "names and shapes are checked against this model")
     if load_optim:
         notes.append("optimizer state restarts: " + (
             "Megatron's torch format keys it by parameter position in its own build order, "
