@@ -73,7 +73,7 @@ def _main_prefix(keys, key: str, load_optim: bool) -> str:
 def translate(shards: list[Shard], m, keys, load_optim: bool, stacked: bool
               ) -> tuple[list[Shard], list]:
     """Our boxes (views into the buffers to fill) -> megatron-core's boxes (views of the same
-    memory), and the key-bias boxes to check ((link, layer box, temp))."""
+    memory), and the key-bias boxes read to be checked ((link, the tensor they fill))."""
     by_name = {x.ours: x for x in mapping.links(m)}
     L, out, checks = m.num_layers, [], []
 
@@ -105,8 +105,9 @@ def translate(shards: list[Shard], m, keys, load_optim: bool, stacked: bool
 
 
 def _stacked(m, keys) -> bool:
-    probe = mapping.links(m)[-1].theirs if m.num_layers == 0 else \
-        f"{mapping.block_name(m.family)}.layers.0.self_attention.linear_qkv.weight"
+    """Whether its layers are stacked along a leading axis (megatron-core's default) or saved
+    one by one (its singleton_local_shards form)."""
+    probe = f"{mapping.block_name(m.family)}.layers.0.self_attention.linear_qkv.weight"
     return mapping.dist_key(probe, True)[0] in keys
 
 
