@@ -140,7 +140,16 @@ def model_problems(args: dict, m) -> list[str]:
             else value == ours
         if not same:
             out.append(f"{key} {value} (this run: {ours}; use {_fix(key, value)})")
+    if m.family == "bert" and (theirs.get("normalization", "LayerNorm") != "LayerNorm" or
+                               theirs.get("apply_layernorm_1p")):
+        out.append(BERT_HEAD_NORM)
     return [f"it uses {x}, which this project does not build" for x in lacks] + out
+
+
+# Megatron's BERT LM head norms by --normalization and --apply-layernorm-1p, ours is plain
+BERT_HEAD_NORM = ("a BERT LM head whose norm follows --normalization RMSNorm or "
+                  "--apply-layernorm-1p (Megatron's); this project's BERT LM head keeps a plain "
+                  "LayerNorm there")
 
 
 def check_model(args: dict, m, where: str) -> None:

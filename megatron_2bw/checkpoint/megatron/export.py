@@ -184,6 +184,13 @@ class MegatronExport:
     and metadata.json."""
 
     def __init__(self, cfg, rank: int):
+        m = cfg.model
+        if m.family == "bert" and (m.normalization != "LayerNorm" or m.apply_layernorm_1p):
+            from megatron_2bw.checkpoint.files import CheckpointError
+            from megatron_2bw.checkpoint.megatron.common import BERT_HEAD_NORM
+            raise CheckpointError(f"--ckpt-format megatron cannot hold this BERT exactly: "
+                                  f"Megatron's has {BERT_HEAD_NORM}: save it with "
+                                  "--ckpt-format torch_dist")
         self.cfg, self.rank = cfg, rank
         self.files = {MCORE_METADATA: json.dumps(METADATA_JSON).encode()}
 
