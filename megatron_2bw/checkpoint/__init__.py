@@ -5,7 +5,10 @@ directory's files and whole-save rules (files.py: `latest`, iteration dirs, chec
 what a checkpoint was saved for (layout.py), global parameter names (names.py), Megatron's
 one-file-per-stage format (torch_format.py), the layout-free torch_dist format on DCP (dist/, the
 default), when an async save is published (saver.py), resuming on a new allocation (resume.py),
-`tools/checkpoint_inspect.py` (inspect.py) and the converters (convert/: native, HuggingFace,
-torch -> torch_dist). Every write goes through fs.py or dist/storage.py.
+`tools/checkpoint_inspect.py` (inspect.py), the converters (convert/: native, HuggingFace,
+torch -> torch_dist, -> megatron-core) and Megatron's own checkpoints (megatron/: megatron-core
+torch_dist and Megatron's torch format read into any layout, ours written in megatron-core's
+format, through the one name and layout map megatron/mapping.py). Every write goes through fs.py
+or dist/storage.py.
 Must not import: planner, deepspeed, testing, pretrain, generate.
 """

@@ -1,4 +1,5 @@
-"""Checkpoints with exact resume, in two formats (`--ckpt-format`; loading detects the format):
+"""Checkpoints with exact resume, in three formats (`--ckpt-format`; loading detects the format,
+Megatron-LM's own included: checkpoint/megatron/):
 
 - torch_dist (the default; dist/ package): layout-free. Every tensor is saved under its global
   name and shape by the ranks that own it, so any (t, d, w), schedule and optimizer sharding
@@ -10,6 +11,10 @@
   optim/distributed.py's state) and the stage file records how many there are
   ("optimizer_shards"); a run with the same data-parallel size reads its own shard, any other
   run (another w, or no distributed optimizer) reads all of them and re-cuts them.
+- megatron (checkpoint/megatron/export.py): torch_dist's boxes under megatron-core's names and
+  layout, with Megatron-LM's common.pt: Megatron-LM's --load continues from it, and so does ours.
+  Loading also reads what Megatron-LM writes (megatron-core torch_dist, Megatron's torch format
+  with megatron-core or legacy names: checkpoint/megatron/dist_read.py, torch_read.py).
 
 Both hold the engine state at an iteration boundary (newest fp32 weights, the 2BW version the
 next batch runs on, optimizer, loss scaler, skipped steps), the iteration, the consumed samples,
@@ -98,15 +103,19 @@ def start_checkpoint(save_dir: str, engine, cfg: Config, grid, view, save_optim:
     if grid.rank == 0 and os.path.exists(tmp_dir(save_dir, engine.iteration)):
         shutil.rmtree(tmp_dir(save_dir, engine.iteration))  # a failed save of this iteration
     state = _state_to_save(save_dir, engine, grid, everyone=True)
+    export = None
+    if cfg.train.ckpt_format == "megatron":  # the same boxes under megatron-core's names
+        from megatron_2bw.checkpoint.megatron.export import MegatronExport
+        export = MegatronExport(cfg, grid.rank)
     return start_save(save_dir, engine, grid, view, common_state(engine, cfg, grid), save_optim,
-                      keep_last, hooks, asynchronous, state=state)
+                      keep_last, hooks, asynchronous, state=state, export=export)
 
 
 def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True,
                     keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, view=None) -> str:
     """Collective, synchronous: save the current iteration in --ckpt-format, move `latest`
     forward and prune old iterations (keep_last > 0); returns this rank's file or directory."""
-    if cfg.train.ckpt_format == "torch_dist":
+    if cfg.train.ckpt_format in ("torch_dist", "megatron"):
         if view is None:
             from megatron_2bw.checkpoint.dist.load import stage_boxes
             view = stage_boxes(engine, cfg, grid)
@@ -187,23 +196,30 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     A checkpoint saved with another precision or loss-scaling mode loads with a fresh loss
     scaler (log says so): fp16's scale means nothing to fp32/bf16 and vice versa. `load_rng`
     False (--no-load-rng): keep this process's RNG state instead of the checkpoint's."""
-    from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint
+    from megatron_2bw.checkpoint.megatron.detect import detect
     from megatron_2bw.checkpoint.torch_format import stage_file
     t = agreed_latest(load_dir, grid)  # one reduction: every rank loads the same iteration
     if t is None:
         return 0
     directory = iteration_dir(load_dir, t)
-    dist = is_dist_checkpoint(directory)
-    where = directory if dist else stage_file(load_dir, t, grid)
-    payload, problem = None, None
+    payload, problem, found = None, None, None
     try:
-        payload = _read_dist(directory, engine, cfg, grid, load_optim and not finetune) if dist \
-            else _read(where, t, cfg, grid, engine, load_optim and not finetune)
+        found = detect(directory)  # the same files on every rank: the same verdict
+    except CheckpointError as e:
+        problem = str(e)
+    dist = found is not None and found.format in ("torch_dist", "megatron")
+    where = directory if dist or found is None else stage_file(load_dir, t, grid)
+    try:
+        if found is not None:
+            payload = _read_any(found, directory, where, t, engine, cfg, grid,
+                                load_optim and not finetune)
     except CheckpointError as e:
         problem = str(e)
     first = agree(problem, grid)  # every rank reports the same first error
     if first:
         raise CheckpointError(first)
+    for line in payload.get("notes", ()) if log is not None else ():
+        log(line)
     state = payload["engine"]
     if finetune or not load_optim:
         state = {k: v for k, v in state.items() if k != "optimizer"}  # the optimizer starts fresh
@@ -222,22 +238,40 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     except ValueError as e:
         raise CheckpointError(f"checkpoint {where}: {e}") from None
     if dist and not finetune and load_rng:
-        _restore_rng(payload, cfg, grid, engine.device)
+        _restore_rng(payload, cfg, grid, engine.device, found.foreign)
     return engine.iteration
 
 
-def _restore_rng(payload: dict, cfg: Config, grid, device) -> None:
+def _read_any(found, directory: str, where: str, t: int, engine, cfg: Config, grid,
+              load_optim: bool) -> dict:
+    """Collective: this rank's payload from a checkpoint of the format `found` names."""
+    if found.format == "torch_dist":
+        return _read_dist(directory, engine, cfg, grid, load_optim)
+    if found.format == "torch":
+        return _read(where, t, cfg, grid, engine, load_optim)
+    from megatron_2bw.checkpoint.dist.load import stage_boxes
+    if found.format == "megatron":
+        from megatron_2bw.checkpoint.megatron.dist_read import read_megatron_dist
+        return read_megatron_dist(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
+                                  load_optim, found.verified)
+    from megatron_2bw.checkpoint.megatron.torch_read import read_megatron_torch
+    return read_megatron_torch(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
+                               load_optim)
+
+
+def _restore_rng(payload: dict, cfg: Config, grid, device, foreign: bool = False) -> None:
     """This rank's RNG state, when the checkpoint was saved by the same layout (on another,
     the rank's coordinates mean another rank; dropout masks are a function of the seed, the
-    stage and the microbatch anyway: engine._seed_microbatch)."""
+    stage and the microbatch anyway: engine._seed_microbatch). A Megatron checkpoint's reader
+    gives the RNG state only when its (t, d) is this run's (Megatron's own rule)."""
     rng = payload.get("rng")
     saved = dict(payload["common"].get("parallel", {}))
     ours = common_parallel(cfg, grid)
     saved.pop("compensation", None), ours.pop("compensation")  # the RNG streams do not use it
-    if rng is None or saved != ours:
+    if rng is None or (saved != ours and not foreign):
         return
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.device(device).type == "cuda":
+    if rng.get("cuda") is not None and torch.device(device).type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], torch.device(device))
 
 

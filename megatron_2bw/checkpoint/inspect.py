@@ -32,12 +32,13 @@ def _size(n: int) -> str:
     return f"{n:.1f} TB"
 
 
-def _header(root: str, it: int, fmt: str, common: dict) -> list[str]:
+def _header(root: str, it: int, fmt: str, common: dict, writer: str = "megatron-2bw"
+            ) -> list[str]:
     par, m = common.get("parallel") or {}, common.get("layout") or {}
     lay = common.get("layout") or {}
     t, d, w = par.get("tensor", lay.get("tensor")), par.get("pipeline", lay.get("pipeline")), \
         par.get("data")
-    return [f"checkpoint {root} iteration {it} ({fmt})",
+    return [f"checkpoint {root} iteration {it} ({fmt}, written by {writer})",
             f"  saved by t={t} d={d} w={w if w is not None else '?'} schedule "
             f"{common.get('schedule')} compensation {par.get('compensation', 'none')}; "
             f"consumed samples {common.get('consumed_samples')}",
@@ -46,7 +47,8 @@ def _header(root: str, it: int, fmt: str, common: dict) -> list[str]:
             f"{m.get('vocab_size')}"]
 
 
-def inspect_dist(root: str, it: int, tensors: bool) -> list[str]:
+def inspect_dist(root: str, it: int, tensors: bool, header=None) -> list[str]:
+    """Our torch_dist checkpoint (`header`: another reader's of its common state, else ours)."""
     directory = iteration_dir(root, it)
     what = f"checkpoint {root} iteration {it}"
     if not os.path.exists(os.path.join(directory, CHECKSUMS)):
@@ -86,7 +88,8 @@ def inspect_dist(root: str, it: int, tensors: bool) -> list[str]:
         tensor_lines.append(f"  {name:<56} {str(tuple(md.size)):<16} "
                             f"{str(md.properties.dtype).replace('torch.', ''):<9} "
                             f"{len(md.chunks)} chunk{'s' if len(md.chunks) > 1 else ''}")
-    return _report(_header(root, it, "torch_dist", read_common(directory, sums)),
+    header = header or _header(root, it, "torch_dist", read_common(directory, sums))
+    return _report(header,
                    f"{len(tensor_lines)} tensors in {len(stored)} shard files, {_size(total)}",
                    lines, ("tensors:", tensor_lines) if tensors else None, "every shard")
 
@@ -142,9 +145,132 @@ def inspect(root: str, iteration: int | None = None, tensors: bool = False) -> l
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint {root} iteration {it} is missing: "
                               f"{os.path.basename(directory)} does not exist")
+    from megatron_2bw.checkpoint.megatron.detect import detect
+    found = detect(directory)
+    if found.format == "megatron":
+        return inspect_megatron(root, it, tensors, found)
+    if found.format == "megatron-torch":
+        return inspect_megatron_torch(root, it, tensors, found)
     if is_dist_checkpoint(directory):
         return inspect_dist(root, it, tensors)
     return inspect_torch(root, it, tensors)
+
+
+def _megatron_common(state: dict, names) -> dict:
+    """A Megatron checkpoint's common state in the words of `_header` (`names`: its tensors',
+    which say the family)."""
+    from megatron_2bw.checkpoint.megatron.common import (args_of, consumed_samples,
+                                                         model_settings, parallel_of)
+    from megatron_2bw.checkpoint.megatron.detect import OURS_KEY
+    ours = state.get(OURS_KEY)
+    if ours:
+        return ours
+    args = args_of(state)
+    family = "bert" if any(n.startswith(("encoder.", "lm_head.", "binary_head."))
+                           for n in names) else "gpt"
+    model, _ = model_settings(args, family)
+    return {"parallel": dict(parallel_of(args), compensation="none"), "schedule":
+            "1F1B (Megatron)" if args else None,
+            "consumed_samples": consumed_samples(state, int(state.get("iteration", 0))),
+            "layout": dict(model, family=family)}
+
+
+def _tensor_names(directory: str) -> list[str]:
+    if not os.path.exists(os.path.join(directory, METADATA)):
+        return []
+    from torch.distributed.checkpoint import FileSystemReader
+    return list(FileSystemReader(directory).read_metadata().state_dict_metadata)
+
+
+def inspect_megatron(root: str, it: int, tensors: bool, found) -> list[str]:
+    """megatron-core's torch_dist format (Megatron-LM's, or our --ckpt-format megatron)."""
+    from megatron_2bw.checkpoint.megatron.dist_read import (NOT_VERIFIED, optimizer_layout,
+                                                            read_megatron_common)
+    directory = iteration_dir(root, it)
+    what = f"checkpoint {root} iteration {it}"
+    if found.verified:
+        state = read_megatron_common(directory, verified=True)
+        return inspect_dist(root, it, tensors, _header(
+            root, it, "megatron-core torch_dist", _megatron_common(
+                state, _tensor_names(directory)), found.writer))
+    for name in (METADATA, COMMON):
+        if not os.path.exists(os.path.join(directory, name)):
+            raise CheckpointError(f"{what} is incomplete: {name} is missing")
+    state = read_megatron_common(directory)
+    from torch.distributed.checkpoint import FileSystemReader
+    metadata = FileSystemReader(directory).read_metadata()
+    from megatron_2bw.checkpoint.megatron.dist_read import bytes_needed, unverified_problem
+    needed = bytes_needed(metadata)
+    stored = sorted(needed)
+    for name in stored:
+        problem = unverified_problem(directory, name, needed)
+        if problem:
+            raise CheckpointError(f"{what} is damaged: {problem}")
+    lines, total = [], 0
+    for name in sorted(os.listdir(directory)):
+        size = os.path.getsize(os.path.join(directory, name))
+        total += size
+        lines.append(f"  {name:<24} {_size(size):>10}  not verified")
+    tensor_lines = _tensor_lines(what, metadata)
+    usable, why = optimizer_layout(state, metadata.state_dict_metadata)
+    header = _header(root, it, "megatron-core torch_dist",
+                     _megatron_common(state, metadata.state_dict_metadata), found.writer)
+    header.append("  optimizer state: " + ("per parameter (loads here)" if usable else why))
+    return header + [f"  {len(tensor_lines)} tensors in {len(stored)} shard files, "
+                     f"{_size(total)}", "files:"] + lines + \
+        (["tensors:"] + tensor_lines if tensors else []) + \
+        [f"complete: every shard file is present and every tensor covered; {NOT_VERIFIED}"]
+
+
+def _tensor_lines(what: str, metadata) -> list[str]:
+    out = []
+    for name, md in sorted(metadata.state_dict_metadata.items()):
+        if not hasattr(md, "chunks"):
+            continue
+        covered = sum(math.prod(c.sizes) for c in md.chunks)
+        if covered != math.prod(md.size):
+            raise CheckpointError(f"{what} is incomplete: the chunks of {name} cover {covered} "
+                                  f"of its {math.prod(md.size)} elements")
+        out.append(f"  {name:<56} {str(tuple(md.size)):<16} "
+                   f"{str(md.properties.dtype).replace('torch.', ''):<9} "
+                   f"{len(md.chunks)} chunk{'s' if len(md.chunks) > 1 else ''}")
+    return out
+
+
+def inspect_megatron_torch(root: str, it: int, tensors: bool, found) -> list[str]:
+    """Megatron's --ckpt-format torch: one file per tensor rank and stage."""
+    from megatron_2bw.checkpoint.megatron.dist_read import NOT_VERIFIED
+    from megatron_2bw.checkpoint.megatron.detect import stage_files
+    from megatron_2bw.checkpoint.megatron.resume_check import foreign_state
+    from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file
+    from megatron_2bw.checkpoint.megatron.torch_read import flatten
+    directory = iteration_dir(root, it)
+    state = foreign_state(directory, found)
+    first = stage_files(directory)[0]
+    common = _megatron_common(state, flatten(load_megatron_file(first, mmap=True)["model"]))
+    par = common.get("parallel") or {}
+    files = stage_files(directory)
+    t, d = par.get("tensor") or 1, par.get("pipeline") or 1
+    want = [os.path.join(rank_dir(root, it, r, p, d), FILENAME) for p in range(d)
+            for r in range(t)]
+    missing = [p for p in want if p not in files]
+    if missing:
+        raise CheckpointError(f"checkpoint {root} iteration {it} is incomplete: "
+                              f"{os.path.relpath(missing[0], root)} is missing")
+    lines, total, names = [], 0, []
+    for path in files:
+        size = os.path.getsize(path)
+        total += size
+        lines.append(f"  {os.path.relpath(path, root):<40} {_size(size):>10}  not verified")
+    if tensors:
+        for path in files:
+            rel = os.path.relpath(os.path.dirname(path), root)
+            model = load_megatron_file(path, mmap=True)["model"]
+            names += [f"  {rel}: {n}" for n in flatten(model) if not n.endswith("_extra_state")]
+    header = _header(root, it, "Megatron torch format", common, found.writer)
+    return header + [f"  {len(files)} stage files, {_size(total)}", "files:"] + lines + \
+        (["tensors (per stage file):"] + names if tensors else []) + \
+        [f"complete: every stage file is present; {NOT_VERIFIED}"]
 
 
 def main(argv=None) -> int:

@@ -23,13 +23,19 @@ from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, Predict
 from megatron_2bw.schedule.kinds import schedule_kind
 
 
-def _saved(load: str, it: int) -> tuple[str, dict, int]:
+def _saved(load: str, it: int) -> tuple[str, dict, int, dict | None]:
     """(format, {tensor, pipeline, data, world, schedule, compensation} as saved, consumed
-    samples)."""
+    samples, a Megatron checkpoint's common state or None)."""
+    from megatron_2bw.checkpoint.megatron.detect import detect
     directory = iteration_dir(load, it)
+    found = detect(directory)
+    if found.foreign:
+        from megatron_2bw.checkpoint.megatron.resume_check import saved
+        return saved(directory, found)
     if is_dist_checkpoint(directory):
         common = read_common(directory)
-        return "torch_dist", dict(common.get("parallel") or {}), common["consumed_samples"]
+        return ("torch_dist", dict(common.get("parallel") or {}), common["consumed_samples"],
+                None)
     path = first_stage_file(load, it)
     problem = record_problem(path)  # what torch.load unpickles, checked first (zip's CRC-32)
     if problem:
@@ -43,7 +49,7 @@ def _saved(load: str, it: int) -> tuple[str, dict, int]:
     return "torch", {"tensor": lay.get("tensor"), "pipeline": lay.get("pipeline"),
                      "schedule": payload["engine"]["schedule"],
                      "compensation": (payload.get("parallel") or {}).get("compensation")
-                     }, payload["consumed_samples"]
+                     }, payload["consumed_samples"], None
 
 
 def saved_config(load: str) -> tuple[int, dict] | None:
@@ -53,6 +59,16 @@ def saved_config(load: str) -> tuple[int, dict] | None:
     if it is None:
         return None
     directory = iteration_dir(load, it)
+    from megatron_2bw.checkpoint.megatron.detect import detect
+    found = detect(directory)
+    if found.foreign:
+        from megatron_2bw.checkpoint.megatron.common import args_of, model_settings
+        from megatron_2bw.checkpoint.megatron.resume_check import foreign_state
+        state = foreign_state(directory, found)
+        ours = state.get("megatron_2bw")
+        if ours:
+            return it, dict(ours.get("config") or {})
+        return it, {"model": model_settings(args_of(state), "gpt")[0]}
     if is_dist_checkpoint(directory):
         return it, dict(read_common(directory).get("config") or {})
     path = first_stage_file(load, it)
@@ -79,13 +95,16 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
     it = latest_iteration(load) if load and os.path.isdir(load) else None
     if it is None:
         return None
-    fmt, saved, consumed = _saved(load, it)
+    fmt, saved, consumed, foreign = _saved(load, it)
+    if foreign is not None:
+        from megatron_2bw.checkpoint.megatron.resume_check import resume_problems
+        resume_problems(cfg, foreign, load)
     ours = {"tensor": cfg.parallel.tensor, "pipeline": cfg.parallel.pipeline,
             "data": cfg.data_parallel_size, "world": world_size, "schedule": cfg.schedule,
             "compensation": cfg.compensation}
     how = " (chosen by --auto-plan)" if planned else ""
     B, ours_consumed = cfg.global_batch_size, cfg.batch_plan.consumed(it)
-    if not cfg.train.finetune and consumed != ours_consumed:
+    if not cfg.train.finetune and consumed is not None and consumed != ours_consumed:
         if cfg.batch_plan.ramps or consumed % max(it, 1):  # a ramp, here or in that run
             raise CheckpointError(f"--load {load} consumed {consumed} samples in {it} "
                                   f"iterations, this run's batches consume {ours_consumed} in "
@@ -109,7 +128,10 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
         return None
     note = (f"resuming iteration {it} of --load {load} ({fmt}) saved with {_describe(saved)}, "
             f"now {_describe(ours)}{how}: {', '.join(changed)} changed")
-    if "tensor" in changed or "pipeline" in changed or "data" in changed:
+    if fmt.startswith("Megatron torch format"):
+        note += "; every rank reads the whole checkpoint (its format is per stage and tensor " \
+            "rank) and keeps its own shards"
+    elif "tensor" in changed or "pipeline" in changed or "data" in changed:
         note += "; every rank reads its own shards of the global tensors"
     if saved.get("schedule") and saved["schedule"] != cfg.schedule:
         before, now = schedule_kind(saved["schedule"]), schedule_kind(cfg.schedule)

@@ -36,7 +36,7 @@ class Checkpointer:
         self.cfg, self.grid, self.engine, self.hooks, self.log = cfg, grid, engine, hooks, log
         self.train = cfg.train
         self.view = None
-        if self.train.ckpt_format == "torch_dist":
+        if self.train.ckpt_format in ("torch_dist", "megatron"):  # both on DCP
             from megatron_2bw.checkpoint.dist.load import stage_boxes
             self.view = stage_boxes(engine, cfg, grid)
         self.pending, self.started, self.clock = None, None, 0.0

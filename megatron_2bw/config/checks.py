@@ -160,8 +160,14 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     if tr.ckpt_format not in CKPT_FORMATS:
         _fail(f"unknown --ckpt-format {tr.ckpt_format!r}: use one of "
               f"{', '.join(CKPT_FORMATS)}")
-    if tr.async_save and tr.ckpt_format != "torch_dist":
-        _fail(f"--async-save needs --ckpt-format torch_dist (the {tr.ckpt_format} format is "
+    if tr.ckpt_format == "megatron" and m.family == "bert" and (
+            m.normalization != "LayerNorm" or m.apply_layernorm_1p):
+        _fail("--ckpt-format megatron cannot hold this BERT exactly: Megatron's BERT LM head "
+              "norm follows --normalization and --apply-layernorm-1p, this project's is a plain "
+              "LayerNorm: save with --ckpt-format torch_dist")
+    if tr.async_save and tr.ckpt_format not in ("torch_dist", "megatron"):
+        _fail(f"--async-save needs --ckpt-format torch_dist or megatron (the {tr.ckpt_format} "
+              "format is "
               "written synchronously): drop one of them")
     if tr.async_save and not tr.save:
         _fail("--async-save needs --save DIR: say where checkpoints go")

@@ -15,7 +15,9 @@ RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-CKPT_FORMATS = ("torch_dist", "torch")  # checkpoint/api.py; Megatron's names, its default first
+# checkpoint/api.py; Megatron's names, its default first; "megatron": megatron-core's torch_dist
+# layout and names (checkpoint/megatron/export.py), which Megatron-LM loads
+CKPT_FORMATS = ("torch_dist", "torch", "megatron")
 
 
 class ConfigError(ValueError):

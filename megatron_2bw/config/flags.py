@@ -205,7 +205,9 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default=CKPT_FORMATS[0],
                    help="torch_dist: layout-free (loads into any t, d, w and schedule); torch: "
                         "Megatron's one file per stage and tensor rank (loads into the same "
-                        "layout only). Loading reads either")
+                        "layout only); megatron: megatron-core's torch_dist names and layout, "
+                        "which Megatron-LM's --load continues from (and this project too). "
+                        "Loading reads any of them and Megatron-LM's own")
     g.add_argument("--async-save", action="store_true",
                    help="torch_dist: copy the state to host memory and write the checkpoint in "
                         "the background while training continues")
@@ -290,6 +292,8 @@ def config_from_args(args: argparse.Namespace, family: str = "gpt") -> Config:
         save_optim=not args.no_save_optim, ckpt_format=args.ckpt_format,
         async_save=args.async_save,
         load_optim=not args.no_load_optim, finetune=args.finetune,
+        override_opt_param_scheduler=bool(getattr(args, "override_opt_param_scheduler",
+                                                  None)),
         load_rng=getattr(args, "load_rng", True),
         exit_interval=args.exit_interval or 0,
         exit_duration_in_mins=args.exit_duration_in_mins or 0.0,

@@ -253,6 +253,9 @@ class TrainConfig:
     ckpt_format: str = "torch_dist"   # torch_dist: layout-free (ckpt/); torch: Megatron's layout
     async_save: bool = False          # torch_dist: write in the background while training
     finetune: bool = False
+    # Megatron's --override-opt_param-scheduler: a Megatron checkpoint's lr scheduler state
+    # that differs from the flags is not refused; the flags' schedule goes on
+    override_opt_param_scheduler: bool = False
     exit_interval: int = 0
     exit_duration_in_mins: float = 0.0
     wandb_project: str | None = None

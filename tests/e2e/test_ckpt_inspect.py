@@ -45,7 +45,7 @@ def test_the_report_of_a_whole_torch_dist_checkpoint(two_ranks):
                           timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0] == f"checkpoint {two_ranks} iteration 2 (torch_dist)"
+    assert lines[0] == f"checkpoint {two_ranks} iteration 2 (torch_dist, written by megatron-2bw)"
     assert lines[1] == "  saved by t=1 d=2 w=1 schedule 2bw compensation none; consumed samples 16"
     assert lines[2] == "  model gpt layers 4 hidden 32 heads 4 vocab 512"
     files = [line.split()[0] for line in lines[lines.index("files:") + 1:lines.index("tensors:")]]

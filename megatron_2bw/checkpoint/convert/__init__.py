@@ -8,7 +8,7 @@ layout mapping of `hf_mapping.py`. A new format adds a reader and a writer, noth
 `tools/checkpoint_convert.py` is the command line; `tools/generate.py` samples from either side.
 
 Owns: `FullModel` and the readers/writers around it (native.py, hf.py, hf_mapping.py,
-hf_import.py), torch -> torch_dist (to_dist.py), the tokenizer kept with checkpoints
+hf_import.py), torch -> torch_dist (to_dist.py), ours -> megatron-core (to_megatron.py), the tokenizer kept with checkpoints
 (tokenizers.py) and tools/checkpoint_convert.py (cli.py).
 Must not import: planner, deepspeed, testing, pretrain, generate.
 """

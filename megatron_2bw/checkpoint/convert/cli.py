@@ -4,6 +4,7 @@
     python tools/checkpoint_convert.py import --load HF_DIR --save CHECKPOINT_DIR \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
     python tools/checkpoint_convert.py to-dist --load TORCH_FORMAT_DIR --save NEW_DIR
+    python tools/checkpoint_convert.py to-megatron --load CHECKPOINT_DIR --save NEW_DIR
 
 export: a checkpoint of any layout (t, d, any schedule; under 2BW the newest weights) becomes
 `config.json` + `model.safetensors` of a GPT2LMHeadModel (the classic shape) or a
@@ -14,7 +15,11 @@ a new run's schedule and optimizer) trains from it with the printed model flags.
 cannot be converted exactly is refused in one line that names the reason (exit 2). to-dist: a
 checkpoint in Megatron's layout (`--ckpt-format torch`, one file per stage and tensor rank, any
 version of this code) becomes the layout-free torch_dist format with its whole training state
-(checkpoint/convert/to_dist.py), so that any layout and schedule resumes from it.
+(checkpoint/convert/to_dist.py), so that any layout and schedule resumes from it. to-megatron:
+one of our checkpoints (either format, any layout) becomes megatron-core's torch_dist format
+(checkpoint/convert/to_megatron.py): megatron-core's dist_checkpointing.load reads it into its
+GPTModel / BertModel and Megatron-LM's pretrain_gpt.py --load continues from it (as from a
+`--ckpt-format megatron` save).
 """
 from __future__ import annotations
 
@@ -47,6 +52,11 @@ def build_parser() -> FlagParser:
     c.add_argument("--load", required=True, help="a torch-format checkpoint directory")
     c.add_argument("--save", required=True, help="new checkpoint directory")
     c.add_argument("--iteration", type=int, default=None, help="default: the newest")
+    g = sub.add_parser("to-megatron", help="checkpoint -> megatron-core torch_dist (Megatron-LM "
+                                           "loads it)")
+    g.add_argument("--load", required=True, help="a checkpoint directory (a run's --save)")
+    g.add_argument("--save", required=True, help="new checkpoint directory")
+    g.add_argument("--iteration", type=int, default=None, help="default: the newest")
     return p
 
 
@@ -115,9 +125,18 @@ def to_dist(args) -> str:
             f"resume from it with --load {args.save} and any parallel layout")
 
 
+def to_megatron(args) -> str:
+    from megatron_2bw.checkpoint.convert.to_megatron import convert_to_megatron
+    it = convert_to_megatron(args.load, args.save, args.iteration)
+    return (f"wrote iteration {it} of {args.load} in megatron-core's torch_dist format in "
+            f"{args.save}; Megatron-LM continues from it with --load {args.save} --ckpt-format "
+            "torch_dist (and so does --load here)")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"export": export, "import": import_, "to-dist": to_dist}[args.direction]
+    run = {"export": export, "import": import_, "to-dist": to_dist,
+           "to-megatron": to_megatron}[args.direction]
     print(exit_on_config_error(lambda: run(args)), flush=True)
     return 0
 

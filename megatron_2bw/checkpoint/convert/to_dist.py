@@ -35,20 +35,11 @@ def _stage_layout(module) -> SimpleNamespace:
                            numel=n)
 
 
-def torch_to_dist(load_dir: str, save_dir: str, iteration: int | None = None) -> int:
-    """Write the torch-format checkpoint in `load_dir` (the newest iteration unless given) as a
-    torch_dist checkpoint in `save_dir` (which must hold none); returns the iteration."""
-    import os
-
+def torch_format_state(load_dir: str, it: int) -> tuple[list, dict]:
+    """(every stage file's engine state as boxes of global tensors, the common state a
+    torch_dist save writes) of the torch-format checkpoint at iteration `it`."""
     from megatron_2bw.checkpoint.convert.native import config_from_dict
     from megatron_2bw.checkpoint.names import one_process_names, stage_module
-    it = latest_iteration(load_dir) if iteration is None else iteration
-    if it is None:
-        raise CheckpointError(f"{load_dir} holds no checkpoint (no "
-                              "latest_checkpointed_iteration.txt): pass a run's --save directory")
-    if os.path.isdir(save_dir) and latest_iteration(save_dir) is not None:
-        raise CheckpointError(f"{save_dir} already holds a checkpoint (iteration "
-                              f"{latest_iteration(save_dir)}): write into an empty directory")
     first = read_torch(first_stage_file(load_dir, it), it)
     cfg = config_from_dict(first["config"])
     t, d = first["layout"]["tensor"], first["layout"]["pipeline"]
@@ -72,8 +63,34 @@ def torch_to_dist(load_dir: str, save_dir: str, iteration: int | None = None) ->
                   first["engine"] else None,
                   parallel={"tensor": t, "pipeline": d, "data": None, "world": None,
                             "schedule": first["engine"]["schedule"]})
+    return shards, common
+
+
+def torch_to_dist(load_dir: str, save_dir: str, iteration: int | None = None) -> int:
+    """Write the torch-format checkpoint in `load_dir` (the newest iteration unless given) as a
+    torch_dist checkpoint in `save_dir` (which must hold none); returns the iteration."""
+    it = latest_iteration(load_dir) if iteration is None else iteration
+    if it is None:
+        raise CheckpointError(f"{load_dir} holds no checkpoint (no "
+                              "latest_checkpointed_iteration.txt): pass a run's --save directory")
+    check_empty(save_dir)
+    shards, common = torch_format_state(load_dir, it)
+    write_dist(save_dir, it, shards, {}, common)
+    return it
+
+
+def check_empty(save_dir: str) -> None:
+    if os.path.isdir(save_dir) and latest_iteration(save_dir) is not None:
+        raise CheckpointError(f"{save_dir} already holds a checkpoint (iteration "
+                              f"{latest_iteration(save_dir)}): write into an empty directory")
+
+
+def write_dist(save_dir: str, it: int, shards: list, objects: dict, common: dict,
+               files: dict | None = None) -> None:
+    """One process: write `shards` (boxes of global tensors) and `objects` as iteration `it`
+    of a torch_dist checkpoint in `save_dir` (common.pt: `common`; `files`: name -> bytes
+    beside them), all-or-nothing as a save is, and move `latest`."""
     os.makedirs(save_dir, exist_ok=True)
     grid = SimpleNamespace(comm=Comm(), rank=0)
-    planned = plan_save(shards, {}, tmp_dir(save_dir, it), grid.comm)
-    DistSave(save_dir, it, grid, planned, common, 0, NO_FAULTS).start(False).finish()
-    return it
+    planned = plan_save(shards, objects, tmp_dir(save_dir, it), grid.comm)
+    DistSave(save_dir, it, grid, planned, common, 0, NO_FAULTS, files).start(False).finish()

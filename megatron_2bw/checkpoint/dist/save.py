@@ -100,9 +100,10 @@ class DistSave:
     """One rank's part of a torch_dist save in progress (see the module docstring)."""
 
     def __init__(self, save_dir: str, iteration: int, grid, planned: PlannedSave, common: dict,
-                 keep_last: int, hooks: FaultHooks):
+                 keep_last: int, hooks: FaultHooks, extra_files: dict | None = None):
         self.save_dir, self.iteration, self.grid = save_dir, iteration, grid
         self.planned, self.common, self.keep_last, self.hooks = planned, common, keep_last, hooks
+        self.extra_files = dict(extra_files or {})  # name -> bytes rank 0 writes beside them
         self.results, self.error, self._thread = None, None, None
 
     def start(self, asynchronous: bool) -> "DistSave":
@@ -164,6 +165,9 @@ class DistSave:
         digests.update(finish_metadata(self.planned, results))
         digests[COMMON] = write_checkpoint_file(os.path.join(tmp, COMMON),
                                                 lambda f: torch.save(self.common, f))
+        for name, data in self.extra_files.items():
+            digests[name] = write_checkpoint_file(os.path.join(tmp, name),
+                                                  lambda f, data=data: f.write(data))
         write_checkpoint_file(os.path.join(tmp, CHECKSUMS), lambda f: f.write("".join(
             f"{digest}  {name}\n" for name, digest in sorted(digests.items())).encode()))
         fsync_directory(tmp)
@@ -178,20 +182,25 @@ class DistSave:
 
 def start_save(save_dir: str, engine, grid, view, common: dict, save_optim: bool = True,
                keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, asynchronous: bool = False,
-               state: dict | None = None) -> DistSave:
+               state: dict | None = None, export=None) -> DistSave:
     """Collective: stage and plan this rank's part of the save of `engine`'s current iteration
     and start writing it (module docstring, steps 1-2). `view` is the stage's StageBoxes
     (load.py); `common` the state rank 0 writes to common.pt (checkpointing.common_state);
-    `state` the engine's state dict when the caller has it already."""
+    `state` the engine's state dict when the caller has it already. `export` writes another
+    format's names and files from the same boxes (`apply(shards, objects, common)` -> the
+    three as written, `files`: name -> bytes; checkpoint/megatron/export.py)."""
     t = engine.iteration
     tmp = tmp_dir(save_dir, t)
     state = dict(engine.state_dict() if state is None else state)
     if not save_optim:
         state.pop("optimizer", None)
     shards, other = state_shards(state, view.params, view.numel)
-    if asynchronous:
-        shards = _private(shards, engine)
     common = dict(common, optimizer=None if not save_optim else other)
     objects = {rng_key(grid): rng_state(engine.device)}
+    if export is not None:
+        shards, objects, common = export.apply(shards, objects, common)
+    if asynchronous:
+        shards = _private(shards, engine)
     planned = plan_save(shards, objects, tmp, grid.comm)
-    return DistSave(save_dir, t, grid, planned, common, keep_last, hooks).start(asynchronous)
+    return DistSave(save_dir, t, grid, planned, common, keep_last, hooks,
+                    getattr(export, "files", None)).start(asynchronous)

@@ -251,9 +251,10 @@ class ShardLoadPlanner(LoadPlanner):
     """Reads a list of target Shards (views to fill) and named objects from a checkpoint of any
     layout: DCP's resharding reads per box (`_reads`)."""
 
-    def __init__(self, targets: list[Shard], objects: list[str]):
+    def __init__(self, targets: list[Shard], objects: list[str], unpickle=None):
         self.targets = list(targets)  # boxes may overlap (a master piece and the newest)
         self.wanted, self.objects = list(objects), {}
+        self.unpickle = unpickle or (lambda f: torch.load(f, weights_only=True))
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         self.metadata = metadata
@@ -284,7 +285,7 @@ class ShardLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        self.objects[read_item.dest_index.fqn] = self.unpickle(value)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         index = read_item.dest_index
@@ -309,10 +310,12 @@ class PlannedRead:
 
 
 def plan_read(directory: str, targets: list[Shard], objects: list[str],
-              metadata: Metadata) -> PlannedRead:
-    """Plan filling `targets` (views) and reading the named `objects`; a missing tensor or one
-    of another shape is one CheckpointError naming the directory. Reads no data file."""
-    reader, planner = FileSystemReader(directory), ShardLoadPlanner(targets, objects)
+              metadata: Metadata, unpickle=None) -> PlannedRead:
+    """Plan filling `targets` (views) and reading the named `objects` (`unpickle(file)`: how;
+    default torch.load's weights_only); a missing tensor or one of another shape is one
+    CheckpointError naming the directory. Reads no data file."""
+    reader = FileSystemReader(directory)
+    planner = ShardLoadPlanner(targets, objects, unpickle)
     reader.set_up_storage_reader(metadata, True)
     planner.set_up_planner({}, metadata, True)
     try:
