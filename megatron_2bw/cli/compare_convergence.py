@@ -53,6 +53,7 @@ import time
 
 from megatron_2bw.cli.convergence_report import (BASELINE, plot, read_csv, summarize, table,
                                 wrap, write_csv, write_validation_csv)
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
@@ -169,8 +170,8 @@ def effective_flags(flags: list) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FiniteParser(description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--schedules", default=DEFAULT_RUNS,
                    help="runs: schedules, a 2BW compensation after '+' (2bw+predict, ...)")

@@ -35,7 +35,6 @@ pretends N GPUs (with 2+ the plan includes the verify steps).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -56,6 +55,7 @@ PRETRAIN_GPT, VERIFY = "megatron_2bw.cli.pretrain_gpt", "megatron_2bw.testing.ve
 
 from megatron_2bw.cli.gpu_check_report import (  # noqa: F401 (tests use them from here)
     Requirements, failed_requirements, parse_log, profiled_kernels, report, summarize)
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.schedule.kinds import schedule_names
 
@@ -296,7 +296,7 @@ def dry_run(s: Settings, echo=print) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = FiniteParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="print and validate the plan only")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; "
                                                           "with --dry-run: pretend this many)")

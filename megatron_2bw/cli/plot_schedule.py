@@ -33,6 +33,7 @@ import re
 import sys
 
 
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind_of, schedule_names
 
@@ -327,8 +328,8 @@ def _dark(acts) -> bool:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FiniteParser(description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("simulated schedule")
     src.add_argument("--schedule", choices=schedule_names(), default=DEFAULT_SCHEDULE)
     src.add_argument("--pipeline-stages", "-d", type=int, default=4)

@@ -8,19 +8,19 @@ Plain text: every non-empty line is a training sentence. JSONL (.jsonl/.json, or
 the lines of each document's --json-keys values. Writes {model-prefix}.model with ids unk 0,
 bos 1, eos 2 (GPT's end of document), pad 3.
 """
-import argparse
 import os
 import sys
 
 
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.preprocess import document_texts, numbered_lines
 from megatron_2bw.data.tokenizer import train_sentencepiece
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="train_tokenizer.py", description=__doc__.split("\n")[0],
-                                allow_abbrev=False)
+    p = FiniteParser(prog="train_tokenizer.py", description=__doc__.split("\n")[0],
+                     allow_abbrev=False)
     p.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
     p.add_argument("--json-keys", nargs="+", default=None,
                    help="read the inputs as JSONL and take these keys (default: text, for "

@@ -10,6 +10,7 @@ import sys
 from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FAMILIES, OPTIMIZERS,
                                          PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
                                          RECOMPUTE_METHODS, SCHEDULES, ConfigError)
+from megatron_2bw.config.numbers import NOT_FINITE, nonfinite_fields
 from megatron_2bw.pipeline.compensation import compensation_error
 from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_kind_of
@@ -19,6 +20,9 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     """Config.validate's rules, on the resolved config `cfg`: ConfigError (one line) for the
     first bad setting, else `cfg`."""
     m, p, b, o, pr = cfg.model, cfg.parallel, cfg.batch, cfg.optimizer, cfg.precision
+    bad = nonfinite_fields(cfg)  # first: NaN passes every comparison below (config/numbers.py)
+    if bad:
+        _fail("; ".join(f"{flag} {NOT_FINITE}, got {value}" for flag, value in bad))
     if cfg.schedule not in SCHEDULES:
         _fail(f"unknown pipeline schedule {cfg.schedule!r}: use one of {', '.join(SCHEDULES)} "
               "(--pipeline-schedule)")

@@ -23,6 +23,7 @@ import sys
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.config.checks import check_dropouts
 from megatron_2bw.config.flags import add_architecture_args, apply_architecture_args
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.models.flops import model_names, named_model, num_parameters
 from megatron_2bw.planner.auto import (flushes_reason, grad_buffers_reason, layout_flags,
                                        partition_reason)
@@ -56,9 +57,9 @@ def _ints(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+def build_parser() -> FiniteParser:
+    p = FiniteParser(prog="tools/plan.py", description=__doc__.splitlines()[0],
+                     allow_abbrev=False)
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help=f"named shape: {', '.join(model_names())}")
     g.add_argument("--family", choices=("gpt", "bert"), default=None)
