@@ -6,6 +6,7 @@ import json
 import os
 
 from megatron_2bw.config.ds_json.setting import fail
+from megatron_2bw.config.ds_json.types import typed_ds_json
 
 
 def load_ds_json(config=None, args=None, config_params=None) -> dict:
@@ -25,7 +26,7 @@ def load_ds_json(config=None, args=None, config_params=None) -> dict:
         fail("no DeepSpeed config: pass config=<dict or json path> to initialize (or "
              "args.deepspeed_config)")
     if isinstance(source, dict):
-        return dict(source)
+        return typed_ds_json(source)
     if isinstance(source, (str, os.PathLike)):
         if not os.path.isfile(source):
             fail(f"DeepSpeed config file {str(source)!r} does not exist")
@@ -41,5 +42,5 @@ def load_ds_json(config=None, args=None, config_params=None) -> dict:
                 fail(f"DeepSpeed config {str(source)!r} is not valid JSON: {e}")
         if not isinstance(data, dict):
             fail(f"DeepSpeed config {str(source)!r} must hold a JSON object")
-        return dict(data)
+        return typed_ds_json(data)
     fail(f"DeepSpeed config must be a dict or a path, got {type(source).__name__}")

@@ -16,7 +16,7 @@ from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 
 
 def _precision_settings(ds: dict) -> list[Setting]:
-    if ds.get("amp", {}).get("enabled", False):
+    if (ds.get("amp") or {}).get("enabled", False):
         fail('DeepSpeed config: "amp" (NVIDIA apex) is not supported: use "fp16" or "bf16"')
     fp16 = ds.get("fp16") or {}
     bf16 = ds.get("bf16") or ds.get("bfloat16") or {}
