@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
 import sys
 
 
-from megatron_2bw.config.numbers import FiniteParser
+from megatron_2bw.cli.trace_file import read_traces
+from megatron_2bw.config.numbers import FiniteParser, finite_float
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind_of, schedule_names
 
@@ -161,7 +161,8 @@ def traced(path: str, skip_windows: int = 0):
     if not files:
         raise SystemExit(f"--trace {path}: no {path}.rank*.json files (pretrain_gpt.py --trace "
                          f"{path} writes them)")
-    traces = [json.load(open(f)) for f in files]
+    traces = read_traces(files, f"--trace {path}: give the files pretrain_gpt.py --trace "
+                                f"{path} writes")
     if not any(t.get("events") for t in traces):
         raise SystemExit(f"--trace {path}: the trace files hold no events")
     for t in traces:
@@ -366,10 +367,10 @@ def parse_args(argv=None):
             p.error(error)
     if args.window:
         try:
-            lo, hi = (float(x) for x in args.window.split(":"))
+            lo, hi = (finite_float(x) for x in args.window.split(":"))
             args.window = (lo, hi)
-        except ValueError:
-            p.error("--window takes START:END")
+        except (ValueError, argparse.ArgumentTypeError):
+            p.error("--window takes START:END, two finite numbers")
     return args
 
 
