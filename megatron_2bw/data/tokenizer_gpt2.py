@@ -77,8 +77,12 @@ def read_vocab(path: str) -> dict[str, int]:
 
 def read_merges(path: str) -> dict[tuple[str, str], int]:
     """merges.txt as Megatron reads it (the first line and the piece after the last newline
-    skipped); a line that is not two tokens, a JSON file or no merges at all: one line."""
+    skipped; a #version line alone is a BPE without merges); a line that is not two tokens, a
+    JSON file, or a file without one whole line (empty or cut short): one line."""
     text = read_text(path, MERGES_FIX, DataError)
+    if "\n" not in text:
+        raise file_error(path, "not one whole line (empty, or cut short inside its first line)",
+                         MERGES_FIX, DataError)
     if is_json_document(text):
         raise file_error(path, "a JSON document, not a list of merges", MERGES_FIX, DataError)
     merges = []
@@ -90,9 +94,6 @@ def read_merges(path: str) -> dict[tuple[str, str], int]:
             raise file_error(path, f"line {n} ({line.strip()[:40]!r}) is not a merge of two "
                                    "tokens", MERGES_FIX, DataError)
         merges.append(pair)
-    if not merges:
-        raise file_error(path, "no merges (empty, or cut short after its first line)",
-                         MERGES_FIX, DataError)
     return dict(zip(merges, range(len(merges))))
 
 
