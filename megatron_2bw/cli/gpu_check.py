@@ -312,6 +312,14 @@ def main(argv=None) -> int:
                    help="the model-FLOPs utilization PASS needs (default %(default)s: GPT-125M "
                         "in bf16 on an H100/H200-class GPU; lower it for smaller GPUs)")
     a = p.parse_args(argv)
+    for flag, bad in (("--gpus", a.gpus is not None and a.gpus < 1),
+                      ("--micro-batch-size", a.micro_batch_size < 1),
+                      ("--peak-tflops", a.peak_tflops is not None and a.peak_tflops <= 0),
+                      ("--mfu-floor", not 0 <= a.mfu_floor <= 1)):
+        if bad:  # one line, exit 2, before any step runs
+            p.error(f"{flag} {getattr(a, flag[2:].replace('-', '_'))}: must be "
+                    + ("in [0, 1] (a fraction of the peak)" if flag == "--mfu-floor" else
+                       "> 0" if flag == "--peak-tflops" else ">= 1"))
 
     def settings(gpus, work):
         kw = {"gpus": gpus, "work_dir": work, "micro_batch": a.micro_batch_size,

@@ -52,9 +52,13 @@ def parse_durations(text: str | None) -> dict:
             continue
         key, _, value = part.partition("=")
         key = key.strip()
-        if key not in out or not value:
-            raise SystemExit(f"--durations: bad entry {part!r}: use e.g. F=1,B=2,S=0.5,R=0,N=0.2")
-        out[key] = float(value)
+        try:
+            out[key] = finite_float(value) if key in out else None
+        except (ValueError, argparse.ArgumentTypeError):
+            out[key] = None
+        if out[key] is None or out[key] < 0:
+            raise SystemExit(f"--durations: bad entry {part!r}: use e.g. F=1,B=2,S=0.5,R=0,N=0.2 "
+                             "(finite durations >= 0)")
     return out
 
 
@@ -123,9 +127,12 @@ def cost_model_durations(args):
     from megatron_2bw.models.flops import named_model
     from megatron_2bw.planner import AnalyticProfile, Layout, Setup, Topology, load_profile
     from megatron_2bw.planner.cost_model import LayerTimes, stage_plan
-    model = named_model(args.model)
+    try:  # an unknown name, a bad profile: the tool ends with their line
+        model = named_model(args.model)
+        profile = load_profile(args.profile) if args.profile else AnalyticProfile()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     setup = Setup(model, args.dtype, "adam")
-    profile = load_profile(args.profile) if args.profile else AnalyticProfile()
     topo = Topology(num_nodes=1, gpus_per_node=max(args.pipeline_stages, 1))
     layout = Layout(args.schedule, 1, args.pipeline_stages, 1, args.micro_batch_size,
                     args.num_microbatches,

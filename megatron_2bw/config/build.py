@@ -133,7 +133,14 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
         if samples < 1:
             raise ConfigError(f"--train-samples must be >= 1, got {samples}")
         cfg = cfg.replace(train={"train_iters": max(1, -(-samples // cfg.global_batch_size))})
-    return BuiltConfig(cfg.validate(world_size), deepspeed, tuple(notes))
+    cfg = cfg.validate(world_size)
+    if deepspeed is None or deepspeed.lr_schedule is None:  # the Megatron schedule drives
+        from megatron_2bw.config.checks import megatron_lr_problem
+        problem = megatron_lr_problem(cfg.optimizer)
+        if problem:
+            from megatron_2bw.config import ConfigError
+            raise ConfigError(problem)
+    return BuiltConfig(cfg, deepspeed, tuple(notes))
 
 
 def _one_stage_lines(cfg: Config, explicit: bool, planned: bool) -> list[str]:

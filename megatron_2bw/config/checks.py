@@ -181,6 +181,12 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(f"--clip-grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     if o.weight_decay < 0:
         _fail(f"--weight-decay must be >= 0, got {o.weight_decay}")
+    for flag, value in (("--adam-eps", o.adam_eps), ("--sgd-momentum", o.sgd_momentum),
+                        ("--init-method-std", m.init_method_std)):
+        if value < 0:  # torch.optim's and torch.nn.init's own rules, checked before they run
+            _fail(f"{flag} must be >= 0, got {value}")
+    if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
+        _fail(f"--lr-decay-iters must be >= 1 (or unset: --train-iters), got {o.lr_decay_iters}")
     if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
         _fail(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {o.adam_beta1}, "
               f"{o.adam_beta2}")
@@ -200,6 +206,14 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(f"--initial-loss-scale must be > 0, got {pr.initial_loss_scale}")
     if pr.min_loss_scale <= 0:
         _fail(f"--min-loss-scale must be > 0, got {pr.min_loss_scale}")
+    if pr.dtype == "fp16" and pr.loss_scale is None:  # Megatron's DynamicGradScaler asserts
+        if pr.min_loss_scale > pr.initial_loss_scale:
+            _fail(f"--min-loss-scale {pr.min_loss_scale:g} is above --initial-loss-scale "
+                  f"{pr.initial_loss_scale:g}: lower it")
+        for flag, value in (("--loss-scale-window", pr.loss_scale_window),
+                            ("--hysteresis", pr.hysteresis)):
+            if value < 1:
+                _fail(f"{flag} must be >= 1, got {value}")
     if pr.max_skipped_steps is not None and pr.max_skipped_steps < 0:
         _fail(f"--max-skipped-steps must be >= 0 (0: no limit), got {pr.max_skipped_steps}")
     if pr.grad_accumulation not in GRAD_ACCUMULATIONS:
@@ -246,6 +260,16 @@ def _kernel_missing(impl: str) -> str | None:
         return IMPL_MISSING[impl]
     if impl == "apex" and "amp_C" not in sys.modules and importlib.util.find_spec("amp_C") is None:
         return IMPL_MISSING[impl]
+    return None
+
+
+def megatron_lr_problem(o: OptimizerConfig) -> str | None:
+    """What Megatron's OptimizerParamScheduler asserts of --min-lr and --lr-warmup-init (the
+    Megatron schedule's rule: config/build.py asks it unless a DeepSpeed "scheduler" drives the
+    lr, whose WarmupLR may warm up downwards)."""
+    for flag, value in (("--min-lr", o.min_lr), ("--lr-warmup-init", o.lr_warmup_init)):
+        if value > o.lr:
+            return f"{flag} {value:g} is above --lr {o.lr:g}: lower it or raise --lr"
     return None
 
 

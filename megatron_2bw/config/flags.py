@@ -32,9 +32,6 @@ class FlagParser(FiniteParser):
             self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in problems))
         return args
 
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
 
 # --mock-data without a tokenizer: Megatron has no default (its tokenizer sets the vocabulary)
 MOCK_VOCAB_SIZE = 512

@@ -5,9 +5,10 @@ flags of every console script, the numbers of a DeepSpeed JSON and the float fie
                                   nan, inf, -inf, 1e999 (argparse names the flag)
     FiniteParser(...)             an ArgumentParser whose `type=float` arguments (its groups' and
                                   subparsers' too) convert through finite_float, so a new float
-                                  flag cannot forget it; every console script's parser is one
-                                  (config/flags.py's FlagParser subclasses it), and
-                                  tests/unit/test_finite_numbers.py scans them all
+                                  flag cannot forget it, and whose errors are one line; every
+                                  console script's parser is one (config/flags.py's FlagParser
+                                  subclasses it), and tests/unit/test_finite_numbers.py scans
+                                  them all
     is_finite(x)                  a real number (not a bool), finite
     finite_problem(name, value)   "NAME must be a finite number, got nan" or None (JSON values,
                                   programmatic configs: ds_json/types.py, checks.py)
@@ -44,11 +45,14 @@ def finite_float(text: str) -> float:
 class FiniteParser(argparse.ArgumentParser):
     """argparse.ArgumentParser whose `type=float` arguments convert through `finite_float`
     (argparse's type registry, shared with the argument groups; subparsers are made of this
-    class too)."""
+    class too), and whose errors are one line ("PROG: error: ...", exit 2; no usage dump)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register("type", float, finite_float)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def finite_problem(name: str, value) -> str | None:

@@ -63,7 +63,7 @@ MERGES_FIX = ("--merge-file must be GPT-2's merges.txt (a #version line, then on
               "two tokens and a space)")
 
 
-def read_vocab(path: str) -> dict[str, int]:
+def read_encoder(path: str) -> dict[str, int]:
     """vocab.json, checked: an object of integer ids >= 0 with <|endoftext|>."""
     encoder = read_json(path, VOCAB_FIX, dict, DataError)
     for token, i in encoder.items():
@@ -104,7 +104,7 @@ class GPT2BPETokenizer(Tokenizer):
         need_file(vocab_file, "--vocab-file", self.name, "GPT-2 vocab.json")
         need_file(merge_file, "--merge-file", self.name, "GPT-2 merges.txt")
         regex = need_package("regex", self.name)
-        self.encoder = read_vocab(vocab_file)
+        self.encoder = read_encoder(vocab_file)
         self.decoder = {v: k for k, v in self.encoder.items()}
         self.ranks = read_merges(merge_file)
         self.pattern = regex.compile(GPT2_PATTERN)
