@@ -4,13 +4,16 @@ Owns: the frozen dataclasses (schema.py), the settings' vocabularies and `Config
 (choices.py), every rule that needs no process group (checks.py), the one pipeline from flags
 and DeepSpeed JSON to a validated Config (build.py), Megatron's command line (flags.py; logging
 flags: log_flags.py; the flags of Megatron's scripts taken for compatibility, stated or refused:
-compat.py; batch-size ramps: ramps.py), the directories a run writes into (config/paths.py) and the DeepSpeed JSON
-(ds_json/).
+compat.py; batch-size ramps: ramps.py), the directories a run writes into (config/paths.py),
+the DeepSpeed JSON (ds_json/), "a number is finite where a number is meant" for every front
+door (numbers.py: float flags, JSON numbers, Config floats) and reading a user's input file
+inside a one-line error (input_files.py).
 Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
 testing, pretrain, generate.
 A config is built and validated before anything runs: it reads only the names it checks from
 their owners (schedule/kinds.py, pipeline/compensation.py, models/flavours.py) and the launcher's
-environment (parallel/launcher.py), never an engine, a process group or a file of data.
+environment (parallel/launcher.py), never an engine, a process group or a file of data (the
+files it reads for the other packages, input_files.py, it reads where they ask).
 
     from megatron_2bw.config import Config, ConfigError, ModelConfig
 """
