@@ -11,6 +11,7 @@ import torch
 
 from megatron_2bw.config import ConfigError
 from megatron_2bw.config.ds_json import config_from_deepspeed, load_ds_json
+from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.deepspeed.engine import DeepSpeedPipelineEngine
 from megatron_2bw.deepspeed.pipe.module import PipelineModule, _is_ds_pipeline_module
 from megatron_2bw.deepspeed.pipe.topology import grid_layout
@@ -41,7 +42,15 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     env_rank, env_world, local_rank = env_rank_world()
     rank = env_rank if rank < 0 else rank
     world_size = env_world if world_size < 0 else world_size
-    minutes = float(os.environ.get("DEEPSPEED_TIMEOUT", timeout.total_seconds() / 60))
+    minutes = os.environ.get("DEEPSPEED_TIMEOUT", timeout.total_seconds() / 60)
+    try:
+        minutes = float(minutes)
+    except ValueError:
+        minutes = None
+    if not (is_finite(minutes) and minutes > 0):  # DeepSpeed's variable, in minutes
+        raise ConfigError(f"DEEPSPEED_TIMEOUT={os.environ.get('DEEPSPEED_TIMEOUT')!r}: the "
+                          "process group timeout must be a number of minutes > 0; unset it "
+                          "for the default")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     backend = dist_backend or default_backend()

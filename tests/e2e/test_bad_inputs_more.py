@@ -179,3 +179,39 @@ def test_argparse_errors_of_every_tool_are_one_line(module, argv):
     proc = tool(module, argv)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and ": error: " in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "0", "-5"])
+def test_deepspeed_timeout_variable_is_checked_before_the_process_group(monkeypatch, value):
+    import torch.distributed as dist
+    from megatron_2bw.config import ConfigError
+    from megatron_2bw.deepspeed.initialize import init_distributed
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", value)
+    with pytest.raises(ConfigError) as e:
+        init_distributed()
+    assert str(e.value).startswith(f"DEEPSPEED_TIMEOUT={value!r}: the process group timeout")
+    assert not dist.is_initialized()
+
+
+def test_nan_in_a_config_dict_given_to_deepspeed_initialize(monkeypatch):
+    """A Python dict is typed as a JSON file is: float('nan') where a number is meant."""
+    import math
+
+    import torch.distributed as dist
+    from torch import nn
+
+    import megatron_2bw as deepspeed
+    from megatron_2bw.config import ConfigError
+    from megatron_2bw.deepspeed.pipe import LayerSpec, PipelineModule
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    net = PipelineModule([LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 2)], num_stages=1)
+    with pytest.raises(ConfigError) as e:
+        deepspeed.initialize(model=net, config={"train_batch_size": 2, "gradient_clipping":
+                                                math.nan, "optimizer": {"type": "AdamW",
+                                                "params": {"lr": math.inf}}})
+    assert str(e.value) == ("DeepSpeed config: gradient_clipping must be a finite number, got "
+                            "NaN; optimizer.params.lr must be a finite number, got Infinity")
+    assert not dist.is_initialized()
