@@ -78,8 +78,11 @@ def test_a_deepspeed_scheduler_may_warm_up_downwards(monkeypatch, tmp_path):
     path.write_text(json.dumps({"train_batch_size": 4, "fp16": {"enabled": True,
                                                                 "initial_scale_power": 2000}}))
     one_line(pretrain(monkeypatch, ["--deepspeed_config", str(path)]),
-             "fp16.initial_scale_power 2000: the loss scale 2^2000 is no float; use "
-             "-1074..1023")
+             "fp16.initial_scale_power 2000: the loss scale 2^2000 is no float; use at most "
+             "1023")
+    path.write_text(json.dumps({"train_batch_size": 4, "fp16": {"enabled": True,
+                                                                "initial_scale_power": 1023}}))
+    assert pretrain(monkeypatch, ["--deepspeed_config", str(path)]).returncode == 0
 
 
 def tool(name, argv):

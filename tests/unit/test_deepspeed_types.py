@@ -237,3 +237,11 @@ def test_coerced_values_reach_the_config():
     cfg, _ = config_from_deepspeed({**BATCH, "fp16": {"enabled": "auto"}}, world_size=1,
                                    num_stages=1, num_layers=2)
     assert cfg.precision.dtype == "fp32"  # "auto": DeepSpeed's default, off
+
+
+@pytest.mark.parametrize("key,value", [("gradient_clipping", "nan"), ("gradient_clipping", "inf"),
+                                       ("train_batch_size", "8.5"),
+                                       ("gradient_clipping", "1e999")])
+def test_the_quotes_fix_is_offered_only_when_it_is_accepted(key, value):
+    msg = one_line_error(typed_ds_json, {**BATCH, key: value}, match=f"{key} must be")
+    assert "without quotes" not in msg

@@ -34,9 +34,9 @@ def _precision_settings(ds: dict) -> list[Setting]:
         out.append(Setting("fp16.loss_scale", "--loss-scale", "precision.loss_scale",
                            None if not scale else float(scale), "loss_scale" in fp16))
         power = fp16.get("initial_scale_power", 16)
-        if not -1074 <= power <= 1023:  # 2 ** power as a float: 0 below, overflow above
+        if power > 1023:  # 2 ** power overflows a float
             fail(f"DeepSpeed config: fp16.initial_scale_power {power}: the loss scale 2^{power} "
-                 "is no float; use -1074..1023 (DeepSpeed's default: 16)")
+                 "is no float; use at most 1023 (DeepSpeed's default: 16)")
         out.append(Setting("fp16.initial_scale_power", "--initial-loss-scale",
                            "precision.initial_loss_scale", float(2 ** power),
                            "initial_scale_power" in fp16))

@@ -209,13 +209,16 @@ SCHEMA.keys["bfloat16"] = SCHEMA.keys["bf16"]
 
 
 def _problem(path: str, kind: Kind, value) -> str:
+    """The line for `value` at `path`; a string holding a number the key takes is named as a
+    string, with the unquoted number as the fix (only a fix this module accepts)."""
     hint = ""
     if kind.raw and kind.number and isinstance(value, str):
         try:
-            float(value)
-            hint = (" (a string: DeepSpeed reads this key as it is; write "
-                    f"{value.strip()} without quotes)")
-        except ValueError:
+            number = json.loads(value.strip())
+            if is_finite(kind.convert(number)):
+                hint = (" (a string: DeepSpeed reads this key as it is; write "
+                        f"{value.strip()} without quotes)")
+        except (ValueError, _Wrong):
             pass
     return f"{path} must be {kind.what}, got {shown(value)}{hint}"
 
