@@ -218,3 +218,31 @@ def test_nan_in_a_config_dict_given_to_deepspeed_initialize(monkeypatch):
     assert str(e.value) == ("DeepSpeed config: gradient_clipping must be a finite number, got "
                             "NaN; optimizer.params.lr must be a finite number, got Infinity")
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("content,words", [
+    (None, "no such file"), (b"\x00\x01\x02garbage", "binary data, not text"),
+    (b"a,b\n1,2\n", "not a losses.csv"), (b"iteration,gpipe\n1,x\n", "no number"),
+    (b"iteration,gpipe\n1,nan\n", "not finite"),
+    (b"iteration,nope\n1,2.5\n", "a column: 'nope' names no schedule")])
+def test_compare_convergence_from_csv_reads_its_file_first(tmp_path, content, words):
+    path = tmp_path / "losses.csv"
+    if content is not None:
+        path.write_bytes(content)
+    proc = tool("megatron_2bw.cli.compare_convergence", ["--from-csv", path, "--out-dir",
+                                                          tmp_path / "out"])
+    line = one_line(proc, words)
+    assert str(path) in line and not (tmp_path / "out" / "convergence.png").exists()
+
+
+@pytest.mark.parametrize("argv,words", [(["--nproc", "0"], "--nproc must be >= 1, got 0"),
+                                        (["--train-iters", "0"], "--train-iters must be >= 1")])
+def test_compare_convergence_counts(tmp_path, argv, words):
+    one_line(tool("megatron_2bw.cli.compare_convergence", [*argv, "--out-dir", tmp_path]), words)
+
+
+@pytest.mark.parametrize("argv,words", [(["--rtol", "-1"], "--rtol must be >= 0"),
+                                        (["--timeout-minutes", "0"],
+                                         "--timeout-minutes must be > 0, got 0.0")])
+def test_verify_equivalence_tolerance_and_timeout(argv, words):
+    one_line(tool("megatron_2bw.testing.verify", argv), words)
