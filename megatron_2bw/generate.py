@@ -101,6 +101,34 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
+def prompt_ids(text: str, tokenizer, m) -> list[int]:
+    """The prompt's ids, each within the model's vocabulary: the ids its tokenizer gives, below
+    the rows of its embedding (m.vocab_size). Without a tokenizer, or with the NullTokenizer,
+    the prompt is space-separated ids. One-line ConfigError with the real range otherwise."""
+    if tokenizer is None or tokenizer.name == "NullTokenizer":
+        try:
+            ids = [int(word) for word in text.split()]
+        except ValueError:
+            raise ConfigError(f"--prompt {text[:30]!r}: the checkpoint records no text tokenizer, "
+                              "so the prompt is space-separated token ids; give ids, or "
+                              "--tokenizer-type and --tokenizer-model") from None
+    else:
+        ids = tokenizer.tokenize(text)
+    size = m.vocab_size if tokenizer is None else min(m.vocab_size, tokenizer.vocab_size)
+    bad = next((i for i in ids if not 0 <= i < size), None)
+    if bad is None:
+        return ids
+    if tokenizer is not None and tokenizer.vocab_size > m.vocab_size:
+        raise ConfigError(f"the {tokenizer.name} gives ids up to {tokenizer.vocab_size - 1} "
+                          f"(here {bad}) and the model's embedding has {m.vocab_size} rows: it "
+                          "is not the tokenizer the model was trained with; drop "
+                          "--tokenizer-type/--tokenizer-model to use the recorded one")
+    where = (f"the {tokenizer.name}'s {size} ids" if tokenizer is not None and
+             size < m.vocab_size else f"the {m.vocab_size} rows of its embedding")
+    raise ConfigError(f"prompt token id {bad} is outside the model's vocabulary, ids 0-{size - 1} "
+                      f"({where}): give ids below {size}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -110,7 +138,7 @@ def main(argv=None) -> int:
         if args.tokenizer_type or args.tokenizer_model:
             tokenizer = build_tokenizer(args.tokenizer_type or "GPTSentencePieceTokenizer",
                                         args.tokenizer_model, args.vocab_size)
-        prompt = (tokenizer or NullTokenizer(m.vocab_size)).tokenize(args.prompt)
+        prompt = prompt_ids(args.prompt, tokenizer, m)
         if not prompt:
             if eod_or_none(tokenizer) is None:
                 raise ConfigError("--prompt is empty and the tokenizer has no end-of-document "

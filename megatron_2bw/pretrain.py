@@ -35,7 +35,8 @@ from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.comm import PeerError
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
-from megatron_2bw.parallel.launcher import check_rendezvous, env_rank_world, launched, node_ranks
+from megatron_2bw.parallel.launcher import (check_rendezvous, env_rank_world, launched,
+                                            local_rank_problem, node_ranks)
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
                                                abort_on_sigint, describe, hold_usr1,
                                                watch_launcher)
@@ -88,16 +89,16 @@ class Parsed(NamedTuple):
 def parse(family: str, argv=None) -> Parsed:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(family).parse_args(argv)
-    rank, world_size, local_rank = env_rank_world()
+    rank, world_size, local_rank = exit_on_config_error(env_rank_world)  # a bad launch: 1 line
     given = args.local_rank if args.local_rank is not None and args.local_rank >= 0 else None
     if given is not None and not launched():  # one process: its device, as in Megatron
         local_rank = given  # (-1, "not distributed" in older scripts, is no device)
 
     def build():
         check_rendezvous(world_size)
-        if given is not None and launched() and given != local_rank:
-            raise ConfigError(f"--local-rank {given} disagrees with the launcher's "
-                              f"local rank {local_rank} (LOCAL_RANK): drop --local-rank")
+        problem = local_rank_problem(argv, given, local_rank)
+        if problem:
+            raise ConfigError(problem)
         from megatron_2bw.config.ds_json import explicit_flags
         tokenizer, vocab_size = pretrain_tokenizer(args, family)
         planner = None

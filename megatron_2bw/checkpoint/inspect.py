@@ -11,7 +11,6 @@ when the directory holds no checkpoint at all.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -22,6 +21,7 @@ from megatron_2bw.checkpoint.dist.save import COMMON
 from megatron_2bw.checkpoint.dist.storage import CHECKSUMS, METADATA, read_checksums
 from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, iteration_dir,
                                            latest_iteration, rank_dir, sha256_of)
+from megatron_2bw.config.numbers import FiniteParser
 
 
 def _size(n: int) -> str:
@@ -274,8 +274,8 @@ def inspect_megatron_torch(root: str, it: int, tensors: bool, found) -> list[str
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="checkpoint_inspect.py",
-                                description=__doc__.split("\n\n")[0])
+    p = FiniteParser(prog="checkpoint_inspect.py",
+                     description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a checkpoint directory (a run's --save)")
     p.add_argument("--iteration", type=int, default=None, help="default: the newest (latest)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")

@@ -58,6 +58,9 @@ import time
 from megatron_2bw.cli.convergence_report import (BASELINE, curves_from_log, plot, read_csv,
                                                  summarize, table, wrap, write_csv,
                                                  write_validation_csv)
+from megatron_2bw.config import ConfigError
+from megatron_2bw.config.input_files import read_json
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
@@ -174,8 +177,8 @@ def effective_flags(flags: list) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FiniteParser(description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--schedules", default=DEFAULT_RUNS,
                    help="runs: schedules, a 2BW compensation after '+' (2bw+predict, ...)")
@@ -218,6 +221,18 @@ def parse_args(argv=None):
         error = run_error(run)
         if error:
             p.error(error)
+    for flag, value in (("--nproc", args.nproc), ("--train-iters", args.train_iters),
+                        ("--eval-iters", args.eval_iters)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if args.from_csv:  # read here, so that a bad file is one line before anything runs
+        try:
+            args.curves = read_csv(args.from_csv)
+        except ConfigError as e:
+            p.error(str(e))
+        bad = next((e for e in map(run_error, args.curves) if e), None)
+        if bad:
+            p.error(f"{args.from_csv}: {bad.replace('--schedules', 'a column')}")
     args.logs = {}
     for item in args.from_logs or []:
         run, _, path = item.partition("=")
@@ -254,12 +269,12 @@ def main(argv=None) -> int:
     print(f"# pretrain flags: {' '.join(effective_flags(args.flags))}", flush=True)
     curves, validation, seconds = {}, {}, {}
     if args.from_csv:
-        curves = read_csv(args.from_csv)
+        curves = args.curves
         seconds = {s: None for s in curves}
         old = os.path.join(os.path.dirname(os.path.abspath(args.from_csv)), "summary.json")
         if os.path.exists(old):
-            with open(old) as f:
-                prev = json.load(f)
+            prev = read_json(old, "it is the summary.json an earlier run wrote beside the CSV: "
+                                  "fix or remove it", dict, SystemExit)
             args.flags = prev.get("flags", args.flags)
             seconds.update(prev.get("seconds", {}))
             validation = prev.get("validation", {})

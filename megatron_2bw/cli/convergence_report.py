@@ -17,6 +17,8 @@ import csv
 import io
 import textwrap
 
+from megatron_2bw.config.input_files import file_error, read_text
+from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.fs import atomic_write_text
 
 BASELINE = "gpipe"  # the run the others are compared with
@@ -72,10 +74,22 @@ def write_csv(path: str, curves: dict) -> None:
 
 
 def read_csv(path: str) -> dict:
-    with open(path) as f:
-        rows = list(csv.reader(f))
+    """{run: losses} of a losses.csv (write_csv's); one-line ConfigError when it is not one."""
+    fix = "--from-csv takes the losses.csv an earlier run of this tool wrote"
+    rows = list(csv.reader(io.StringIO(read_text(path, fix))))
+    if not rows or rows[0][:1] != ["iteration"] or len(rows[0]) < 2 or len(rows) < 2:
+        raise file_error(path, "not a losses.csv (a header 'iteration,RUN,...' and a row per "
+                               "iteration)", fix)
     names = rows[0][1:]
-    return {s: [float(r[i + 1]) for r in rows[1:] if r[i + 1] != ""] for i, s in enumerate(names)}
+    try:
+        curves = {s: [float(r[i + 1]) for r in rows[1:] if r[i + 1] != ""]
+                  for i, s in enumerate(names)}
+    except (ValueError, IndexError):
+        raise file_error(path, "a row is short or holds something that is no number", fix) \
+            from None
+    if not all(curves.values()) or not all(map(is_finite, sum(curves.values(), []))):
+        raise file_error(path, "a column has no losses, or a loss that is not finite", fix)
+    return curves
 
 
 def write_validation_csv(path: str, validation: dict) -> None:

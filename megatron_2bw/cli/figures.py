@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 from megatron_2bw.cli import compare_convergence, plot_schedule
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_bytes
 from megatron_2bw.schedule.kinds import schedule_names
 
@@ -111,8 +112,8 @@ def convergence(path: str, iters: int, tiny: bool) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FiniteParser(description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", default=os.path.join("docs", "img"))
     p.add_argument("--convergence-iters", type=int, default=100,
                    help="iterations of each convergence run (default %(default)s)")

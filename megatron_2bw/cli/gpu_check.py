@@ -35,7 +35,6 @@ pretends N GPUs (with 2+ the plan includes the verify steps).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -56,6 +55,7 @@ PRETRAIN_GPT, VERIFY = "megatron_2bw.cli.pretrain_gpt", "megatron_2bw.testing.ve
 
 from megatron_2bw.cli.gpu_check_report import (  # noqa: F401 (tests use them from here)
     Requirements, failed_requirements, parse_log, profiled_kernels, report, summarize)
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.schedule.kinds import schedule_names
 
@@ -297,7 +297,7 @@ def dry_run(s: Settings, echo=print) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = FiniteParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="print and validate the plan only")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; "
                                                           "with --dry-run: pretend this many)")
@@ -313,6 +313,14 @@ def main(argv=None) -> int:
                    help="the model-FLOPs utilization PASS needs (default %(default)s: GPT-125M "
                         "in bf16 on an H100/H200-class GPU; lower it for smaller GPUs)")
     a = p.parse_args(argv)
+    for flag, bad in (("--gpus", a.gpus is not None and a.gpus < 1),
+                      ("--micro-batch-size", a.micro_batch_size < 1),
+                      ("--peak-tflops", a.peak_tflops is not None and a.peak_tflops <= 0),
+                      ("--mfu-floor", not 0 <= a.mfu_floor <= 1)):
+        if bad:  # one line, exit 2, before any step runs
+            p.error(f"{flag} {getattr(a, flag[2:].replace('-', '_'))}: must be "
+                    + ("in [0, 1] (a fraction of the peak)" if flag == "--mfu-floor" else
+                       "> 0" if flag == "--peak-tflops" else ">= 1"))
 
     def settings(gpus, work):
         kw = {"gpus": gpus, "work_dir": work, "micro_batch": a.micro_batch_size,

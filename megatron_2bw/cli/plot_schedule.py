@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
 import sys
 
 
+from megatron_2bw.cli.trace_file import read_traces
+from megatron_2bw.config.numbers import FiniteParser, finite_float
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind_of, schedule_names
 
@@ -51,9 +52,13 @@ def parse_durations(text: str | None) -> dict:
             continue
         key, _, value = part.partition("=")
         key = key.strip()
-        if key not in out or not value:
-            raise SystemExit(f"--durations: bad entry {part!r}: use e.g. F=1,B=2,S=0.5,R=0,N=0.2")
-        out[key] = float(value)
+        try:
+            out[key] = finite_float(value) if key in out else None
+        except (ValueError, argparse.ArgumentTypeError):
+            out[key] = None
+        if out[key] is None or out[key] < 0:
+            raise SystemExit(f"--durations: bad entry {part!r}: use e.g. F=1,B=2,S=0.5,R=0,N=0.2 "
+                             "(finite durations >= 0)")
     return out
 
 
@@ -122,9 +127,12 @@ def cost_model_durations(args):
     from megatron_2bw.models.flops import named_model
     from megatron_2bw.planner import AnalyticProfile, Layout, Setup, Topology, load_profile
     from megatron_2bw.planner.cost_model import LayerTimes, stage_plan
-    model = named_model(args.model)
+    try:  # an unknown name, a bad profile: the tool ends with their line
+        model = named_model(args.model)
+        profile = load_profile(args.profile) if args.profile else AnalyticProfile()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     setup = Setup(model, args.dtype, "adam")
-    profile = load_profile(args.profile) if args.profile else AnalyticProfile()
     topo = Topology(num_nodes=1, gpus_per_node=max(args.pipeline_stages, 1))
     layout = Layout(args.schedule, 1, args.pipeline_stages, 1, args.micro_batch_size,
                     args.num_microbatches,
@@ -160,7 +168,8 @@ def traced(path: str, skip_windows: int = 0):
     if not files:
         raise SystemExit(f"--trace {path}: no {path}.rank*.json files (pretrain_gpt.py --trace "
                          f"{path} writes them)")
-    traces = [json.load(open(f)) for f in files]
+    traces = read_traces(files, f"--trace {path}: give the files pretrain_gpt.py --trace "
+                                f"{path} writes")
     if not any(t.get("events") for t in traces):
         raise SystemExit(f"--trace {path}: the trace files hold no events")
     for t in traces:
@@ -327,8 +336,8 @@ def _dark(acts) -> bool:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = FiniteParser(description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("simulated schedule")
     src.add_argument("--schedule", choices=schedule_names(), default=DEFAULT_SCHEDULE)
     src.add_argument("--pipeline-stages", "-d", type=int, default=4)
@@ -365,10 +374,10 @@ def parse_args(argv=None):
             p.error(error)
     if args.window:
         try:
-            lo, hi = (float(x) for x in args.window.split(":"))
+            lo, hi = (finite_float(x) for x in args.window.split(":"))
             args.window = (lo, hi)
-        except ValueError:
-            p.error("--window takes START:END")
+        except (ValueError, argparse.ArgumentTypeError):
+            p.error("--window takes START:END, two finite numbers")
     return args
 
 

@@ -14,11 +14,11 @@ Megatron-LM's tokenizer flags: --tokenizer-type GPT2BPETokenizer --vocab-file vo
 writes data/corpus_text_document.bin/.idx (one per --json-keys key; `_sentence` with
 --split-sentences, for BERT). Train on it with `--data-path data/corpus_text_document`.
 """
-import argparse
 import os
 import sys
 
 
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.preprocess import preprocess_jsonl
 from megatron_2bw.data.flags import add_tokenizer_args
@@ -26,8 +26,8 @@ from megatron_2bw.data.tokenizer import tokenizer_options
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n")[0],
-                                allow_abbrev=False)
+    p = FiniteParser(prog="preprocess_data.py", description=__doc__.split("\n")[0],
+                     allow_abbrev=False)
     g = p.add_argument_group("input")
     g.add_argument("--input", required=True, help="JSONL file: one JSON document per line")
     g.add_argument("--json-keys", nargs="+", default=["text"],

@@ -8,19 +8,19 @@ Plain text: every non-empty line is a training sentence. JSONL (.jsonl/.json, or
 the lines of each document's --json-keys values. Writes {model-prefix}.model with ids unk 0,
 bos 1, eos 2 (GPT's end of document), pad 3.
 """
-import argparse
 import os
 import sys
 
 
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.preprocess import document_texts, numbered_lines
 from megatron_2bw.data.tokenizer import train_sentencepiece
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="train_tokenizer.py", description=__doc__.split("\n")[0],
-                                allow_abbrev=False)
+    p = FiniteParser(prog="train_tokenizer.py", description=__doc__.split("\n")[0],
+                     allow_abbrev=False)
     p.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
     p.add_argument("--json-keys", nargs="+", default=None,
                    help="read the inputs as JSONL and take these keys (default: text, for "
@@ -37,7 +37,21 @@ def parse(argv=None):
                    help="at most this many sentences are sampled for training")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="sentencepiece trainer threads")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # sentencepiece's own ranges, refused before the input is read (its errors are its code's)
+    for flag, value, ok, rule in (
+            ("--vocab-size", args.vocab_size, args.vocab_size >= 1, ">= 1"),
+            ("--character-coverage", args.character_coverage,
+             0.98 <= args.character_coverage <= 1, "in [0.98, 1] (sentencepiece's range)"),
+            ("--workers", args.workers, 1 <= args.workers <= 1024, "in 1..1024"),
+            ("--input-sentence-size", args.input_sentence_size, args.input_sentence_size >= 0,
+             ">= 0 (0: every sentence)")):
+        if not ok:
+            p.error(f"{flag} {value}: must be {rule}")
+    out_dir = os.path.dirname(os.path.abspath(args.model_prefix))
+    if not os.path.isdir(out_dir):
+        p.error(f"--model-prefix {args.model_prefix}: {out_dir} is not a directory: create it")
+    return args
 
 
 def sentences(paths, json_keys):

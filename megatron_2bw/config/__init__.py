@@ -8,12 +8,15 @@ taken for compatibility, stated or refused: compat.py, Megatron-DeepSpeed's: com
 those with a meaning of their own: mds_flags.py; an unknown flag's did-you-mean: suggest.py;
 batch-size ramps, Megatron's num-microbatches arithmetic: ramps.py, their
 refusals: ramp_checks.py), the directories a run writes into (config/paths.py),
-whether the loggers' packages import (packages.py) and the DeepSpeed JSON (ds_json/).
+whether the loggers' packages import (packages.py), the DeepSpeed JSON (ds_json/), "a number is
+finite where a number is meant" for every front door (numbers.py: float flags, JSON numbers,
+Config floats) and reading a user's input file inside a one-line error (input_files.py).
 Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
 testing, pretrain, generate.
 A config is built and validated before anything runs: it reads only the names it checks from
 their owners (schedule/kinds.py, pipeline/compensation.py, models/flavours.py) and the launcher's
-environment (parallel/launcher.py), never an engine, a process group or a file of data.
+environment (parallel/launcher.py), never an engine, a process group or a file of data (the
+files it reads for the other packages, input_files.py, it reads where they ask).
 
     from megatron_2bw.config import Config, ConfigError, ModelConfig
 """

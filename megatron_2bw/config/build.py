@@ -154,6 +154,11 @@ def build_config(args, family: str, world_size: int, typed=(), vocab_size: int |
     cfg, line = cap_by_tokens(cfg, args, world_size)  # Megatron-DeepSpeed's --train-tokens
     notes += [line] if line else []
     cfg = cfg.validate(world_size)
+    if deepspeed is None or deepspeed.lr_schedule is None:  # the Megatron schedule drives
+        from megatron_2bw.config.checks import megatron_lr_problem
+        problem = megatron_lr_problem(cfg.optimizer)
+        if problem:
+            raise ConfigError(problem)
     note = ramp_note(cfg)
     return BuiltConfig(cfg, deepspeed, tuple(notes + [note] if note else notes))
 

@@ -12,6 +12,7 @@ from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FA
                                          RECOMPUTE_METHODS, SCHEDULES, ConfigError)
 from megatron_2bw.config.mds_flags import check_lr_tokens
 from megatron_2bw.config.ramp_checks import ramp_error
+from megatron_2bw.config.numbers import NOT_FINITE, nonfinite_fields
 from megatron_2bw.pipeline.compensation import compensation_error
 from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_kind_of
@@ -21,6 +22,9 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
     """Config.validate's rules, on the resolved config `cfg`: ConfigError (one line) for the
     first bad setting, else `cfg`."""
     m, p, b, o, pr = cfg.model, cfg.parallel, cfg.batch, cfg.optimizer, cfg.precision
+    bad = nonfinite_fields(cfg)  # first: NaN passes every comparison below (config/numbers.py)
+    if bad:
+        _fail("; ".join(f"{flag} {NOT_FINITE}, got {value}" for flag, value in bad))
     if cfg.schedule not in SCHEDULES:
         _fail(f"unknown pipeline schedule {cfg.schedule!r}: use one of {', '.join(SCHEDULES)} "
               "(--pipeline-schedule)")
@@ -188,6 +192,12 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(f"--clip-grad must be >= 0 (0 disables clipping), got {o.clip_grad}")
     if o.weight_decay < 0:
         _fail(f"--weight-decay must be >= 0, got {o.weight_decay}")
+    for flag, value in (("--adam-eps", o.adam_eps), ("--sgd-momentum", o.sgd_momentum),
+                        ("--init-method-std", m.init_method_std)):
+        if value < 0:  # torch.optim's and torch.nn.init's own rules, checked before they run
+            _fail(f"{flag} must be >= 0, got {value}")
+    if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
+        _fail(f"--lr-decay-iters must be >= 1 (or unset: --train-iters), got {o.lr_decay_iters}")
     if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
         _fail(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {o.adam_beta1}, "
               f"{o.adam_beta2}")
@@ -210,6 +220,14 @@ def check_config(cfg: Config, world_size: int | None) -> Config:
         _fail(f"--initial-loss-scale must be > 0, got {pr.initial_loss_scale}")
     if pr.min_loss_scale <= 0:
         _fail(f"--min-loss-scale must be > 0, got {pr.min_loss_scale}")
+    if pr.dtype == "fp16" and pr.loss_scale is None:  # Megatron's DynamicGradScaler asserts
+        if pr.min_loss_scale > pr.initial_loss_scale:
+            _fail(f"--min-loss-scale {pr.min_loss_scale:g} is above --initial-loss-scale "
+                  f"{pr.initial_loss_scale:g}: lower it")
+        for flag, value in (("--loss-scale-window", pr.loss_scale_window),
+                            ("--hysteresis", pr.hysteresis)):
+            if value < 1:
+                _fail(f"{flag} must be >= 1, got {value}")
     if pr.max_skipped_steps is not None and pr.max_skipped_steps < 0:
         _fail(f"--max-skipped-steps must be >= 0 (0: no limit), got {pr.max_skipped_steps}")
     if pr.grad_accumulation not in GRAD_ACCUMULATIONS:
@@ -256,6 +274,16 @@ def _kernel_missing(impl: str) -> str | None:
         return IMPL_MISSING[impl]
     if impl == "apex" and "amp_C" not in sys.modules and importlib.util.find_spec("amp_C") is None:
         return IMPL_MISSING[impl]
+    return None
+
+
+def megatron_lr_problem(o: OptimizerConfig) -> str | None:
+    """What Megatron's OptimizerParamScheduler asserts of --min-lr and --lr-warmup-init (the
+    Megatron schedule's rule: config/build.py asks it unless a DeepSpeed "scheduler" drives the
+    lr, whose WarmupLR may warm up downwards)."""
+    for flag, value in (("--min-lr", o.min_lr), ("--lr-warmup-init", o.lr_warmup_init)):
+        if value > o.lr:
+            return f"{flag} {value:g} is above --lr {o.lr:g}: lower it or raise --lr"
     return None
 
 

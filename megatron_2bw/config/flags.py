@@ -14,6 +14,7 @@ from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.config.compat import refusals
 from megatron_2bw.config.log_flags import add_observability_args, logger_fields
 from megatron_2bw.config.mds_flags import fold_mds_args, mds_model
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.config.precision_flags import add_precision_args, precision_from_args
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, ramp_fields
 from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
@@ -21,10 +22,10 @@ from megatron_2bw.config.schedule_flags import add_schedule_args, schedule_field
 from megatron_2bw.models.flavours import FLAVOURS, flavour_shape
 
 
-class FlagParser(argparse.ArgumentParser):
+class FlagParser(FiniteParser):
     """argparse whose errors are one message: every refused flag of the command line on a line of
     its own, each with its reason (unknown flags with the closest valid one; features the engine
-    does not have: config/compat.py), then exit 2."""
+    does not have: config/compat.py), then exit 2. Float flags are finite (config/numbers.py)."""
 
     def parse_args(self, args=None, namespace=None):
         args, unknown = self.parse_known_args(args, namespace)
@@ -33,9 +34,6 @@ class FlagParser(argparse.ArgumentParser):
         if problems:
             self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in problems))
         return args
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 # --mock-data without a tokenizer: Megatron has no default (its tokenizer sets the vocabulary)

@@ -18,12 +18,13 @@ from megatron_2bw.data.cache import cached_arrays
 from megatron_2bw.data.errors import DataError
 
 
-def parse_data_path(data_path: list[str] | str) -> tuple[list[str], list[float] | None]:
-    """['0.3', 'A', '0.7', 'B'] -> (['A', 'B'], [0.3, 0.7]); ['A', 'B'] -> (['A', 'B'], None)."""
+def parse_data_path(data_path: list[str] | str, flag: str = "--data-path"
+                    ) -> tuple[list[str], list[float] | None]:
+    """['0.3', 'A', '0.7', 'B'] -> (['A', 'B'], [0.3, 0.7]); ['A', 'B'] -> (['A', 'B'], None).
+    `flag`: the flag the list came from (--data-path, --train-data-path, ...), for the errors."""
     items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
     if not items:
-        raise DataError("--data-path: give PREFIX, or weights and prefixes: --data-path 0.3 A "
-                        "0.7 B")
+        raise DataError(f"{flag}: give PREFIX, or weights and prefixes: {flag} 0.3 A 0.7 B")
     if len(items) == 1:
         return items, None
 
@@ -37,11 +38,12 @@ def parse_data_path(data_path: list[str] | str) -> tuple[list[str], list[float] 
     if not any(is_number(s) for s in items):
         return items, None
     if len(items) % 2 or not all(is_number(s) for s in items[::2]):
-        raise DataError(f"--data-path {' '.join(items)}: weights and prefixes must alternate "
-                        "(WEIGHT PREFIX WEIGHT PREFIX ...), e.g. --data-path 0.3 A 0.7 B")
+        raise DataError(f"{flag} {' '.join(items)}: weights and prefixes must alternate "
+                        f"(WEIGHT PREFIX WEIGHT PREFIX ...), e.g. {flag} 0.3 A 0.7 B")
     weights, prefixes = [float(s) for s in items[::2]], items[1::2]
     if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise DataError(f"--data-path: weights {weights} must be non-negative with a positive sum")
+        raise DataError(f"{flag}: weights {weights} must be finite and non-negative with a "
+                        "positive sum")
     return prefixes, weights
 
 

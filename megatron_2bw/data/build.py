@@ -82,28 +82,38 @@ class NoData:
 NO_DATA = NoData()
 
 
+def _of_flag(flag: str, prefix: str, read, *args):
+    """read(*args); a DataError about the prefix's files ends naming the flag that gave it."""
+    try:
+        return read(*args)
+    except DataError as e:
+        raise DataError(f"{e} ({flag} {prefix})") from None
+
+
 def open_checked(data_path, tokenizer, data_cache_path: str | None = None,
-                 builder: bool | None = None) -> list:
+                 builder: bool | None = None, flag: str = "--data-path") -> list:
     """The --data-path prefixes' indexed datasets, each whole (the .idx checks and the .bin's id
     range run once per file version, cached), non-empty and within the tokenizer's vocabulary
-    (consistency.check_dataset); one-line DataError otherwise."""
-    prefixes, _ = parse_data_path(data_path)
+    (consistency.check_dataset); one-line DataError otherwise, naming `flag` (the flag the
+    prefixes came from)."""
+    prefixes, _ = parse_data_path(data_path, flag)
     indexed = []
     for p in prefixes:
         where = index_cache_dir(p, data_cache_path, "DataCheck")
-        indexed.append(open_dataset(p, where, builder))
+        indexed.append(_of_flag(flag, p, open_dataset, p, where, builder))
         check_dataset(indexed[-1], tokenizer, where, builder)
     return indexed
 
 
 def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
                        num_samples: tuple, data_cache_path: str | None = None,
-                       indexed: list | None = None, builder: bool | None = None) -> list:
+                       indexed: list | None = None, builder: bool | None = None,
+                       flag: str = "--data-path") -> list:
     """[train, valid, test] GPT datasets (None for an empty split) of num_samples[i] samples
     each (None: one epoch). Several prefixes are blended as megatron-core blends them (by weight,
     default: by their number of samples; blended_dataset.blend_split).
     `indexed`: the prefixes' datasets when already open (open_checked)."""
-    prefixes, weights = parse_data_path(data_path)
+    prefixes, weights = parse_data_path(data_path, flag)
     indexed = indexed or [MMapIndexedDataset(p) for p in prefixes]
     ranges = [_split_ranges(len(ds), split) for ds in indexed]
     out = []
@@ -123,7 +133,7 @@ def build_gpt_datasets(data_path, split: str, seq_length: int, seed: int,
             continue
         empty = [p for p, r in zip(prefixes, ranges) if len(r[s]) == 0]
         if empty:
-            raise _empty_part(empty[0], name, split)
+            raise _empty_part(empty[0], name, split, flag)
         parts, w, size = blend_split(part, len(prefixes), weights, n)  # Megatron's sizes
         out.append(BlendedDataset(parts, w, size, index_cache_dir(prefixes[0], data_cache_path,
                                                                   "BlendedDataset"), builder))
@@ -253,8 +263,10 @@ def build_pretrain_data(args, family: str = "gpt", seq_length: int | None = None
         valid = _indexed(args, family, tokenizer, per_split[1], "0,1,0", seq_length, seed,
                          (0, samples[1], 0), reads, builder, "--valid-data-path",
                          need_train=False)[1] if per_split[1] and samples[1] else None
-        if per_split[2] and reads:  # checked as the data are: no test evaluation here
-            open_checked(per_split[2], tokenizer, _get(args, "data_cache_path"), builder)
+        for path, flag in ((per_split[1] if not samples[1] else None, "--valid-data-path"),
+                           (per_split[2], "--test-data-path")):
+            if path and reads:  # checked as the data are: no evaluation of them in this run
+                open_checked(path, tokenizer, _get(args, "data_cache_path"), builder, flag)
     return PretrainData(train, valid, _padded_vocab(args, tokenizer), tokenizer)
 
 
@@ -285,25 +297,25 @@ def _indexed(args, family, tokenizer, data_path, split, seq_length, seed, sample
              builder, flag: str = "--data-path", need_train: bool = True) -> tuple:
     """(train, valid) of `data_path` divided by `split` (None where a split is not asked for or
     empty; an empty train split is an error when `need_train`)."""
-    if family == "bert" and len(parse_data_path(data_path)[0]) != 1:
+    cache, prefixes = _get(args, "data_cache_path"), parse_data_path(data_path, flag)[0]
+    if family == "bert" and len(prefixes) != 1:
         raise DataError(f"{flag}: BERT takes one prefix (blending is GPT-only for now)")
-    cache, prefixes = _get(args, "data_cache_path"), parse_data_path(data_path)[0]
     if not reads:
-        train, valid = _no_data(family, prefixes, split, samples)
+        train, valid = _no_data(family, prefixes, split, samples, flag)
         if train is None and need_train:
             raise _empty_train_split(split, {p: split_counts(p)[1] for p in prefixes})
         return train, valid
-    indexed = open_checked(data_path, tokenizer, cache, builder)
+    indexed = open_checked(data_path, tokenizer, cache, builder, flag)
     if family == "gpt":
         train, valid, _ = build_gpt_datasets(data_path, split, seq_length, seed, samples, cache,
-                                             indexed, builder)
+                                             indexed, builder, flag)
     else:
         train, valid, _ = _bert_datasets(args, tokenizer, data_path, seq_length, seed, samples,
                                          indexed, builder, split)
     if train is None and need_train:
         raise _empty_train_split(split, {p: len(ds.document_indices) - 1
                                          for p, ds in zip(prefixes, indexed)})
-    unweighted_blend = parse_data_path(data_path)[1] is None and len(prefixes) > 1
+    unweighted_blend = parse_data_path(data_path, flag)[1] is None and len(prefixes) > 1
     for ds, need, what in ((train, samples[0], "training"), (valid, samples[1], "evaluation")):
         if unweighted_blend and ds is not None and need and len(ds) < need:  # one epoch
             raise DataError(f"{flag} {' '.join(map(str, data_path))}: an unweighted blend "
@@ -313,11 +325,12 @@ def _indexed(args, family, tokenizer, data_path, split, seq_length, seed, sample
     return train, valid
 
 
-def _no_data(family: str, prefixes: list, split: str, samples: tuple) -> tuple:
+def _no_data(family: str, prefixes: list, split: str, samples: tuple,
+             flag: str = "--data-path") -> tuple:
     """(train, valid) of a rank that reads no data: NO_DATA where the data ranks get a dataset,
     None where they get none (the same split arithmetic on the counts in the .idx headers: GPT
     splits sequences of each prefix, BERT the documents of its one prefix)."""
-    counts = [split_counts(p) for p in prefixes]
+    counts = [_of_flag(flag, p, split_counts, p) for p in prefixes]
     out = []
     for s in range(2):
         sizes = [n for n, _ in counts] if family == "gpt" else [counts[0][1]]
@@ -326,12 +339,15 @@ def _no_data(family: str, prefixes: list, split: str, samples: tuple) -> tuple:
             out.append(None)
             continue
         if empty:  # a blend with a prefix that has none of this split
-            raise _empty_part(empty[0], SPLIT_NAMES[s], split)
+            raise _empty_part(empty[0], SPLIT_NAMES[s], split, flag)
         out.append(NO_DATA)
     return tuple(out)
 
 
-def _empty_part(prefix: str, name: str, split: str) -> DataError:
+def _empty_part(prefix: str, name: str, split: str, flag: str = "--data-path") -> DataError:
+    if flag != "--data-path":  # a per-split blend reads all of each prefix: it is empty
+        return DataError(f"{flag}: {prefix} has no documents while the other prefixes do: give "
+                         "it documents or drop it")
     return DataError(f"--data-path: {prefix} has no documents in the {name} split (--split "
                      f"{split}) while the other prefixes do: give it more documents or change "
                      "--split")

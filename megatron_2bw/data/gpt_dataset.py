@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.data.cache import cached_arrays
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.indexed_dataset import MMapIndexedDataset, index_file_path
@@ -36,7 +37,8 @@ def parse_split(split: str) -> list[float]:
         parts = [float(s) for s in str(split).replace("/", ",").split(",") if s.strip()]
     except ValueError:
         parts = []
-    if not parts or len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+    if not parts or len(parts) > 3 or not all(is_finite(p) and p >= 0 for p in parts) \
+            or sum(parts) <= 0:
         raise DataError(f"--split {split!r}: give up to three non-negative weights for "
                         "train,valid,test, e.g. --split 969,30,1")
     parts += [0.0] * (3 - len(parts))

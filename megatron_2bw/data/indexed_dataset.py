@@ -67,8 +67,8 @@ def exists(prefix: str) -> bool:
 
 def _require_file(path: str, what: str) -> None:
     if not os.path.isfile(path):
-        raise DataError(f"{path}: no such {what} file (a --data-path prefix P needs P.bin and "
-                        "P.idx, as written by tools/preprocess_data.py)")
+        raise DataError(f"{path}: no such {what} file (a data prefix P needs P.bin and P.idx, "
+                        "as written by tools/preprocess_data.py)")
 
 
 def index_header(idx_path: str) -> tuple[np.dtype, int, int, int]:

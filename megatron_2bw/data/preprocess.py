@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Iterable, Iterator
 
+from megatron_2bw.config.input_files import decode_problem, file_error
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.indexed_dataset import (IndexedDatasetBuilder, data_file_path,
                                                index_file_path, optimal_dtype)
@@ -151,15 +152,32 @@ class Progress:
         print(("\r" if self.tty else "") + self.line(), end=end, file=self.stream, flush=True)
 
 
+INPUT_FIX = "--input must be UTF-8 JSONL (one JSON object a line) or UTF-8 text"
+
+
 def numbered_lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of the non-empty lines of an --input file (one-line error if
-    unreadable)."""
+    """(line number, line) of the non-empty lines of an --input file, read as it streams; a
+    file that cannot be read or a line that is not UTF-8 text is a one-line DataError naming
+    the line (binary data and UTF-16 named as such)."""
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot read the --input file ({e.strerror})") from None
     with f:
-        for i, line in enumerate(f, start=1):
+        for i, raw in enumerate(f, start=1):
+            problem = decode_problem(raw) if i == 1 or b"\x00" in raw else None
+            if problem and not problem[0].startswith(("UTF-16", "binary")):
+                problem = None  # another encoding: named with its column below
+            if problem is None:
+                try:
+                    line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    problem = (f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                               f"{e.start + 1}: Latin-1 or another encoding?)",
+                               "save it as UTF-8")
+            if problem:
+                raise file_error(path, f"line {i}: {problem[0]}, nothing written",
+                                 f"{problem[1]}: {INPUT_FIX}", DataError)
             if line.strip():
                 yield i, line
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
+from megatron_2bw.config.input_files import (file_error, is_json_document, json_kind, read_json,
+                                             read_text)
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.tokenizer_base import Tokenizer, need_file, need_package
 
@@ -55,9 +57,43 @@ def bpe_merge(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
     return parts
 
 
+VOCAB_FIX = ("--vocab-file must be GPT-2's vocab.json (a JSON object token -> integer id, with "
+             f"{EOD_TOKEN})")
+MERGES_FIX = ("--merge-file must be GPT-2's merges.txt (a #version line, then one merge a line: "
+              "two tokens and a space)")
+
+
+def read_encoder(path: str) -> dict[str, int]:
+    """vocab.json, checked: an object of integer ids >= 0 with <|endoftext|>."""
+    encoder = read_json(path, VOCAB_FIX, dict, DataError)
+    for token, i in encoder.items():
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise file_error(path, f"the id of {json.dumps(token)} is {json_kind(i)}, not an "
+                                   "integer >= 0", VOCAB_FIX, DataError)
+    if EOD_TOKEN not in encoder:
+        raise file_error(path, f"no {EOD_TOKEN} entry", VOCAB_FIX, DataError)
+    return encoder
+
+
 def read_merges(path: str) -> dict[tuple[str, str], int]:
-    lines = open(path, encoding="utf-8").read().split("\n")[1:-1]
-    merges = [tuple(line.split()) for line in lines]
+    """merges.txt as Megatron reads it (the first line and the piece after the last newline
+    skipped; a #version line alone is a BPE without merges); a line that is not two tokens, a
+    JSON file, or a file without one whole line (empty or cut short): one line."""
+    text = read_text(path, MERGES_FIX, DataError)
+    if "\n" not in text:
+        raise file_error(path, "not one whole line (empty, or cut short inside its first line)",
+                         MERGES_FIX, DataError)
+    if is_json_document(text):
+        raise file_error(path, "a JSON document, not a list of merges", MERGES_FIX, DataError)
+    merges = []
+    for n, line in enumerate(text.split("\n")[1:-1], 2):
+        pair = tuple(line.split())
+        if not pair:
+            continue  # a blank line merges nothing (the ranks keep their order)
+        if len(pair) != 2:
+            raise file_error(path, f"line {n} ({line.strip()[:40]!r}) is not a merge of two "
+                                   "tokens", MERGES_FIX, DataError)
+        merges.append(pair)
     return dict(zip(merges, range(len(merges))))
 
 
@@ -68,14 +104,7 @@ class GPT2BPETokenizer(Tokenizer):
         need_file(vocab_file, "--vocab-file", self.name, "GPT-2 vocab.json")
         need_file(merge_file, "--merge-file", self.name, "GPT-2 merges.txt")
         regex = need_package("regex", self.name)
-        try:
-            self.encoder = json.load(open(vocab_file, encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise DataError(f"{vocab_file}: not a JSON vocabulary ({type(e).__name__}): pass "
-                            "GPT-2's vocab.json as --vocab-file") from None
-        if not isinstance(self.encoder, dict) or EOD_TOKEN not in self.encoder:
-            raise DataError(f"{vocab_file}: no {EOD_TOKEN} entry: --vocab-file must be a GPT-2 "
-                            "vocab.json (a JSON object token -> id with <|endoftext|>)")
+        self.encoder = read_encoder(vocab_file)
         self.decoder = {v: k for k, v in self.encoder.items()}
         self.ranks = read_merges(merge_file)
         self.pattern = regex.compile(GPT2_PATTERN)

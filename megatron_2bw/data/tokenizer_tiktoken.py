@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 
+from megatron_2bw.config.input_files import file_error, json_kind, parse_json, read_text
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.tokenizer_base import Tokenizer, need_file, need_package
 
@@ -32,29 +32,51 @@ DEFAULT_VOCAB_SIZE = 2 ** 17
 NAME = "TikTokenizer"
 
 
+RANKS_FIX = ("pass Megatron's tiktoken .json (a list of {\"rank\": i, \"token_bytes\": base64, "
+             "\"token_str\": ...}, rank i at position i) or tiktoken's 'base64 rank' lines")
+
+
+def _token(path: str, text, where: str) -> bytes:
+    if not isinstance(text, str):
+        raise file_error(path, f"{where}: token_bytes is {json_kind(text)}, not base64 text",
+                         RANKS_FIX, DataError)
+    try:
+        return base64.b64decode(text)
+    except (binascii.Error, ValueError):
+        raise file_error(path, f"{where}: {text[:20]!r} is not base64", RANKS_FIX,
+                         DataError) from None
+
+
 def read_ranks(path: str, max_vocab: int) -> dict[bytes, int]:
     """token bytes -> rank for the ranks below max_vocab, checked as Megatron checks them."""
-    bad = f"{path}: not a tiktoken vocabulary"
-    text = open(path, encoding="utf-8").read()
-    try:
-        if path.endswith(".json"):
-            entries = json.loads(text)
-            if not isinstance(entries, list) or not all(
-                    isinstance(e, dict) and e.get("rank") == i for i, e in enumerate(entries)):
-                raise DataError(f"{bad} (a JSON list of {{rank, token_bytes, token_str}} with "
-                                "rank i at position i): pass Megatron's tiktoken .json")
-            pairs = [(base64.b64decode(e["token_bytes"]), e["rank"]) for e in entries]
-        else:
-            pairs = [(base64.b64decode(tok), int(rank)) for tok, rank in
-                     (line.split() for line in text.splitlines() if line.strip())]
-    except (ValueError, KeyError, TypeError, binascii.Error) as e:
-        raise DataError(f"{bad} ({type(e).__name__}): pass a .json list of {{rank, "
-                        "token_bytes, token_str}} or tiktoken's 'base64 rank' lines") from None
+    bad = "not a tiktoken vocabulary"
+    text = read_text(path, RANKS_FIX, DataError)
+    pairs = []
+    if path.endswith(".json"):
+        entries = parse_json(path, text, RANKS_FIX, DataError)
+        if not isinstance(entries, list):
+            raise file_error(path, f"{json_kind(entries)} where a JSON list [...] belongs",
+                             RANKS_FIX, DataError)
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict) or e.get("rank") != i:
+                raise file_error(path, f"entry {i} is not {{\"rank\": {i}, ...}} (rank i at "
+                                       "position i)", RANKS_FIX, DataError)
+            pairs.append((_token(path, e.get("token_bytes"), f"entry {i}"), i))
+    else:
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            parts = line.split()
+            if len(parts) != 2 or not parts[1].isdigit():
+                raise file_error(path, f"line {n} ({line.strip()[:40]!r}) is not 'BASE64 RANK'",
+                                 RANKS_FIX, DataError)
+            pairs.append((_token(path, parts[0], f"line {n}"), int(parts[1])))
     ranks = {tok: r for tok, r in pairs if r < max_vocab}
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise DataError(f"{bad}: its ranks must be 0..n-1, each token once")
+        raise DataError(f"{path}: {bad}: its ranks must be 0..n-1, each token once")
     if path.endswith(".json") and any(ranks.get(bytes([b]), b) != b for b in range(256)):
-        raise DataError(f"{bad}: Megatron's .json lists the 256 single bytes first, in order")
+        raise DataError(f"{path}: {bad}: Megatron's .json lists the 256 single bytes first, "
+                        "in order")
     return ranks
 
 

@@ -11,8 +11,10 @@
 """
 from __future__ import annotations
 
+import io
 import unicodedata
 
+from megatron_2bw.config.input_files import file_error, is_json_document, read_text
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.tokenizer_base import Tokenizer, need_file
 
@@ -22,12 +24,16 @@ _CJK = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73
         (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
 
 
-def read_vocab(path: str) -> dict[str, int]:
-    """Line k (stripped) -> k; a repeated token keeps its last line (BERT's load_vocab)."""
+def read_vocab(path: str, fix: str = "--vocab-file must be BERT's vocab.txt (one token a line)"
+               ) -> dict[str, int]:
+    """Line k (stripped) -> k; a repeated token keeps its last line (BERT's load_vocab, which
+    reads UTF-8 strictly: another encoding or binary data is one line, not dropped bytes)."""
+    text = read_text(path, fix, DataError)
+    if is_json_document(text):
+        raise file_error(path, "a JSON document, not one token a line", fix, DataError)
     vocab = {}
-    with open(path, encoding="utf-8", errors="ignore") as f:
-        for index, line in enumerate(f):
-            vocab[line.strip()] = index
+    for index, line in enumerate(io.StringIO(text, newline=None)):
+        vocab[line.strip()] = index
     return vocab
 
 

@@ -34,6 +34,7 @@ import torch
 from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree,
                                            read_checkpoint_file, remove_temporary_files,
                                            write_checkpoint_file, write_error, write_with_checksum)
+from megatron_2bw.config.input_files import read_text
 from megatron_2bw.fs import fsync_directory, unique_temp, writable_problem
 from megatron_2bw.optim.distributed import full_state
 
@@ -149,8 +150,8 @@ class CheckpointMixin:
                     print(f"warning: no 'latest' file in {load_dir}: no checkpoint loaded",
                           flush=True)
                 return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
+            tag = read_text(latest, "it names the checkpoint tag to load (save_checkpoint "
+                            "writes it): fix it or pass tag=", CheckpointError).strip()
         path = os.path.join(load_dir, str(tag))
         problem, read = None, None
         try:

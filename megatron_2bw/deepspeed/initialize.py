@@ -11,6 +11,7 @@ import torch
 
 from megatron_2bw.config import ConfigError
 from megatron_2bw.config.ds_json import config_from_deepspeed, load_ds_json
+from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.deepspeed.engine import DeepSpeedPipelineEngine
 from megatron_2bw.deepspeed.pipe.module import PipelineModule, _is_ds_pipeline_module
 from megatron_2bw.deepspeed.pipe.topology import grid_layout
@@ -23,8 +24,21 @@ __all__ = ["DeepSpeedPipelineEngine", "add_config_arguments", "init_distributed"
 
 
 # -- process group --------------------------------------------------------------------------------
-# DeepSpeed's default group timeout (deepspeed/constants.py): DEEPSPEED_TIMEOUT minutes, else 10
-default_pg_timeout = datetime.timedelta(minutes=int(os.getenv("DEEPSPEED_TIMEOUT", default=10)))
+def _env_minutes() -> float | None:
+    """DeepSpeed's default group timeout (deepspeed/constants.py): DEEPSPEED_TIMEOUT minutes,
+    else 10; None when the variable holds no number of minutes > 0."""
+    raw = os.environ.get("DEEPSPEED_TIMEOUT")
+    if raw is None:
+        return 10.0
+    try:
+        minutes = float(raw)
+    except ValueError:
+        return None
+    return minutes if is_finite(minutes) and minutes > 0 else None
+
+
+_ENV_MINUTES = _env_minutes()
+default_pg_timeout = datetime.timedelta(minutes=_ENV_MINUTES or 10)
 
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
@@ -45,6 +59,10 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     env_rank, env_world, local_rank = env_rank_world()
     rank = env_rank if rank < 0 else rank
     world_size = env_world if world_size < 0 else world_size
+    if timeout is default_pg_timeout and _ENV_MINUTES is None:  # the variable sets the default
+        raise ConfigError(f"DEEPSPEED_TIMEOUT={os.environ.get('DEEPSPEED_TIMEOUT')!r}: the "
+                          "process group timeout must be a number of minutes > 0; unset it "
+                          "for the default")
     minutes = timeout.total_seconds() / 60
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))

@@ -24,13 +24,51 @@ MPI_VARS = LAUNCHER_VARS[2:]
 DEEPSPEED_VARS = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
 
 
-def env_rank_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun, SLURM or MPI variables; (0, 1, 0) if none."""
+def _env_int(env, var: str, default: str | None = None) -> int:
+    value = env.get(var, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{var}={value!r} is not an integer (the launcher's variables, or the "
+                          f"shell's): unset {var} for one process, or launch with torchrun / "
+                          "srun") from None
+
+
+def env_rank_world(env=None) -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun, SLURM or MPI variables; (0, 1, 0) if none.
+    Variables that are no integers, or a rank outside the world, are a one-line ConfigError."""
+    env = os.environ if env is None else env
     for rank_var, world_var, local_var, _ in LAUNCHER_VARS:
-        if rank_var in os.environ and world_var in os.environ:
-            return (int(os.environ[rank_var]), int(os.environ[world_var]),
-                    int(os.environ.get(local_var, 0)))
+        if rank_var in env and world_var in env:
+            rank, world = _env_int(env, rank_var), _env_int(env, world_var)
+            local = _env_int(env, local_var, "0")
+            if world < 1 or not 0 <= rank < world or local < 0:
+                raise ConfigError(f"{rank_var}={rank} {world_var}={world} {local_var}={local}: "
+                                  f"the rank must be in 0..{world_var}-1 and the local rank >= "
+                                  f"0; unset them for one process, or launch with torchrun / "
+                                  "srun")
+            return rank, world, local
     return 0, 1, 0
+
+
+LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")
+
+
+def local_rank_problem(argv, given: int | None, local_rank: int) -> str | None:
+    """Why the command line's --local-rank cannot stand, or None: given twice (the launcher's
+    --local-rank=N and one typed after it: every rank says so, so none starts a process group),
+    or disagreeing with the launcher's LOCAL_RANK."""
+    argv = list(argv)
+    seen = [a if "=" in a else f"{a} {argv[i + 1] if i + 1 < len(argv) else ''}".strip()
+            for i, a in enumerate(argv) if a.split("=", 1)[0] in LOCAL_RANK_FLAGS]
+    if len(seen) > 1:
+        return (f"--local-rank is given {len(seen)} times ({', '.join(seen)}): the launcher "
+                "(torch.distributed.launch) passes each process its own; drop the one on your "
+                "command line")
+    if given is not None and launched() and given != local_rank:
+        return (f"--local-rank {given} disagrees with the launcher's local rank {local_rank} "
+                "(LOCAL_RANK): drop --local-rank")
+    return None
 
 
 def check_rendezvous(world_size: int, env=None) -> None:
@@ -58,10 +96,10 @@ def node_ranks(rank: int, local_rank: int) -> list[int] | None:
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:  # torchrun's workers
         first = rank - local_rank
-        return list(range(first, first + int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))))
+        return list(range(first, first + _env_int(env, "LOCAL_WORLD_SIZE", local_rank + 1)))
     if all(v in env for v in DEEPSPEED_VARS):  # DeepSpeed's launcher: a node's ranks in a row
         first = rank - local_rank
-        return list(range(first, first + int(env["LOCAL_SIZE"])))
+        return list(range(first, first + _env_int(env, "LOCAL_SIZE", 1)))
     if "SLURM_GTIDS" in env and env.get("SLURM_PROCID") == str(rank):  # srun, one task a rank
         try:
             return [int(x) for x in env["SLURM_GTIDS"].split(",")]

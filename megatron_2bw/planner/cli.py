@@ -18,11 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.config.checks import check_dropouts
 from megatron_2bw.config.flags import add_architecture_args, apply_architecture_args
+from megatron_2bw.config.paths import check_writable_dir
+from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.models.flops import model_names, named_model, num_parameters
 from megatron_2bw.planner.auto import (flushes_reason, grad_buffers_reason, layout_flags,
                                        partition_reason)
@@ -56,9 +59,9 @@ def _ints(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+def build_parser() -> FiniteParser:
+    p = FiniteParser(prog="tools/plan.py", description=__doc__.splitlines()[0],
+                     allow_abbrev=False)
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help=f"named shape: {', '.join(model_names())}")
     g.add_argument("--family", choices=("gpt", "bert"), default=None)
@@ -200,7 +203,11 @@ def run(argv=None, out=sys.stdout) -> int:
     dtype = "fp16" if a.fp16 else ("bf16" if a.bf16 else "fp32")
     if a.fp16 and a.bf16:
         raise PlanError("--fp16 and --bf16 are mutually exclusive: pick one")
-    if a.profile_out:
+    if a.profile_out:  # where it goes is checked before the minutes of measuring
+        check_writable_dir(os.path.dirname(os.path.abspath(a.profile_out)),
+                           "--profile-out (its directory)", PlanError)
+        if os.path.isdir(a.profile_out):
+            raise PlanError(f"--profile-out {a.profile_out} is a directory: name a file")
         prof = measure_profile(model, a.profile_micro_batches, dtype, threads=a.profile_threads)
         save_profile(prof, a.profile_out)
         fwd = prof.layers["transformer"][a.profile_micro_batches[-1]][0]

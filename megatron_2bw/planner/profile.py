@@ -36,6 +36,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from megatron_2bw.config.input_files import read_json
+from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.models.flops import DTYPE_BYTES, LayerCost
 from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
@@ -100,6 +102,10 @@ class AnalyticProfile:
                    gemm_half_tokens=alpha / beta * model.seq_length, **changes).validate()
 
     def validate(self) -> "AnalyticProfile":
+        for name in ("device_tflops", "efficiency", "memory_bandwidth_gb_per_s",
+                     "gemm_half_tokens"):
+            if not is_finite(getattr(self, name)):
+                raise PlanError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         if not self.device_tflops > 0:
             raise PlanError(f"--device-tflops must be > 0, got {self.device_tflops}")
         if not 0 < self.efficiency <= 1:
@@ -166,15 +172,16 @@ class MeasuredProfile:
                 raise PlanError(f"{where}: no timings for layer type {kind!r}: re-measure with "
                                 "tools/plan.py --profile-out FILE")
             for b, (fwd, bwd) in table.items():
-                if not (isinstance(b, int) and b >= 1 and fwd >= 0 and bwd >= 0):
+                if not (isinstance(b, int) and b >= 1 and is_finite(fwd) and is_finite(bwd)
+                        and fwd >= 0 and bwd >= 0):
                     raise PlanError(f"{where}: bad entry for {kind} micro batch {b!r}: "
                                     "times must be >= 0 seconds")
-        if self.step_s_per_param < 0:
-            raise PlanError(f"{where}: step_s_per_param must be >= 0")
-        if self.data_s_per_sample < 0:
-            raise PlanError(f"{where}: data_s_per_sample must be >= 0")
+        if not (is_finite(self.step_s_per_param) and self.step_s_per_param >= 0):
+            raise PlanError(f"{where}: step_s_per_param must be a finite number >= 0")
+        if not (is_finite(self.data_s_per_sample) and self.data_s_per_sample >= 0):
+            raise PlanError(f"{where}: data_s_per_sample must be a finite number >= 0")
         for name, value in self.compensation_s_per_param.items():
-            if name not in method_names() or not value >= 0:
+            if name not in method_names() or not (is_finite(value) and value >= 0):
                 raise PlanError(f"{where}: compensation_s_per_param[{name!r}] = {value!r}: give "
                                 f"seconds >= 0 for one of {', '.join(method_names())}")
         return self
@@ -258,7 +265,7 @@ def profile_from_dict(data: dict, path: str = "") -> AnalyticProfile | MeasuredP
                                {str(k): float(v) for k, v in
                                 data.get("compensation_s_per_param", {}).items()},
                                path=path).validate()
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, PlanError):
             raise
         raise PlanError(f"{where}: malformed profile ({type(e).__name__}: {e}): re-measure with "
@@ -266,14 +273,8 @@ def profile_from_dict(data: dict, path: str = "") -> AnalyticProfile | MeasuredP
 
 
 def load_profile(path: str):
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise PlanError(f"cannot read profile {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"profile {path} is not valid JSON (line {e.lineno}): {e.msg}") from None
-    return profile_from_dict(data, path)
+    fix = "give a profile JSON written by tools/plan.py --profile-out FILE"
+    return profile_from_dict(read_json(path, fix, None, PlanError), path)
 
 
 def save_profile(profile, path: str) -> None:

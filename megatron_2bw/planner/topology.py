@@ -23,6 +23,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from megatron_2bw.config import ConfigError
+from megatron_2bw.config.input_files import file_error, json_kind, read_json
+from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.fs import atomic_write_text
 
 GB = float(2 ** 30)
@@ -87,6 +89,11 @@ class Topology:
 
     # -- checks and (de)serialization -------------------------------------------------------------
     def validate(self) -> "Topology":
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not is_finite(value):  # a JSON string, bool, null, NaN or Infinity
+                raise PlanError(f"--{f.name.replace('_', '-')} must be a finite number, got "
+                                f"{value!r}")
         for name, value in (("num_nodes", self.num_nodes), ("gpus_per_node", self.gpus_per_node)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"--{name.replace('_', '-')} must be an integer >= 1, "
@@ -142,14 +149,13 @@ def _checked_fields(data: dict, source: str) -> dict:
 
 
 def load_topology_file(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return _checked_fields(json.load(f), path)
-    except OSError as e:
-        raise PlanError(f"cannot read topology file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"topology file {path} is not valid JSON (line {e.lineno}): {e.msg}") \
-            from None
+    fix = f"give a topology JSON: an object with some of {', '.join(_FIELDS)}"
+    data = _checked_fields(read_json(path, fix, None, PlanError), path)
+    for key, value in data.items():
+        if not is_finite(value):
+            raise file_error(path, f"{key} is {json_kind(value)}, not a finite number", fix,
+                             PlanError)
+    return data
 
 
 def _first_int(text: str | None) -> int | None:

@@ -172,6 +172,10 @@ def parse(argv=None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--timeout-minutes", type=float, default=2.0,
                    help="per-collective timeout of the spawned ranks")
     args = p.parse_args(argv)
+    if args.rtol is not None and args.rtol < 0:
+        p.error(f"--rtol must be >= 0 (a relative tolerance), got {args.rtol}")
+    if not args.timeout_minutes > 0:
+        p.error(f"--timeout-minutes must be > 0, got {args.timeout_minutes}")
     if args.schedule_alias:
         args.pipeline_schedule = args.schedule_alias
     world = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size

@@ -126,7 +126,7 @@ def test_keys_deepspeed_ignores_warn_in_one_line_and_strict_refuses(extra, match
 
 def test_strict_must_be_a_bool_and_sections_deepspeed_validates_stay_refusals():
     one_line_error(config_from_deepspeed, {**BASE, "strict": "yes"}, world_size=2,
-                   num_stages=2, num_layers=4, match='"strict" must be true or false')
+                   num_stages=2, num_layers=4, match='strict must be true or false, got "yes"')
     _, settings = config_from_deepspeed({**BASE, "strict": False}, world_size=2, num_stages=2,
                                         num_layers=4)
     assert settings.notes == ()

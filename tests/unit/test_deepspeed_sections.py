@@ -44,8 +44,15 @@ def test_zero_stage_1_is_the_distributed_optimizer():
         cfg, _ = config_from_deepspeed({**BASE, "zero_optimization": zero}, world_size=4,
                                        num_stages=2, num_layers=4)
         assert cfg.parallel.distributed_optimizer is False
-    one_line_error(config_from_deepspeed, {**BASE, "zero_optimization": {"stage": "1"}},
+    # DeepSpeed's pydantic model coerces "1" and 1.0 to stage 1 (test_deepspeed_types.py)
+    cfg, _ = config_from_deepspeed({**BASE, "zero_optimization": {"stage": "1"}}, world_size=4,
+                                   num_stages=2, num_layers=4)
+    assert cfg.parallel.distributed_optimizer is True
+    one_line_error(config_from_deepspeed, {**BASE, "zero_optimization": {"stage": 4}},
                    world_size=4, num_stages=2, num_layers=4, match="must be 0, 1, 2 or 3")
+    one_line_error(config_from_deepspeed, {**BASE, "zero_optimization": {"stage": "one"}},
+                   world_size=4, num_stages=2, num_layers=4,
+                   match='zero_optimization.stage must be an integer, got "one"')
 
 
 def test_zero_stage_1_bucket_size_and_overlap_are_the_reductions():
@@ -58,11 +65,13 @@ def test_zero_stage_1_bucket_size_and_overlap_are_the_reductions():
     cfg, _ = config_from_deepspeed({**BASE, "zero_optimization": {"stage": 1}}, world_size=4,
                                    num_stages=2, num_layers=4)
     assert cfg.parallel.grad_bucket_size is None and cfg.parallel.overlap_grad_reduce
-    for bad in (0, 1.5, "big", True):
+    for bad, match in ((0, "must be a positive"), (-3, "must be a positive"),
+                       (1.5, "must be an integer, got 1.5"),
+                       ("big", 'must be an integer, got "big"')):
         one_line_error(config_from_deepspeed,
                        {**BASE, "zero_optimization": {"stage": 1, "reduce_bucket_size": bad}},
                        world_size=4, num_stages=2, num_layers=4,
-                       match="zero_optimization.reduce_bucket_size must be a positive")
+                       match=f"zero_optimization.reduce_bucket_size {match}")
 
 
 def test_monitor_sections_keys_types_and_packages():
@@ -80,8 +89,9 @@ def test_monitor_sections_keys_types_and_packages():
                                                                    "output_pth": "x"}},
                    world_size=2, num_stages=2, num_layers=4,
                    match="'output_pth' in csv_monitor (did you mean 'output_path'?)")
-    one_line_error(config_from_deepspeed, {**BASE, "tensorboard": {"enabled": "yes"}},
-                   world_size=2, num_stages=2, num_layers=4, match="tensorboard.enabled")
+    one_line_error(config_from_deepspeed, {**BASE, "tensorboard": {"enabled": "maybe"}},
+                   world_size=2, num_stages=2, num_layers=4,
+                   match='tensorboard.enabled must be true or false, got "maybe"')
 
 
 def test_activation_checkpointing_section_and_fp16_auto_cast():

@@ -13,7 +13,55 @@ import torch
 
 from megatron_2bw.checkpoint.convert.hf_mapping import GPT2, LLAMA, ConvertError, _layer_names
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.config.input_files import json_kind
+from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.models.flavours import llama_architecture
+
+
+CONFIG_FIX = ("pass a HuggingFace GPT-2 or Llama directory (config.json as save_pretrained "
+              "writes it)")
+_POSITIVE, _NUMBER, _BOOL, _TEXT, _OBJECT = ("a positive integer", "a finite number",
+                                             "true or false", "a string", "an object")
+# the config.json keys model_config reads, their kinds (null stands for absent), and the keys
+# each model type needs
+HF_FIELDS = {
+    **dict.fromkeys(("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "n_inner",
+                     "hidden_size", "num_attention_heads", "num_hidden_layers",
+                     "intermediate_size", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"), _POSITIVE),
+    **dict.fromkeys(("layer_norm_epsilon", "resid_pdrop", "attn_pdrop", "initializer_range",
+                     "rope_theta", "rms_norm_eps", "attention_dropout"), _NUMBER),
+    **dict.fromkeys(("scale_attn_by_inverse_layer_idx", "add_cross_attention",
+                     "scale_attn_weights", "tie_word_embeddings", "attention_bias", "mlp_bias"),
+                    _BOOL),
+    **dict.fromkeys(("model_type", "activation_function", "hidden_act"), _TEXT),
+    **dict.fromkeys(("rope_scaling", "rope_parameters"), _OBJECT),
+}
+HF_REQUIRED = {"gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
+               "llama": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers",
+                         "intermediate_size")}
+
+
+def _is(kind: str, value) -> bool:
+    if kind == _POSITIVE:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if kind == _NUMBER:
+        return is_finite(value)
+    return isinstance(value, {_BOOL: bool, _TEXT: str, _OBJECT: dict}[kind])
+
+
+def check_hf_config(hf: dict, where: str = "config.json") -> dict:
+    """`hf` when every key model_config reads has its type and the model type's required keys
+    are there; one-line ConvertError naming the file and the key otherwise."""
+    for key in HF_REQUIRED.get(hf.get("model_type"), ()):
+        if hf.get(key) is None:
+            raise ConvertError(f"{where}: no {key} (a {hf['model_type']} config.json has it); "
+                               f"{CONFIG_FIX}")
+    for key, kind in HF_FIELDS.items():
+        value = hf.get(key)
+        if value is not None and not _is(kind, value):
+            raise ConvertError(f"{where}: {key} is {json_kind(value)}, not {kind}; {CONFIG_FIX}")
+    return hf
 
 
 def _rope(hf: dict) -> tuple[float, str]:
@@ -21,11 +69,15 @@ def _rope(hf: dict) -> tuple[float, str]:
     scaling = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if not is_finite(theta):
+        raise ConvertError(f"config.json: rope_theta is {json_kind(theta)}, not a finite number; "
+                           f"{CONFIG_FIX}")
     return float(theta), kind
 
 
 def model_config(hf: dict) -> tuple[str, ModelConfig]:
     """(HF class, our ModelConfig without the padded vocabulary) of a HuggingFace config."""
+    check_hf_config(hf)
     kind = hf.get("model_type")
     if kind == "gpt2":
         act = hf.get("activation_function", "gelu_new")

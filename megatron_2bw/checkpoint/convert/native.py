@@ -75,6 +75,15 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> FullModel:
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint (no "
                               "latest_checkpointed_iteration.txt): pass the --save directory")
+    if iteration is not None and not os.path.isdir(iteration_dir(load_dir, it)):
+        held = sorted(int(n[5:]) for n in os.listdir(load_dir)
+                      if n.startswith("iter_") and n[5:].isdigit())
+        if not held:
+            raise CheckpointError(f"{load_dir} holds no checkpoint (no iter_* directory): "
+                                  "pass the --save directory")
+        raise CheckpointError(f"{load_dir} holds no iteration {iteration} (it holds "
+                              f"{', '.join(map(str, held))}): give one of them to --iteration, "
+                              "or leave it out for the newest")
     if is_dist_checkpoint(iteration_dir(load_dir, it)):
         return _read_dist(iteration_dir(load_dir, it), it)
     first = _load(first_stage_file(load_dir, it))

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint
 from megatron_2bw.checkpoint.dist.save import DistSave, tmp_dir
 from megatron_2bw.checkpoint.dist.shards import param_boxes, state_shards
 from megatron_2bw.checkpoint.dist.storage import plan_save
-from megatron_2bw.checkpoint.files import FILENAME, CheckpointError, latest_iteration, rank_dir
+from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, iteration_dir,
+                                           latest_iteration, rank_dir)
 from megatron_2bw.checkpoint.torch_format import first_stage_file, read_torch
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.training.reliability import NO_FAULTS
@@ -73,6 +75,10 @@ def torch_to_dist(load_dir: str, save_dir: str, iteration: int | None = None) ->
     if it is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint (no "
                               "latest_checkpointed_iteration.txt): pass a run's --save directory")
+    if is_dist_checkpoint(iteration_dir(load_dir, it)):
+        raise CheckpointError(f"{load_dir} iteration {it} is a torch_dist checkpoint already: "
+                              "nothing to convert; resume from it with --load "
+                              f"{load_dir} and any parallel layout")
     check_empty(save_dir)
     shards, common = torch_format_state(load_dir, it)
     write_dist(save_dir, it, shards, {}, common)

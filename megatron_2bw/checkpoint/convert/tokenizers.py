@@ -19,8 +19,9 @@ import json
 import os
 
 from megatron_2bw.checkpoint.files import write_checkpoint_file
+from megatron_2bw.config.input_files import file_error, json_kind, read_json
 from megatron_2bw.data.errors import DataError
-from megatron_2bw.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_2bw.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 TOKENIZER_MODEL = "tokenizer.model"
 TOKENIZER_ARGS = "tokenizer_args.json"
@@ -51,12 +52,43 @@ def record_tokenizer(directory: str, tokenizer: Tokenizer | None) -> None:
                           lambda f: f.write((json.dumps(args) + "\n").encode()))
 
 
+# tokenizer_args.json's keys besides tokenizer_type: build_tokenizer's arguments and their types
+_ARG_TYPES = {"tokenizer_model": str, "vocab_size": int, "vocab_file": str, "merge_file": str,
+              "vocab_extra_ids": int, "tiktoken_pattern": str, "tiktoken_num_special_tokens": int,
+              "tokenizer_special_tokens": list, "trust_remote_code": bool}
+_ARGS_FIX = ("it is written by pretrain with --save: remove it and give tools/generate.py "
+             "--tokenizer-type (and --tokenizer-model) instead")
+
+
+def read_tokenizer_args(path: str) -> dict:
+    """tokenizer_args.json, checked: {"tokenizer_type": one of TOKENIZER_TYPES, build_tokenizer's
+    arguments of their types}; one line naming the file otherwise."""
+    args = read_json(path, _ARGS_FIX, dict, DataError)
+    kind = args.get("tokenizer_type")
+    if kind not in TOKENIZER_TYPES:
+        raise file_error(path, f"tokenizer_type is {json_kind(kind)}, not one of "
+                               f"{', '.join(TOKENIZER_TYPES)}", _ARGS_FIX, DataError)
+    for key, value in args.items():
+        want = _ARG_TYPES.get(key)
+        if key == "tokenizer_type" or value is None and want is not None:
+            continue
+        if want is None:
+            raise file_error(path, f"unknown key {json.dumps(key)}", _ARGS_FIX, DataError)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)) or (
+                want is list and not all(isinstance(t, str) for t in value)):
+            what = {str: "a string", int: "an integer", bool: "true or false",
+                    list: "a list of strings"}[want]
+            raise file_error(path, f"{key} is {json_kind(value)}, not {what}", _ARGS_FIX,
+                             DataError)
+    return args
+
+
 def recorded_tokenizer(directory: str) -> Tokenizer | None:
     """The tokenizer recorded in a checkpoint directory or carried by a HuggingFace one."""
     args_path = os.path.join(directory, TOKENIZER_ARGS)
     model = os.path.join(directory, TOKENIZER_MODEL)
     if os.path.exists(args_path):
-        args = json.load(open(args_path))
+        args = read_tokenizer_args(args_path)
         ttype = args.pop("tokenizer_type")
         if os.path.exists(model):
             args["tokenizer_model"] = model
@@ -80,7 +112,7 @@ def sentencepiece_flags(directory: str) -> list[str]:
     if not os.path.exists(model):
         return []
     args_path = os.path.join(directory, TOKENIZER_ARGS)
-    kind = json.load(open(args_path))["tokenizer_type"] if os.path.exists(args_path) \
+    kind = read_tokenizer_args(args_path)["tokenizer_type"] if os.path.exists(args_path) \
         else SENTENCEPIECE
     return ["--tokenizer-type", kind, "--tokenizer-model", os.path.abspath(model)]
 

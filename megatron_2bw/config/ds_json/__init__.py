@@ -49,7 +49,9 @@ our scaler (same window/hysteresis meaning).
 What the JSON states explicitly is recorded in `Config.fixed` ("train_batch_size=16 in the
 DeepSpeed config"), so --auto-plan keeps it and a contradiction names it.
 
-Modules: read.py (finding the JSON), keys.py (the key vocabulary), batch.py (the batch triple),
+Modules: read.py (finding the JSON), types.py (the type of every key the drop-in reads, with
+DeepSpeed's pydantic coercion where DeepSpeed coerces), keys.py (the key vocabulary), batch.py
+(the batch triple),
 setting.py (Setting, fail), optim.py / schedulers.py / sections.py (JSON sections -> Settings;
 schedulers.py also holds `DeepSpeedLR`), engine_settings.py (`DeepSpeedSettings`), merge.py
 (Settings onto a Config: both front doors).

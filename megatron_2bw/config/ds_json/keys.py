@@ -66,7 +66,7 @@ SECTION_KEYS = {
     "fp16": ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "min_loss_scale", "consecutive_hysteresis", "auto_cast",
              "fp16_master_weights_and_grads"),
-    "bf16": ("enabled", "immediate_grad_update", "check_overflow",
+    "bf16": ("enabled", "immediate_grad_update", "check_overflow", "check_grad_overflow",
              "bf16_master_weights_and_grads", "bf16_optimizer_states"),
     "pipeline": ("schedule", "activation_checkpoint_interval", "stages", "partition",
                  "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"),

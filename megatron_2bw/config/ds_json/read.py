@@ -6,6 +6,10 @@ import json
 import os
 
 from megatron_2bw.config.ds_json.setting import fail
+from megatron_2bw.config.ds_json.types import typed_ds_json
+from megatron_2bw.config.input_files import file_error, json_kind, parse_json, read_text
+
+FIX = "--deepspeed_config must be a DeepSpeed JSON object such as {\"train_batch_size\": 8}"
 
 
 def load_ds_json(config=None, args=None, config_params=None) -> dict:
@@ -25,21 +29,21 @@ def load_ds_json(config=None, args=None, config_params=None) -> dict:
         fail("no DeepSpeed config: pass config=<dict or json path> to initialize (or "
              "args.deepspeed_config)")
     if isinstance(source, dict):
-        return dict(source)
+        return typed_ds_json(source)
     if isinstance(source, (str, os.PathLike)):
         if not os.path.isfile(source):
             fail(f"DeepSpeed config file {str(source)!r} does not exist")
-        with open(source) as f:
-            text = f.read()
+        text = read_text(source, FIX)
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError):
             try:
                 import hjson  # DeepSpeed reads configs with hjson (comments, trailing commas)
                 data = hjson.loads(text)
             except Exception:  # noqa: BLE001 - report the JSON error, one line
-                fail(f"DeepSpeed config {str(source)!r} is not valid JSON: {e}")
+                parse_json(source, text, FIX)
         if not isinstance(data, dict):
-            fail(f"DeepSpeed config {str(source)!r} must hold a JSON object")
-        return dict(data)
+            raise file_error(source, f"{json_kind(data)} where a JSON object {{...}} belongs",
+                             FIX)
+        return typed_ds_json(data)
     fail(f"DeepSpeed config must be a dict or a path, got {type(source).__name__}")

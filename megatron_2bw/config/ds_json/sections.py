@@ -16,7 +16,7 @@ from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE
 
 
 def _precision_settings(ds: dict) -> list[Setting]:
-    if ds.get("amp", {}).get("enabled", False):
+    if (ds.get("amp") or {}).get("enabled", False):
         fail('DeepSpeed config: "amp" (NVIDIA apex) is not supported: use "fp16" or "bf16"')
     fp16 = ds.get("fp16") or {}
     bf16 = ds.get("bf16") or ds.get("bfloat16") or {}
@@ -34,6 +34,9 @@ def _precision_settings(ds: dict) -> list[Setting]:
         out.append(Setting("fp16.loss_scale", "--loss-scale", "precision.loss_scale",
                            None if not scale else float(scale), "loss_scale" in fp16))
         power = fp16.get("initial_scale_power", 16)
+        if power > 1023:  # 2 ** power overflows a float
+            fail(f"DeepSpeed config: fp16.initial_scale_power {power}: the loss scale 2^{power} "
+                 "is no float; use at most 1023 (DeepSpeed's default: 16)")
         out.append(Setting("fp16.initial_scale_power", "--initial-loss-scale",
                            "precision.initial_loss_scale", float(2 ** power),
                            "initial_scale_power" in fp16))
