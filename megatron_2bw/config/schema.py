@@ -253,9 +253,7 @@ class TrainConfig:
     ckpt_format: str = "torch_dist"   # torch_dist: layout-free (ckpt/); torch: Megatron's layout
     async_save: bool = False          # torch_dist: write in the background while training
     finetune: bool = False
-    # Megatron's --override-opt_param-scheduler: a Megatron checkpoint's lr scheduler state
-    # that differs from the flags is not refused; the flags' schedule goes on
-    override_opt_param_scheduler: bool = False
+    override_opt_param_scheduler: bool = False  # Megatron's: a checkpoint's lr state may differ
     exit_interval: int = 0
     exit_duration_in_mins: float = 0.0
     wandb_project: str | None = None
@@ -266,8 +264,7 @@ class TrainConfig:
     log_throughput: bool = False      # --log-throughput: Megatron's TFLOP/s field in the line
     wall_clock_breakdown: bool = False
     trace: str | None = None          # write per-rank action traces to {trace}.rank{r}.json
-    # observability (training/observe/logger.py, training/observe/profiling.py,
-    # training/observe/straggler.py; Megatron's flag names)
+    # observability (training/observe/: logger.py, profiling.py, straggler.py; Megatron's flags)
     tensorboard_dir: str | None = None
     tensorboard_queue_size: int = 1000
     tensorboard_log_interval: int = 1  # per-iteration scalars every N iterations

@@ -35,7 +35,7 @@ def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool
     return False
 
 
-def consumed_samples(cfg: Config, grid: ProcessGrid) -> Callable[[int], int]:
+def samples_consumed_by(cfg: Config, grid: ProcessGrid) -> Callable[[int], int]:
     """iteration -> the samples the first `iteration` iterations consume: the one place the loop
     learns the global batch (iteration i trains consumed(i) - consumed(i - 1) samples; a
     batch-size ramp changes that between iterations: the config's batch plan). The logs take it
@@ -81,7 +81,7 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     eval_data = input_pipeline(make_eval_data(), "validation data", grid, device,
                                t.num_workers) if (make_eval_data and evaluates) else None
     logger = TrainLogger(cfg, grid, reporter, log, progress, start)
-    consumed = consumed_samples(cfg, grid)
+    consumed = samples_consumed_by(cfg, grid)
     report = IntervalLog(cfg, grid, device, engine, logger, start, consumed(start))
     if t.skip_train:  # Megatron's --skip-train: evaluate the weights loaded, train none
         total = sum(float(engine.eval_batch(eval_data)) for _ in range(t.eval_iters))
