@@ -34,6 +34,8 @@ import torch
 from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree,
                                            read_checkpoint_file, remove_temporary_files,
                                            write_checkpoint_file, write_error, write_with_checksum)
+from megatron_2bw.deepspeed.from_deepspeed import (load_deepspeed_state, read_foreign,
+                                                  returned_client_state)
 from megatron_2bw.fs import fsync_directory, unique_temp, writable_problem
 from megatron_2bw.optim.distributed import full_state
 
@@ -155,7 +157,7 @@ class CheckpointMixin:
         problem, read = None, None
         try:
             read = self._read_checkpoint(path, load_module_strict, load_optimizer_states,
-                                         load_module_only)
+                                         load_module_only, load_lr_scheduler_states)
         except CheckpointError as e:
             problem = str(e)
         except Exception as e:  # noqa: BLE001 - a file that unpickles into the wrong shape
@@ -180,16 +182,17 @@ class CheckpointMixin:
         self._engine.grid.comm.barrier()
         return self._state_file(path), client
 
-    def _read_checkpoint(self, path, strict, load_optimizer, module_only):
+    def _read_checkpoint(self, path, strict, load_optimizer, module_only, load_lr=True):
         """(engine state, buffers, the contents of this stage's state file, client_state) of the
-        tag `path` (no collective)."""
+        tag `path` (no collective); a tag DeepSpeed wrote: from_deepspeed.py."""
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint directory {path} does not exist: check the tag "
                                   "or the 'latest' file next to it")
         verify = bool(glob.glob(os.path.join(path, "*.sha256")))  # written with checksums
 
-        def read(file: str) -> dict:
-            return read_checkpoint_file(file, weights_only=False, verify=verify)
+        def read(file: str) -> dict:  # DeepSpeed's own files hold its classes: the allow-list
+            return read_checkpoint_file(file, weights_only=False) if verify else \
+                read_foreign(file)
 
         eng, w = self._engine, self._engine.weights
         state = eng.state_dict()
@@ -203,12 +206,16 @@ class CheckpointMixin:
             os.path.isfile(state_file + ".sha256") else {}
         ours = meta.get("megatron_2bw")
         client = {k: v for k, v in meta.items() if k not in STATE_KEYS}
-        if module_only:
+        if ours is None:  # written by DeepSpeed itself
+            zero = self.zero_optimization_stage() > 0
+            client = returned_client_state(meta, load_optimizer, load_lr, module_only, zero)
+            if module_only:
+                state.pop("previous", None)
+            else:
+                state = load_deepspeed_state(path, self, state, meta, load_optimizer, load_lr)
+        elif module_only:
             state.pop("previous", None)
             client = {}
-        elif ours is None:  # weights only (e.g. a checkpoint written by DeepSpeed itself)
-            state.pop("previous", None)
-            state["iteration"] = int(meta.get("global_steps", state["iteration"]))
         elif ours["engine"]["names"] == names and \
                 [tuple(s) for s in ours["shapes"]] == [tuple(s) for s in w.shapes]:
             loaded = ours["engine"]

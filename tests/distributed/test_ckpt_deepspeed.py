@@ -1,0 +1,200 @@
+"""Megatron-DeepSpeed / DeepSpeed pipeline checkpoints load and continue here (issue 45, Build
+point 3): a GPT shaped and named as Megatron-DeepSpeed's GPTModelPipe (tests/mds_models.py,
+which cites the files it follows) is trained 3 batches by the real DeepSpeed 0.19.8 pipeline
+engine on 2 gloo processes (2 stages) with Megatron-DeepSpeed's optimizer groups and scheduler,
+at ZeRO-0 (the QKV per query group, before Megatron-DeepSpeed's commit 676a482) and ZeRO-1 (the
+QKV in thirds, from it on), and saved as Megatron-DeepSpeed saves (its client state). Each
+checkpoint is built once per module.
+
+It loads (1) through --load (our GPT, the same architecture flags) at (t, d, w) = (1, 2, 1) and
+(2, 1, 1), and (2) through the DeepSpeed drop-in's engine.load_checkpoint for the same
+PipelineModule code. Either way: the loss on a fixed batch equals DeepSpeed's within 1e-5
+(fp32), the iteration carries over, Adam's moments equal DeepSpeed's own (read from its running
+optimizer) exactly, and one more batch gives DeepSpeed's own next weights (the fixed batch's
+loss within 1e-5 of DeepSpeed's after the same batch). The drop-in returns DeepSpeed's load
+path and client_state keys, as DeepSpeed's own load_checkpoint of the same tag does."""
+import math
+
+import pytest
+import torch
+
+import mds_models as mds
+from megatron_2bw.checkpoint.api import load_checkpoint
+from megatron_2bw.checkpoint.megatron import mapping
+from megatron_2bw.config.build import build_config
+from megatron_2bw.pretrain import build_parser
+from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from test_ckpt_reshard import _dump, merged, unshard
+
+RUNS = [(0, False, "zero0"), (1, True, "zero1-thirds")]
+TAG = f"global_step{mds.ITERATION}"
+
+
+@pytest.fixture(scope="module")
+def deepspeed_checkpoints(tmp_path_factory):
+    """name -> (checkpoint dir, {stage: DeepSpeed's results on that stage's rank})."""
+    tmp = tmp_path_factory.mktemp("deepspeed")
+    runs = [(zero, thirds, str(tmp / name)) for zero, thirds, name in RUNS]
+    spawn(mds.save_worker, 2, args=(runs, str(tmp / "out.pt")), timeout_minutes=4)
+    out = torch.load(tmp / "out.pt", weights_only=False)
+    return {name: (root, {r[root]["stage"]: r[root] for r in out})
+            for (_, _, root), (_, _, name) in zip(runs, RUNS)}
+
+
+def our_cfg(t, d, w, extra=()):
+    return build_config(build_parser("gpt").parse_args(mds.our_flags(t, d) + list(extra)),
+                        "gpt", t * d * w).config
+
+
+def expected_moments(cfg, stages: dict, thirds: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """DeepSpeed's Adam state in our names: its stage modules' names mapped by hand
+    (GPTModelPipe's layer list: 1 embedding, 2.. the layers, then the final norm; the tied
+    embedding's from stage 0), the layout by mapping.to_ours (thirds reordered per head)."""
+    L, out = mds.LAYERS, {"exp_avg": {}, "exp_avg_sq": {}}
+    logical = {"tied_modules.embed.word_embeddings.weight": "embedding.word_embeddings.weight",
+               "tied_modules.embed.position_embeddings.weight":
+               "embedding.position_embeddings.weight",
+               f"{L + 2}.weight": "decoder.final_layernorm.weight",
+               f"{L + 2}.bias": "decoder.final_layernorm.bias"}
+    legacy = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
+              "self_attention.query_key_value": "self_attention.linear_qkv",
+              "self_attention.dense": "self_attention.linear_proj",
+              "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
+    for i in range(L):
+        for old, new in legacy.items():
+            for p in ("weight", "bias"):
+                logical[f"{i + 2}.{old}.{p}"] = f"decoder.layers.{i}.{new}.{p}"
+    links = {x.theirs: x for x in mapping.links(cfg.model)}
+    for stage in sorted(stages, reverse=True):  # stage 0 last: its tied copies win
+        for name, state in stages[stage]["moments"].items():
+            link = links[logical[name]]
+            for kind in out:
+                t = state[kind].reshape(link.shape)
+                if thirds and "linear_qkv" in link.theirs:
+                    t = t.reshape(3, mds.HEADS, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+                out[kind][link.ours] = mapping.to_ours(link, t)
+    return out
+
+
+def _load_worker(rank, world, cfg, ckpt, out, load_optim, finetune, load_rng):
+    grid = build_grid(cfg, rank, world)
+    engine = build_engine(cfg, grid, "cpu")
+    lines = []
+    start = load_checkpoint(ckpt, engine, cfg, grid, load_optim=load_optim, finetune=finetune,
+                            log=lines.append, load_rng=load_rng)
+    rng, dump = torch.get_rng_state(), _dump(engine, cfg, grid)
+    fixed = float(engine.eval_batch(mock_batches(cfg, grid.data, grid.dp_rank, start_batch=0)))
+    data = mock_batches(cfg, grid.data, grid.dp_rank, start_batch=start)
+    trained = float(engine.train_batch(data))
+    after = float(engine.eval_batch(mock_batches(cfg, grid.data, grid.dp_rank, start_batch=0)))
+    torch.save({"start": start, "fixed": fixed, "after": after, "trained": trained,
+                "iteration": engine.iteration, "lines": lines, "rng": rng, "dump": dump,
+                "stage": grid.stage, "tp": grid.tp_rank}, f"{out}.{rank}")
+
+
+def load(cfg, ckpt, tmp_path, load_optim=True, finetune=False, load_rng=True) -> list[dict]:
+    world = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.data_parallel_size
+    out = str(tmp_path / "loaded")
+    spawn(_load_worker, world, args=(cfg, ckpt, out, load_optim, finetune, load_rng),
+          timeout_minutes=3)
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 1), (2, 1, 1)], ids=["t1d2w1", "t2d1w1"])
+@pytest.mark.parametrize("name", [name for _, _, name in RUNS])
+def test_pretrain_load_carries_weights_iteration_and_adam_over_and_continues_deepspeeds_run(
+        deepspeed_checkpoints, tmp_path, name, layout):
+    ckpt, theirs = deepspeed_checkpoints[name]
+    cfg = our_cfg(*layout)
+    results = load(cfg, ckpt, tmp_path)
+    last = results[-1]
+    assert {r["start"] for r in results} == {mds.ITERATION}
+    assert math.isclose(last["fixed"], theirs[0]["fixed"], rel_tol=1e-5), \
+        (last["fixed"], theirs[0]["fixed"])
+    assert last["iteration"] == mds.ITERATION + 1
+    assert math.isclose(last["trained"], theirs[0]["losses"][-1], rel_tol=1e-5)
+    assert math.isclose(last["after"], theirs[0]["after"], rel_tol=1e-5), \
+        (last["after"], theirs[0]["after"])
+    dumps = unshard([r["dump"] for r in results])
+    assert {x["steps"] for x in dumps} == {mds.ITERATION}
+    want = expected_moments(cfg, theirs, thirds="thirds" in name)
+    for kind in ("exp_avg", "exp_avg_sq"):
+        got = merged(dumps, kind)
+        assert set(got) == set(want[kind])
+        bad = [n for n in got if not torch.equal(got[n], want[kind][n])]
+        assert not bad, (kind, bad)
+    assert f"checkpoint {ckpt}/{TAG}: not written by megatron-2bw: files not verified" in \
+        last["lines"]
+    assert not any(x.startswith("optimizer state restarts") for x in last["lines"])
+
+
+def test_no_load_optim_finetune_and_no_load_rng_keep_megatrons_meanings(
+        deepspeed_checkpoints, tmp_path):
+    """Saved at t=1 d=2: that layout gets each stage's torch RNG state back; --no-load-rng and
+    --finetune keep their own, --no-load-optim starts Adam fresh, --finetune at iteration 0."""
+    ckpt, theirs = deepspeed_checkpoints["zero1-thirds"]
+    cfg = our_cfg(1, 2, 1)
+    same = load(cfg, ckpt, tmp_path)
+    assert all(torch.equal(r["rng"], theirs[r["stage"]]["rng"]) for r in same)
+    for r in load(cfg, ckpt, tmp_path, load_rng=False):
+        assert not torch.equal(r["rng"], theirs[r["stage"]]["rng"])
+    fresh = load(cfg, ckpt, tmp_path, load_optim=False)
+    assert {r["start"] for r in fresh} == {mds.ITERATION}
+    assert all(r["dump"]["steps"] == 0 and not any(v.any() for v in r["dump"]["exp_avg"]
+                                                   .values()) for r in fresh)
+    assert math.isclose(fresh[-1]["fixed"], theirs[0]["fixed"], rel_tol=1e-5)
+    tuned = load(cfg, ckpt, tmp_path, finetune=True)
+    assert {r["start"] for r in tuned} == {0} and tuned[-1]["dump"]["steps"] == 0
+    assert math.isclose(tuned[-1]["fixed"], theirs[0]["fixed"], rel_tol=1e-5)
+    assert not any(torch.equal(r["rng"], theirs[r["stage"]]["rng"]) for r in tuned)
+
+
+def _drop_in_worker(rank, world, root, zero, thirds, out):
+    import megatron_2bw as deepspeed
+    from megatron_2bw.deepspeed.from_deepspeed import _engine_index
+    net = mds.build_model(deepspeed, thirds)
+    engine, _, _, _ = deepspeed.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": mds.BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": mds.LR, "betas": [0.9, 0.999],
+                                                  "eps": 1e-8, "weight_decay": 0.0}},
+        "gradient_clipping": 0.0, "zero_optimization": {"stage": zero},
+        "pipeline": {"schedule": "flush"}})
+    path, client = engine.load_checkpoint(root)
+    fixed = float(engine.eval_batch(mds.samples(0, mds.BATCH), num_micro_batches=mds.BATCH))
+    state, w = engine._engine.state_dict(), engine._engine.weights
+    from megatron_2bw.optim.distributed import full_state
+    opt = full_state(state["optimizer"]) if "pieces" in state["optimizer"] else \
+        state["optimizer"]
+    moments = {n: {k: opt[k][w.offsets[i]:w.offsets[i] + w.shapes[i].numel()].clone()
+                   for k in ("exp_avg", "exp_avg_sq")}
+               for n, i in _engine_index(net, {n: i for i, n in enumerate(w.names)}).items()}
+    steps, global_steps = opt["steps"], engine.global_steps
+    trained = float(engine.train_batch(mds.samples(mds.ITERATION * mds.BATCH, mds.BATCH)))
+    after = float(engine.eval_batch(mds.samples(0, mds.BATCH), num_micro_batches=mds.BATCH))
+    torch.save({"path": path, "client_keys": sorted(client), "iteration": client.get(
+        "iteration"), "fixed": fixed, "moments": moments, "steps": steps, "global_steps":
+        global_steps, "trained": trained, "after": after, "stage": engine.stage_id},
+        f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("name", [name for _, _, name in RUNS])
+def test_the_drop_ins_load_checkpoint_reads_what_deepspeed_wrote(deepspeed_checkpoints,
+                                                                 tmp_path, name):
+    ckpt, theirs = deepspeed_checkpoints[name]
+    zero, thirds = next((z, t) for z, t, n in RUNS if n == name)
+    spawn(_drop_in_worker, 2, args=(ckpt, zero, thirds, str(tmp_path / "got")),
+          timeout_minutes=3)
+    for rank in range(2):
+        got = torch.load(f"{tmp_path / 'got'}.{rank}", weights_only=False)
+        ds = theirs[got["stage"]]
+        assert got["path"] == ds["load_path"] and got["client_keys"] == ds["client_keys"]
+        assert got["iteration"] == mds.ITERATION and got["global_steps"] == ds["global_steps"]
+        assert math.isclose(got["fixed"], ds["fixed"], rel_tol=1e-5), (got["fixed"], ds["fixed"])
+        assert got["steps"] == mds.ITERATION and set(got["moments"]) == set(ds["moments"])
+        bad = [n for n, m in ds["moments"].items()
+               if not all(torch.equal(m[k], got["moments"][n][k]) for k in ("exp_avg",
+                                                                           "exp_avg_sq"))]
+        assert not bad, bad
+        assert math.isclose(got["trained"], ds["losses"][-1], rel_tol=1e-5)
+        assert math.isclose(got["after"], ds["after"], rel_tol=1e-5), (got["after"], ds["after"])
