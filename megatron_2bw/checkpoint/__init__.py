@@ -5,7 +5,9 @@ directory's files and whole-save rules (files.py: `latest`, iteration dirs, chec
 what a checkpoint was saved for (layout.py), global parameter names (names.py), Megatron's
 one-file-per-stage format (torch_format.py), the layout-free torch_dist format on DCP (dist/, the
 default), when an async save is published (saver.py), resuming on a new allocation (resume.py),
-`tools/checkpoint_inspect.py` (inspect.py) and the converters (convert/: native, HuggingFace,
-torch -> torch_dist). Every write goes through fs.py or dist/storage.py.
+`tools/checkpoint_inspect.py` (inspect.py), the converters (convert/: native, HuggingFace,
+torch -> torch_dist), Megatron's formats (megatron/) and reading DeepSpeed's pipeline
+checkpoints (deepspeed_pipe/: Megatron-DeepSpeed's GPT for --load, the files and ZeRO state the
+drop-in reads). Every write goes through fs.py or dist/storage.py.
 Must not import: planner, deepspeed, testing, pretrain, generate.
 """

@@ -18,8 +18,8 @@ it names as they were; a killed one leaves only `.tmp-<tag>` (removed by the nex
 Re-saving the tag `latest` names swaps the directories with two renames on rank 0 (a crash
 between them leaves the old tag under a `.tmp-` name and `latest` naming no directory).
 A load verifies each file against its checksum when the tag has checksums (tags written by
-DeepSpeed or by earlier versions have none and load unverified); a damaged or missing file is one
-CheckpointError naming it, raised on every rank.
+DeepSpeed itself, restored as DeepSpeed does by from_deepspeed.py, or by earlier versions have
+none); a damaged or missing file is one CheckpointError naming it, raised on every rank.
 """
 from __future__ import annotations
 

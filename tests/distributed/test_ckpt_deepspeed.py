@@ -13,14 +13,20 @@ PipelineModule code. Either way: the loss on a fixed batch equals DeepSpeed's wi
 optimizer) exactly, and one more batch gives DeepSpeed's own next weights (the fixed batch's
 loss within 1e-5 of DeepSpeed's after the same batch). The drop-in returns DeepSpeed's load
 path and client_state keys, as DeepSpeed's own load_checkpoint of the same tag does."""
+import argparse
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 import mds_models as mds
 from megatron_2bw.checkpoint.api import load_checkpoint
+from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration
+from megatron_2bw.checkpoint.inspect import inspect
 from megatron_2bw.checkpoint.megatron import mapping
+from megatron_2bw.checkpoint.resume import resume_note
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.testing.launch import spawn
@@ -198,3 +204,132 @@ def test_the_drop_ins_load_checkpoint_reads_what_deepspeed_wrote(deepspeed_check
         assert not bad, bad
         assert math.isclose(got["trained"], ds["losses"][-1], rel_tol=1e-5)
         assert math.isclose(got["after"], ds["after"], rel_tol=1e-5), (got["after"], ds["after"])
+
+
+# -- refusals, messages, inspect ---------------------------------------------------------------
+def _copy(deepspeed_checkpoints, tmp_path, name="zero0") -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(deepspeed_checkpoints[name][0], root)
+    return root
+
+
+def _listing(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _one_line(fn) -> str:
+    with pytest.raises(CheckpointError) as e:
+        fn()
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def _resume(ckpt, extra=()):
+    return resume_note(our_cfg(1, 1, 1, ["--load", str(ckpt), *extra]), 1)
+
+
+def test_the_resume_check_reads_its_layout_and_refuses_another_architecture(
+        deepspeed_checkpoints):
+    ckpt, _ = deepspeed_checkpoints["zero0"]
+    note = _resume(ckpt)
+    assert f"resuming iteration {mds.ITERATION} of --load {ckpt} (DeepSpeed pipeline " \
+        "checkpoint by Megatron-DeepSpeed) saved with t=1 d=2 w=1 flush on 2 ranks" in note
+    line = _one_line(lambda: _resume(ckpt, ["--swiglu"]))
+    assert "(a Megatron checkpoint, iteration 3) differs from this run: " in line and \
+        "swiglu False (this run: True; use no --swiglu)" in line, line
+    line = _one_line(lambda: _resume(ckpt, ["--num-layers", "3"]))
+    assert "num_layers 2 (this run: 3; use --num-layers 2)" in line
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("unknown", "whose layer 2 (qkv.weight) is no layer of Megatron-DeepSpeed's GPTModelPipe: "
+                "--load reads Megatron-DeepSpeed's GPT"),
+    ("no-stage-file", "lacks mp_rank_01_model_states.pt (stage 1, tensor rank 0): the "
+                      "checkpoint is incomplete"),
+    ("no-layer-file", "holds 1 transformer layer files, its arguments say num_layers 2: a "
+                      "layer file is missing"),
+    ("no-zero-file", "lacks the ZeRO-1 file of data-parallel rank 0 of model rank 1"),
+    ("truncated", "layer_02-model_states.pt is truncated or corrupted")])
+def test_a_foreign_layout_an_incomplete_or_truncated_checkpoint_is_one_line_before_any_group(
+        deepspeed_checkpoints, tmp_path, damage, expect):
+    ckpt = _copy(deepspeed_checkpoints, tmp_path, "zero1-thirds" if damage == "no-zero-file"
+                 else "zero0")
+    tag = ckpt / TAG
+    if damage == "unknown":
+        torch.save({"qkv.weight": torch.zeros(3)}, tag / "layer_02-model_states.pt")
+    elif damage == "no-stage-file":
+        (tag / "mp_rank_01_model_states.pt").unlink()
+    elif damage == "no-layer-file":
+        (tag / "layer_03-model_states.pt").unlink()
+    elif damage == "no-zero-file":
+        (tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt").unlink()
+    else:
+        path = tag / "layer_02-model_states.pt"
+        path.write_bytes(path.read_bytes()[:2000])
+    before = _listing(ckpt)
+    assert expect in _one_line(lambda: _resume(ckpt))
+    assert _listing(ckpt) == before
+
+
+def _refused_worker(rank, world, cfg, ckpt, out):
+    grid = build_grid(cfg, rank, world)
+    engine = build_engine(cfg, grid, "cpu")
+    before = {k: v.clone() for k, v in engine.fp32_state().items()}
+    try:
+        load_checkpoint(ckpt, engine, cfg, grid)
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    same = all(torch.equal(before[k], v) for k, v in engine.fp32_state().items())
+    torch.save({"problem": problem, "untouched": same}, out)
+
+
+def test_a_corrupted_tensor_is_one_line_at_load_and_leaves_load_byte_identical(
+        deepspeed_checkpoints, tmp_path):
+    ckpt = _copy(deepspeed_checkpoints, tmp_path)
+    path = ckpt / TAG / "layer_03-model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside a tensor's record: the pickled record still reads
+    path.write_bytes(bytes(data))
+    before = _listing(ckpt)
+    assert _resume(ckpt) is not None  # the resume check reads no tensor
+    spawn(_refused_worker, 1, args=(our_cfg(1, 1, 1), str(ckpt), str(tmp_path / "r.pt")))
+    got = torch.load(tmp_path / "r.pt")
+    assert got["problem"].startswith(f"checkpoint file {path} is corrupted (its record "
+                                     "layer_03-model_states/data/") and "\n" not in got["problem"]
+    assert got["problem"].endswith("fails zip's CRC-32): copy it again or load another tag")
+    assert got["untouched"] and _listing(ckpt) == before
+
+
+def test_inspect_names_the_format_writer_iteration_and_layout(deepspeed_checkpoints, tmp_path):
+    for name, zero in (("zero0", 0), ("zero1-thirds", 1)):
+        ckpt, _ = deepspeed_checkpoints[name]
+        lines = inspect(ckpt)
+        assert lines[0] == (f"checkpoint {ckpt} iteration {mds.ITERATION} (DeepSpeed pipeline, "
+                            f"ZeRO-{zero}, fp32, written by Megatron-DeepSpeed)")
+        assert lines[1].startswith("  saved by t=1 d=2 w=1 schedule 1F1B (DeepSpeed)")
+        assert lines[2] == f"  model gpt layers {mds.LAYERS} hidden {mds.HIDDEN} heads " \
+            f"{mds.HEADS} vocab {mds.VOCAB}"
+        assert lines[3].startswith("  optimizer state: per parameter")
+        assert lines[-1].endswith("not written by megatron-2bw: files not verified")
+    # DeepSpeed's own (no Megatron client state) under a tag of another name: the iteration
+    # comes from its record, the writer is DeepSpeed
+    ckpt = _copy(deepspeed_checkpoints, tmp_path)
+    (ckpt / "latest_checkpointed_iteration.txt").unlink()
+    (ckpt / TAG).rename(ckpt / "mytag")
+    (ckpt / "latest").write_text("mytag")
+    for state in (ckpt / "mytag").glob("mp_rank_*_model_states.pt"):
+        record = torch.load(state, weights_only=False)
+        torch.save({k: v for k, v in record.items() if k not in mds.client_state(
+            argparse.Namespace(consumed_train_tokens=0), 0)}, state)
+    assert latest_iteration(str(ckpt)) == mds.ITERATION
+    lines = inspect(str(ckpt))
+    assert lines[0].endswith("(DeepSpeed pipeline, ZeRO-0, fp32, written by DeepSpeed)")
+    assert lines[1].startswith("  saved by t=1 d=2 w=1 ") and "consumed samples 12" in lines[1]
+    path = ckpt / "mytag" / "layer_02-model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    line = _one_line(lambda: inspect(str(ckpt)))
+    assert line.startswith(f"checkpoint {ckpt} iteration {mds.ITERATION} is damaged: checkpoint "
+                           f"file {path} is corrupted")

@@ -57,6 +57,30 @@ class TagFiles:
         return self.states[mp]
 
 
+def expected_files(files: TagFiles, record: dict) -> list[str]:
+    """Every file the save must hold, by the layout its first state file records (one
+    CheckpointError naming the first that is missing)."""
+    par = parallel(record, files)
+    out = [files.state(s, tp) for s in range(par["pipeline"]) for tp in range(par["tensor"])]
+    zero = zero_stage(record)
+    for mp in range(par["pipeline"] * par["tensor"]) if zero else ():
+        for d in range(par["data"] or 1):
+            if d not in files.zero.get(mp, {}):
+                raise CheckpointError(f"checkpoint {files.directory} lacks the ZeRO-{zero} file "
+                                      f"of data-parallel rank {d} of model rank {mp} "
+                                      f"(zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt): "
+                                      "the checkpoint is incomplete; copy it again or load "
+                                      "another tag")
+            out.append(files.zero[mp][d])
+    for idx, by_tp in sorted(files.layers.items()):
+        lacking = [tp for tp in range(files.tensor) if tp not in by_tp]
+        if lacking:
+            raise CheckpointError(f"checkpoint {files.directory} lacks layer {idx}'s file of "
+                                  f"tensor rank {lacking[0]}: the checkpoint is incomplete")
+        out += [by_tp[tp] for tp in sorted(by_tp)]
+    return out
+
+
 def is_tag_dir(directory: str) -> bool:
     return os.path.isdir(directory) and any(
         STATE.fullmatch(n) or LAYER.fullmatch(n) for n in os.listdir(directory))

@@ -21,23 +21,11 @@ def inspect_deepspeed(root: str, it: int, tensors: bool, found, header, size) ->
     files = ds_files.tag_files(directory)
     record = ds_files.read_file(files.state(0))
     par = ds_files.parallel(record, files)
-    expected = [files.state(s, tp) for s in range(par["pipeline"]) for tp in range(par["tensor"])]
     zero = ds_files.zero_stage(record)
-    if zero:
-        w = par["data"] or 1
-        for mp in range(par["pipeline"] * par["tensor"]):
-            missing = [d for d in range(w) if d not in files.zero.get(mp, {})]
-            if missing:
-                raise CheckpointError(f"{what} is incomplete: the ZeRO-{zero} file of "
-                                      f"data-parallel rank {missing[0]} of model rank {mp} is "
-                                      "missing")
-            expected += [files.zero[mp][d] for d in range(w)]
-    for idx, by_tp in sorted(files.layers.items()):
-        lacking = [tp for tp in range(files.tensor) if tp not in by_tp]
-        if lacking:
-            raise CheckpointError(f"{what} is incomplete: layer {idx}'s file of tensor rank "
-                                  f"{lacking[0]} is missing")
-        expected += [by_tp[tp] for tp in sorted(by_tp)]
+    try:
+        expected = ds_files.expected_files(files, record)
+    except CheckpointError as e:
+        raise CheckpointError(f"{what} is incomplete: {e}") from None
     lines, total = [], 0
     for path in sorted(set(expected)):
         problem = ds_files.zip_problem(path)

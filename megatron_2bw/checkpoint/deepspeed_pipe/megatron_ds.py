@@ -101,19 +101,14 @@ def roles(files: TagFiles) -> dict[int, tuple[str, int]]:
 
 
 def check_layers(files: TagFiles, by_index: dict, args: dict) -> None:
-    """The transformer layer files number as many as the arguments' layers, and every layer file
-    has every tensor rank's (one CheckpointError naming what is missing)."""
+    """The transformer layer files number as many as the arguments' layers (one
+    CheckpointError when one is missing)."""
     layers = sum(1 for r, _ in by_index.values() if r == LAYER)
     if args.get("num_layers") not in (None, layers):
         raise CheckpointError(f"checkpoint {files.directory} holds {layers} transformer layer "
                               f"files, its arguments say num_layers {args['num_layers']}: a "
                               "layer file is missing (the checkpoint is incomplete); copy it "
                               "again or load another tag")
-    for idx, by_tp in sorted(files.layers.items()):
-        lacking = [tp for tp in range(files.tensor) if tp not in by_tp]
-        if lacking:
-            raise CheckpointError(f"checkpoint {files.directory} lacks layer {idx}'s file of "
-                                  f"tensor rank {lacking[0]}: the checkpoint is incomplete")
 
 
 def logical(role: tuple[str, int], local: str) -> str | None:

@@ -44,6 +44,7 @@ def deepspeed_common(directory: str) -> dict:
     files = ds_files.tag_files(directory)
     record = ds_files.read_file(files.state(0))
     args = mds.lm_args(args_of(record))
+    ds_files.expected_files(files, record)
     mds.check_layers(files, mds.roles(files), args)
     it = ds_files.iteration_of(record)
     state = {"args": args, "iteration": it, "checkpoint_version":
@@ -144,9 +145,7 @@ def read_deepspeed(directory: str, engine, view, grid, cfg, load_optim: bool) ->
     problem, paths = None, []
     try:
         files = ds_files.tag_files(directory)
-        paths = sorted([p for by_tp in files.layers.values() for p in by_tp.values()] +
-                       list(files.states.values()) +
-                       [p for by_dp in files.zero.values() for p in by_dp.values()])
+        paths = sorted(set(ds_files.expected_files(files, ds_files.read_file(files.state(0)))))
     except CheckpointError as e:
         problem = str(e)
     verify_once(paths, grid, ds_files.zip_problem, problem, shared=True)
