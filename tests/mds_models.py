@@ -273,8 +273,8 @@ def client_state(args, iteration: int) -> dict:
 def moments(engine, zero: int) -> dict[str, dict[str, torch.Tensor]]:
     """DeepSpeed's own Adam state per parameter name of this stage, read from its running
     optimizer: ZeRO-0, torch's state per parameter; ZeRO-1, its flat fp32 partitions cut by its
-    own map of names to fragments (`_param_slice_mappings`; one data-parallel rank: the
-    partition is the whole group)."""
+    own map of names to fragments (`_param_slice_mappings`), the data-parallel ranks' fragments
+    of a parameter joined in rank order."""
     out = {}
     if not zero:
         for name, p in engine.module.named_parameters():
@@ -288,10 +288,22 @@ def moments(engine, zero: int) -> dict[str, dict[str, torch.Tensor]]:
             flat = zero_opt.single_partition_of_fp32_groups[i]
             state = zero_opt.optimizer.state[flat]
             for name, where in names.items():
-                cut = {k: state[k].narrow(0, where.start, where.numel)
+                cut = {k: state[k].narrow(0, where.start, where.numel).clone()
                        for k in ("exp_avg", "exp_avg_sq")}
-                out[name] = dict(cut, fp32=flat.narrow(0, where.start, where.numel),
+                out[name] = dict(cut, fp32=flat.narrow(0, where.start, where.numel).clone(),
                                  step=float(state["step"]))
+        group = engine.grid.get_data_parallel_group()
+        if engine.grid.get_data_parallel_world_size() > 1:
+            every = [None] * engine.grid.get_data_parallel_world_size()
+            torch.distributed.all_gather_object(every, out, group=group)
+            out = {}
+            for part in every:  # rank order
+                for name, d in part.items():
+                    if name in out:
+                        out[name] = {k: torch.cat([out[name][k], v]) if torch.is_tensor(v) else v
+                                     for k, v in d.items()}
+                    else:
+                        out[name] = d
     return {n: {k: v.detach().clone().float().reshape(-1) if torch.is_tensor(v) else v
                 for k, v in d.items()} for n, d in out.items()}
 

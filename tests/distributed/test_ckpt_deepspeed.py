@@ -168,14 +168,13 @@ def _drop_in_worker(rank, world, root, zero, thirds, out):
         "pipeline": {"schedule": "flush"}})
     path, client = engine.load_checkpoint(root)
     fixed = float(engine.eval_batch(mds.samples(0, mds.BATCH), num_micro_batches=mds.BATCH))
-    state, w = engine._engine.state_dict(), engine._engine.weights
-    from megatron_2bw.optim.distributed import full_state
-    opt = full_state(state["optimizer"]) if "pieces" in state["optimizer"] else \
-        state["optimizer"]
-    moments = {n: {k: opt[k][w.offsets[i]:w.offsets[i] + w.shapes[i].numel()].clone()
-                   for k in ("exp_avg", "exp_avg_sq")}
-               for n, i in _engine_index(net, {n: i for i, n in enumerate(w.names)}).items()}
-    steps, global_steps = opt["steps"], engine.global_steps
+    # the whole optimizer state on data-parallel rank 0 (collective under ZeRO-1: as it saves)
+    opt, w = engine._unsharded_state()["optimizer"], engine._engine.weights
+    moments = None if "pieces" in opt else {
+        n: {k: opt[k][w.offsets[i]:w.offsets[i] + w.shapes[i].numel()].clone()
+            for k in ("exp_avg", "exp_avg_sq")}
+        for n, i in _engine_index(net, {n: i for i, n in enumerate(w.names)}).items()}
+    steps, global_steps = (opt.get("steps"), engine.global_steps)
     trained = float(engine.train_batch(mds.samples(mds.ITERATION * mds.BATCH, mds.BATCH)))
     after = float(engine.eval_batch(mds.samples(0, mds.BATCH), num_micro_batches=mds.BATCH))
     torch.save({"path": path, "client_keys": sorted(client), "iteration": client.get(
@@ -205,6 +204,41 @@ def test_the_drop_ins_load_checkpoint_reads_what_deepspeed_wrote(deepspeed_check
         assert math.isclose(got["trained"], ds["losses"][-1], rel_tol=1e-5)
         assert math.isclose(got["after"], ds["after"], rel_tol=1e-5), (got["after"], ds["after"])
 
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory):
+    """ZeRO-1 over 2 data-parallel replicas of the 2 stages (4 processes): each stage's flat
+    groups are cut into two partitions, one parameter across the cut (2.self_attention.dense)."""
+    tmp = tmp_path_factory.mktemp("deepspeed-dp2")
+    spawn(mds.save_worker, 4, args=([(1, True, str(tmp / "ckpt"))], str(tmp / "out.pt")),
+          timeout_minutes=4)
+    out = torch.load(tmp / "out.pt", weights_only=False)
+    return str(tmp / "ckpt"), {r[str(tmp / "ckpt")]["stage"]: r[str(tmp / "ckpt")] for r in out}
+
+
+def test_zero1_partitions_of_two_replicas_join_by_parameter(two_replicas, tmp_path):
+    ckpt, theirs = two_replicas
+    assert sorted(p.name for p in (Path(ckpt) / TAG).glob("zero_pp_rank_*")) == [
+        f"zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt" for d in range(2) for mp in range(2)]
+    cfg = our_cfg(1, 2, 1)
+    results = load(cfg, ckpt, tmp_path)
+    assert math.isclose(results[-1]["fixed"], theirs[0]["fixed"], rel_tol=1e-5)
+    assert math.isclose(results[-1]["after"], theirs[0]["after"], rel_tol=1e-5)
+    want = expected_moments(cfg, theirs, thirds=True)
+    dumps = unshard([r["dump"] for r in results])
+    for kind in ("exp_avg", "exp_avg_sq"):
+        got = merged(dumps, kind)
+        assert [n for n in got if not torch.equal(got[n], want[kind][n])] == []
+    spawn(_drop_in_worker, 4, args=(ckpt, 1, True, str(tmp_path / "got")), timeout_minutes=3)
+    for rank in range(4):
+        got = torch.load(f"{tmp_path / 'got'}.{rank}", weights_only=False)
+        ds = theirs[got["stage"]]
+        assert math.isclose(got["fixed"], ds["fixed"], rel_tol=1e-5)
+        assert got["moments"] is None or all(
+            torch.equal(m[k], got["moments"][n][k]) for n, m in ds["moments"].items()
+            for k in ("exp_avg", "exp_avg_sq"))
+        assert math.isclose(got["after"], ds["after"], rel_tol=1e-5)
 
 # -- refusals, messages, inspect ---------------------------------------------------------------
 def _copy(deepspeed_checkpoints, tmp_path, name="zero0") -> Path:
@@ -333,3 +367,23 @@ def test_inspect_names_the_format_writer_iteration_and_layout(deepspeed_checkpoi
     line = _one_line(lambda: inspect(str(ckpt)))
     assert line.startswith(f"checkpoint {ckpt} iteration {mds.ITERATION} is damaged: checkpoint "
                            f"file {path} is corrupted")
+
+
+
+def test_an_optimizer_state_that_cannot_be_mapped_restarts_in_one_line(deepspeed_checkpoints,
+                                                                       tmp_path):
+    """A ZeRO-0 state whose param groups match neither the module order nor Megatron-DeepSpeed's
+    groups (here: stage 1's two groups swapped): the weights load, Adam starts fresh, said once."""
+    ckpt, theirs = deepspeed_checkpoints["zero0"]
+    ckpt = _copy(deepspeed_checkpoints, tmp_path)
+    path = ckpt / TAG / "mp_rank_01_model_states.pt"
+    record = torch.load(path, weights_only=False)
+    record["optimizer"]["param_groups"].reverse()
+    torch.save(record, path)
+    [got] = load(our_cfg(1, 1, 1), str(ckpt), tmp_path)
+    assert math.isclose(got["fixed"], theirs[0]["fixed"], rel_tol=1e-5)
+    assert got["dump"]["steps"] == 0 and got["start"] == mds.ITERATION
+    [line] = [x for x in got["lines"] if x.startswith("optimizer state restarts: ")]
+    assert line == ("optimizer state restarts: its ZeRO-0 optimizer state (16 parameters in 2 "
+                    "groups) matches this model's parameters in neither their module order nor "
+                    "Megatron-DeepSpeed's weight-decay groups (mp_rank_01_model_states.pt)")

@@ -19,6 +19,7 @@ cannot be mapped is one line: "optimizer state restarts: ...".
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import torch
@@ -108,7 +109,7 @@ def full_optimizer(files, by_index: dict, records: list[list[dict]], m, in_third
                                              tied, tp)
             got, why = stage_optimizer(record, zero, params)
             if got is None:
-                return {}, None, why
+                return {}, None, f"{why} ({os.path.basename(files.state(s, tp))})"
             steps.add(got.steps)
             for name, state in got.tensors.items():
                 logical = mds.module_name(name, by_index)
