@@ -86,33 +86,64 @@ def load_deepspeed_state(path: str, adapter, state: dict, record: dict, load_opt
     return state
 
 
+def _saved_optimizer(path: str, adapter, record: dict):
+    """(the saved optimizer state by DeepSpeed's parameter names, None) or (None, why). ZeRO's
+    names its parameters, so every stage's files are read (any stage count loads them; a name
+    that several stages hold, a tied module's, from this stage's own file, else the first);
+    ZeRO-0's is cut by this stage module's order, so only the layout that saved it reads it."""
+    files = ds_files.tag_files(path)
+    t = max(1, files.tensor)
+    tp = adapter.grid.get_slice_parallel_rank()
+    if not files.zero:
+        saved = len(files.states) // t
+        if saved != adapter.num_stages:
+            return None, (f"ZeRO-0 keeps it by position in each stage module, which was cut "
+                          f"into {saved} stages; this run has {adapter.num_stages}: load it "
+                          "with the stage count that saved it")
+        module = adapter.module
+        params = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+        return stage_optimizer(record, [], params)
+    merged, own = None, adapter.stage_id * t + tp
+    for mp in sorted(files.zero, key=lambda mp: (mp != own, mp)):  # this stage's own first
+        if mp % t != tp:
+            continue
+        zero = [ds_files.read_file(files.zero[mp][d])["optimizer_state_dict"]
+                for d in sorted(files.zero[mp])]
+        mine = record if mp == own else \
+            ds_files.read_file(files.states[mp]) if mp in files.states else {}
+        got, why = stage_optimizer(mine, zero, None)
+        if got is None:
+            return None, why
+        if merged is None:
+            merged = got
+        else:
+            for name, value in got.tensors.items():
+                merged.tensors.setdefault(name, value)
+    return merged, None
+
+
 def _load_optimizer(path: str, adapter, state: dict, record: dict) -> str | None:
     """Fill state["optimizer"] (the unsharded flat form) and, with ZeRO's fp32 master,
-    state["newest"]; the reason when the saved state cannot be mapped."""
-    files = ds_files.tag_files(path)
-    mp = adapter.stage_id * max(1, files.tensor) + adapter.grid.get_slice_parallel_rank()
-    zero = [ds_files.read_file(files.zero[mp][d])["optimizer_state_dict"]
-            for d in sorted(files.zero.get(mp, {}))]
-    module = adapter.module
-    params = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
-    got, why = stage_optimizer(record, zero, params)
+    state["newest"]; the reason when the saved state cannot be mapped (parameters of this
+    stage that it holds no state of are named in a warning: theirs start at zero)."""
+    got, why = _saved_optimizer(path, adapter, record)
     if got is None:
         return why
+    module = adapter.module
     w = adapter._engine.weights
-    index = {n: i for i, n in enumerate(w.names)}
-    where = _engine_index(module, index)
+    where = _engine_index(module, {n: i for i, n in enumerate(w.names)})
     theirs = state["optimizer"]
     keys = sorted({k for piece in theirs.get("pieces", ()) for k in piece
                    if k not in ("range", "master")} or
                   {k for k, v in theirs.items() if torch.is_tensor(v) and v.dim() == 1})
-    numel = state["newest"].numel()
-    flat = {k: torch.zeros(numel, dtype=torch.float32) for k in keys}
     missing = [k for k in keys if k not in _OURS]
     if missing:
         return f"this engine's optimizer keeps {missing[0]}, which DeepSpeed's does not"
-    for name, saved in got.tensors.items():
-        i = where.get(name)
-        if i is None:
+    numel = state["newest"].numel()
+    flat = {k: torch.zeros(numel, dtype=torch.float32) for k in keys}
+    for name, i in where.items():
+        saved = got.tensors.get(name)
+        if saved is None:
             continue
         lo, n = w.offsets[i], w.shapes[i].numel()
         for key in keys:
@@ -122,8 +153,12 @@ def _load_optimizer(path: str, adapter, state: dict, record: dict) -> str | None
         if "fp32" in saved and w.master is not None:
             state["newest"][lo:lo + n] = saved["fp32"].float()
     unmapped = sorted(set(where) - set(got.tensors))
-    if not got.tensors or len(unmapped) == len(where):
+    if len(unmapped) == len(where):
         return "none of its saved states names a parameter of this PipelineModule"
+    if unmapped and adapter.grid.get_data_parallel_rank() == 0:
+        print(f"warning: {path}: no saved optimizer state of {len(unmapped)} parameters of "
+              f"stage {adapter.stage_id} ({', '.join(unmapped[:3])}): theirs start at zero",
+              flush=True)
     state["optimizer"] = dict(flat, steps=int(got.steps or state["iteration"]))
     return None
 

@@ -13,7 +13,6 @@ PipelineModule code. Either way: the loss on a fixed batch equals DeepSpeed's wi
 optimizer) exactly, and one more batch gives DeepSpeed's own next weights (the fixed batch's
 loss within 1e-5 of DeepSpeed's after the same batch). The drop-in returns DeepSpeed's load
 path and client_state keys, as DeepSpeed's own load_checkpoint of the same tag does."""
-import argparse
 import math
 import shutil
 from pathlib import Path
@@ -23,8 +22,7 @@ import torch
 
 import mds_models as mds
 from megatron_2bw.checkpoint.api import load_checkpoint
-from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration
-from megatron_2bw.checkpoint.inspect import inspect
+from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.megatron import mapping
 from megatron_2bw.checkpoint.resume import resume_note
 from megatron_2bw.config.build import build_config
@@ -156,10 +154,10 @@ def test_no_load_optim_finetune_and_no_load_rng_keep_megatrons_meanings(
     assert not any(torch.equal(r["rng"], theirs[r["stage"]]["rng"]) for r in tuned)
 
 
-def _drop_in_worker(rank, world, root, zero, thirds, out):
+def _drop_in_worker(rank, world, root, zero, thirds, out, stages=2):
     import megatron_2bw as deepspeed
     from megatron_2bw.deepspeed.from_deepspeed import _engine_index
-    net = mds.build_model(deepspeed, thirds)
+    net = mds.build_model(deepspeed, thirds, num_stages=stages)
     engine, _, _, _ = deepspeed.initialize(model=net, config={
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": mds.BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": mds.LR, "betas": [0.9, 0.999],
@@ -335,41 +333,6 @@ def test_a_corrupted_tensor_is_one_line_at_load_and_leaves_load_byte_identical(
     assert got["untouched"] and _listing(ckpt) == before
 
 
-def test_inspect_names_the_format_writer_iteration_and_layout(deepspeed_checkpoints, tmp_path):
-    for name, zero in (("zero0", 0), ("zero1-thirds", 1)):
-        ckpt, _ = deepspeed_checkpoints[name]
-        lines = inspect(ckpt)
-        assert lines[0] == (f"checkpoint {ckpt} iteration {mds.ITERATION} (DeepSpeed pipeline, "
-                            f"ZeRO-{zero}, fp32, written by Megatron-DeepSpeed)")
-        assert lines[1].startswith("  saved by t=1 d=2 w=1 schedule 1F1B (DeepSpeed)")
-        assert lines[2] == f"  model gpt layers {mds.LAYERS} hidden {mds.HIDDEN} heads " \
-            f"{mds.HEADS} vocab {mds.VOCAB}"
-        assert lines[3].startswith("  optimizer state: per parameter")
-        assert lines[-1].endswith("not written by megatron-2bw: files not verified")
-    # DeepSpeed's own (no Megatron client state) under a tag of another name: the iteration
-    # comes from its record, the writer is DeepSpeed
-    ckpt = _copy(deepspeed_checkpoints, tmp_path)
-    (ckpt / "latest_checkpointed_iteration.txt").unlink()
-    (ckpt / TAG).rename(ckpt / "mytag")
-    (ckpt / "latest").write_text("mytag")
-    for state in (ckpt / "mytag").glob("mp_rank_*_model_states.pt"):
-        record = torch.load(state, weights_only=False)
-        torch.save({k: v for k, v in record.items() if k not in mds.client_state(
-            argparse.Namespace(consumed_train_tokens=0), 0)}, state)
-    assert latest_iteration(str(ckpt)) == mds.ITERATION
-    lines = inspect(str(ckpt))
-    assert lines[0].endswith("(DeepSpeed pipeline, ZeRO-0, fp32, written by DeepSpeed)")
-    assert lines[1].startswith("  saved by t=1 d=2 w=1 ") and "consumed samples 12" in lines[1]
-    path = ckpt / "mytag" / "layer_02-model_states.pt"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    line = _one_line(lambda: inspect(str(ckpt)))
-    assert line.startswith(f"checkpoint {ckpt} iteration {mds.ITERATION} is damaged: checkpoint "
-                           f"file {path} is corrupted")
-
-
-
 def test_an_optimizer_state_that_cannot_be_mapped_restarts_in_one_line(deepspeed_checkpoints,
                                                                        tmp_path):
     """A ZeRO-0 state whose param groups match neither the module order nor Megatron-DeepSpeed's
@@ -387,3 +350,17 @@ def test_an_optimizer_state_that_cannot_be_mapped_restarts_in_one_line(deepspeed
     assert line == ("optimizer state restarts: its ZeRO-0 optimizer state (16 parameters in 2 "
                     "groups) matches this model's parameters in neither their module order nor "
                     "Megatron-DeepSpeed's weight-decay groups (mp_rank_01_model_states.pt)")
+
+
+def test_the_drop_in_loads_zero1_at_another_stage_count(deepspeed_checkpoints, tmp_path):
+    """ZeRO-1 names every parameter's state: one stage reads both stages' (the tied embedding's
+    from stage 0) and continues DeepSpeed's run exactly."""
+    ckpt, theirs = deepspeed_checkpoints["zero1-thirds"]
+    spawn(_drop_in_worker, 1, args=(ckpt, 1, True, str(tmp_path / "got"), 1))
+    got = torch.load(f"{tmp_path / 'got'}.0", weights_only=False)
+    want = {**theirs[1]["moments"], **theirs[0]["moments"]}
+    assert set(got["moments"]) == set(want) and all(
+        torch.equal(m[k], got["moments"][n][k]) for n, m in want.items()
+        for k in ("exp_avg", "exp_avg_sq"))
+    assert math.isclose(got["fixed"], theirs[0]["fixed"], rel_tol=1e-5)
+    assert math.isclose(got["after"], theirs[0]["after"], rel_tol=1e-5)

@@ -3,16 +3,23 @@ pipeline engine (issue 45; tests/mds_models.py), through the whole front door: t
 pre-process-group checks find DeepSpeed's `latest` tag beside Megatron-DeepSpeed's
 latest_checkpointed_iteration.txt, the "not verified" line, the load and the continued training
 from the checkpoint's iteration at 2 stages; an architecture that differs is refused in one
-line before any process group (exit 2); m2bw-inspect names the format and the writer. --load
-is byte-identical afterwards every time."""
+line before any process group (exit 2); m2bw-inspect names the format, the writer
+(Megatron-DeepSpeed, or DeepSpeed for a save without Megatron's client state under a tag of
+any name), the iteration and the layout, and a damaged file in one line. --load is
+byte-identical afterwards every time."""
+import argparse
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mds_models as mds
+from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration
+from megatron_2bw.checkpoint.inspect import inspect
 from megatron_2bw.testing.launch import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def deepspeed_checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deepspeed-cli")
-    spawn(mds.save_worker, 2, args=([(0, False, str(tmp / "ckpt"))], str(tmp / "out.pt")),
-          timeout_minutes=4)
+    spawn(mds.save_worker, 2, args=([(0, False, str(tmp / "ckpt")), (1, True, str(tmp / "z1"))],
+                                    str(tmp / "out.pt")), timeout_minutes=4)
     return tmp / "ckpt"
 
 
@@ -68,6 +75,44 @@ def test_an_architecture_that_differs_stops_before_any_process_group(deepspeed_c
     assert last.endswith("differs from this run: num_layers 2 (this run: 3; use --num-layers "
                          "2)"), last
     assert _listing(deepspeed_checkpoint) == before
+
+
+def test_inspect_names_the_format_writer_iteration_and_layout(deepspeed_checkpoint, tmp_path):
+    for ckpt, zero in ((deepspeed_checkpoint, 0), (deepspeed_checkpoint.parent / "z1", 1)):
+        lines = inspect(str(ckpt))
+        assert lines[0] == (f"checkpoint {ckpt} iteration {mds.ITERATION} (DeepSpeed pipeline, "
+                            f"ZeRO-{zero}, fp32, written by Megatron-DeepSpeed)")
+        assert lines[1].startswith("  saved by t=1 d=2 w=1 schedule 1F1B (DeepSpeed)")
+        assert lines[2] == f"  model gpt layers {mds.LAYERS} hidden {mds.HIDDEN} heads " \
+            f"{mds.HEADS} vocab {mds.VOCAB}"
+        assert lines[3].startswith("  optimizer state: per parameter")
+        assert lines[-1].endswith("not written by megatron-2bw: files not verified")
+    # DeepSpeed's own (no Megatron client state) under a tag of another name: the iteration
+    # comes from its record, the writer is DeepSpeed
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(deepspeed_checkpoint, ckpt)
+    (ckpt / "latest_checkpointed_iteration.txt").unlink()
+    (ckpt / f"global_step{mds.ITERATION}").rename(ckpt / "mytag")
+    (ckpt / "latest").write_text("mytag")
+    for state in (ckpt / "mytag").glob("mp_rank_*_model_states.pt"):
+        record = torch.load(state, weights_only=False)
+        torch.save({k: v for k, v in record.items() if k not in mds.client_state(
+            argparse.Namespace(consumed_train_tokens=0), 0)}, state)
+    assert latest_iteration(str(ckpt)) == mds.ITERATION
+    lines = inspect(str(ckpt))
+    assert lines[0].endswith("(DeepSpeed pipeline, ZeRO-0, fp32, written by DeepSpeed)")
+    assert lines[1].startswith("  saved by t=1 d=2 w=1 ") and "consumed samples 12" in lines[1]
+    path = ckpt / "mytag" / "layer_02-model_states.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        inspect(str(ckpt))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(
+        f"checkpoint {ckpt} iteration {mds.ITERATION} is damaged: checkpoint file {path} is "
+        "corrupted")
+
 
 
 def test_inspect_names_deepspeed_and_megatron_deepspeed(deepspeed_checkpoint, tmp_path):
