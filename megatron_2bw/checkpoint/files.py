@@ -68,7 +68,8 @@ def agree(problem: str | None, grid) -> str | None:
 
 def iteration_dir(root: str, iteration: int) -> str:
     """root/iter_XXXXXXX, or the DeepSpeed save that DeepSpeed's `latest` names when it is of
-    this iteration and no iter_XXXXXXX exists (saves are always of a newer iteration)."""
+    this iteration and no iter_XXXXXXX exists (saves are always of an iteration newer than
+    latest_iteration, which counts that save)."""
     path = os.path.join(root, f"iter_{iteration:07d}")
     if not os.path.isdir(path):
         tag = deepspeed_tag(root)
@@ -266,17 +267,19 @@ def agreed_latest(directory: str, grid) -> int | None:
 
 
 def latest_iteration(directory: str) -> int | None:
-    """The iteration named by `latest` (or by DeepSpeed's: `deepspeed_tag`), or None when the
-    directory holds no checkpoint yet."""
+    """The iteration named by `latest`, or by DeepSpeed's (`deepspeed_tag`) where that is newer
+    (a directory both wrote: nothing is ever saved over the newer), or None when the directory
+    holds no checkpoint yet."""
     path = os.path.join(directory, LATEST)
+    tag = deepspeed_tag(directory)
+    theirs = None if tag is None else tag[1]
     if not os.path.exists(path):
-        tag = deepspeed_tag(directory)
-        return None if tag is None else tag[1]
+        return theirs
     text = open(path).read().strip()
     if not text.isdigit():
         raise CheckpointError(f"{path} does not hold an iteration number ({text!r}): fix or "
                               "delete it")
-    return int(text)
+    return int(text) if theirs is None else max(int(text), theirs)
 
 
 def write_latest(directory: str, iteration: int) -> None:

@@ -175,17 +175,21 @@ def merge(shards: dict[str, dict[int, torch.Tensor]], m) -> dict[str, torch.Tens
 
 
 def module_params(files: TagFiles, by_index: dict, first: int, last: int, holds_tied: bool,
-                 tp: int = 0, buffers=()) -> list[tuple[str, tuple]]:
+                  tp: int = 0, buffers=(), seen: dict | None = None) -> list[tuple[str, tuple]]:
     """A stage module's (parameter name, shape) in its order for the layer files [first, last]
     (tensor rank `tp`'s shapes): the tied embedding first where the stage holds it (the first
-    stage's EmbeddingPipe, the last stage's head: DeepSpeed builds the tied module on both)."""
+    stage's EmbeddingPipe, the last stage's head: DeepSpeed builds the tied module on both).
+    `seen`: the layer files' (key, shape) read so far, by (index, tensor rank)."""
+    seen = {} if seen is None else seen
     emb = next((i for i, r in by_index.items() if r[0] == EMBEDDING), None)
     tied = holds_tied and emb is not None
     out = []
     for idx in ([emb] if tied else []) + [i for i in sorted(files.layers)
                                           if first <= i <= last and not (tied and i == emb)]:
         prefix = "tied_modules.embed." if tied and idx == emb else f"{idx}."
-        sd = read_file(files.layers[idx][tp], check=False)
-        out += [(prefix + k, tuple(v.shape)) for k, v in sd.items()
-                if torch.is_tensor(v) and prefix + k not in buffers]
+        if (idx, tp) not in seen:
+            seen[idx, tp] = [(k, tuple(v.shape)) for k, v in
+                             read_file(files.layers[idx][tp], check=False).items()
+                             if torch.is_tensor(v)]
+        out += [(prefix + k, shape) for k, shape in seen[idx, tp] if prefix + k not in buffers]
     return out

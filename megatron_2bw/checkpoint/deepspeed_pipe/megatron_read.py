@@ -132,9 +132,9 @@ def _zero0_params(files, by_index, record, s, stages, first, tied, tp):
     want = sum(len(g["params"]) for g in (record.get("optimizer") or {}).get("param_groups", ()))
     buffers = set(record.get("buffer_names") or ())
     holds = tied and (s == 0 or s == stages - 1)
-    candidates = [i for i in sorted(files.layers) if i >= first]
+    candidates, seen = [i for i in sorted(files.layers) if i >= first], {}
     for last in candidates[-1:] if s == stages - 1 else candidates:
-        params = mds.module_params(files, by_index, first, last, holds, tp, buffers)
+        params = mds.module_params(files, by_index, first, last, holds, tp, buffers, seen)
         if len(params) == want:
             return params, last
     return [], candidates[-1] if candidates else first

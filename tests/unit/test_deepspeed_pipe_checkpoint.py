@@ -1,4 +1,6 @@
-"""checkpoint/deepspeed_pipe/zero.py on DeepSpeed's saved optimizer forms, built here as its
+"""checkpoint/files.py's DeepSpeed `latest` (the tag names the iteration directory, by its
+global_stepN or by its record; a directory both wrote counts the newer), and
+checkpoint/deepspeed_pipe/zero.py on DeepSpeed's saved optimizer forms, built here as its
 engine writes them (deepspeed/runtime/engine.py `_common_checkpoint_state`,
 runtime/zero/stage_1_and_2.py `state_dict`): ZeRO-0's torch state by module order in one group
 or Megatron-DeepSpeed's weight-decay groups; ZeRO-1's partitions cut by param_shapes (files
@@ -9,6 +11,7 @@ from collections import OrderedDict
 import torch
 
 from megatron_2bw.checkpoint.deepspeed_pipe.zero import stage_optimizer
+from megatron_2bw.checkpoint.files import LATEST, iteration_dir, latest_iteration
 
 PARAMS = [("tied_modules.embed.word_embeddings.weight", (4, 2)), ("2.dense.weight", (2, 2)),
           ("2.dense.bias", (2,)), ("3.weight", (2,))]
@@ -63,3 +66,25 @@ def test_zero1_partitions_cut_by_param_shapes_with_padding():
     assert why is None and got.steps == 3
     assert torch.equal(got.tensors[PARAMS[0][0]]["fp32"], whole[:8])
     assert torch.equal(got.tensors[PARAMS[1][0]]["exp_avg_sq"], 2 * whole[8:12])
+
+
+def test_deepspeeds_latest_names_the_iteration_and_its_directory(tmp_path):
+    tag = tmp_path / "global_step7"
+    tag.mkdir()
+    torch.save({"global_steps": 7}, tag / "mp_rank_00_model_states.pt")
+    assert latest_iteration(str(tmp_path)) is None  # no `latest` yet
+    (tmp_path / "latest").write_text("global_step7")
+    assert latest_iteration(str(tmp_path)) == 7
+    assert iteration_dir(str(tmp_path), 7) == str(tag)
+    assert iteration_dir(str(tmp_path), 8) == str(tmp_path / "iter_0000008")  # a save: ours
+    (tmp_path / LATEST).write_text("5")  # Megatron-DeepSpeed's own file, or an older save
+    assert latest_iteration(str(tmp_path)) == 7
+    (tmp_path / LATEST).write_text("9")
+    assert latest_iteration(str(tmp_path)) == 9
+    (tmp_path / LATEST).unlink()
+    tag.rename(tmp_path / "mytag")  # a tag of any name: its record's iteration
+    (tmp_path / "latest").write_text("mytag")
+    torch.save({"global_steps": 7, "iteration": 6}, tmp_path / "mytag" /
+               "mp_rank_00_model_states.pt")
+    assert latest_iteration(str(tmp_path)) == 6
+    assert iteration_dir(str(tmp_path), 6) == str(tmp_path / "mytag")
