@@ -90,8 +90,9 @@ def roles(files: TagFiles) -> dict[int, tuple[str, int]]:
             raise CheckpointError(
                 f"checkpoint {files.directory} is a DeepSpeed pipeline checkpoint whose layer "
                 f"{idx} ({', '.join(keys[:3]) or 'no tensors'}) is no layer of "
-                "Megatron-DeepSpeed's GPTModelPipe: --load reads Megatron-DeepSpeed's GPT; load other models with the "
-                "DeepSpeed drop-in's engine.load_checkpoint and the PipelineModule that saved it")
+                "Megatron-DeepSpeed's GPTModelPipe: --load reads Megatron-DeepSpeed's GPT; load "
+                "other models with the DeepSpeed drop-in's engine.load_checkpoint and the "
+                "PipelineModule that saved it")
     if number == 0 or EMBEDDING not in {r for r, _ in out.values()}:
         raise CheckpointError(f"checkpoint {files.directory} lacks the layer files of "
                               f"{'its embedding' if number else 'any transformer layer'} "
