@@ -230,17 +230,18 @@ def megatron_ds_args(world: int, zero: int, thirds: bool, iteration: int) -> arg
         consumed_train_tokens=iteration * BATCH * SEQ, train_iters=100, lr=LR, min_lr=0.0,
         lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=DECAY_ITERS,
         weight_decay=0.0, clip_grad=0.0, optimizer="adam", adam_beta1=0.9, adam_beta2=0.999,
-        adam_eps=1e-8, fp16=False, bf16=False, deepspeed=True, ds_pipeline_enabled=True, zero_stage=zero,
-        no_pipeline_parallel=False, hidden_dropout=0.0, attention_dropout=0.0)
+        adam_eps=1e-8, fp16=False, bf16=False, deepspeed=True, ds_pipeline_enabled=True,
+        zero_stage=zero, no_pipeline_parallel=False, hidden_dropout=0.0, attention_dropout=0.0)
     if thirds:
         args.update(ds_sequence_parallel_fpdt=False, ds_sequence_parallel_fpdt_chunk_size=65536)
     return argparse.Namespace(**args)
 
 
-def ds_config(zero: int) -> dict:
+def ds_config(zero: int, bf16: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": BATCH,
             "steps_per_print": 1000, "gradient_clipping": 0.0, "wall_clock_breakdown": False,
-            "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True}
+            "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": bf16}}
 
 
 def sample(i: int):
@@ -309,8 +310,8 @@ def moments(engine, zero: int) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def save_worker(rank, world, runs, out):
-    """A rank of the real DeepSpeed runs ((zero, thirds, root) each): build, train ITERATION
-    batches, save as Megatron-DeepSpeed does; writes every rank's results to `out`: the batch
+    """A rank of the real DeepSpeed runs ((zero, thirds, root[, bf16]) each): build, train
+    ITERATION batches, save as Megatron-DeepSpeed does; writes every rank's results to `out`: the batch
     losses, the loss on the fixed batch (samples 0 .. BATCH-1) at the checkpoint ("fixed") and
     after one more batch ("after"), the Adam state saved (its stage's, by its names), the torch
     RNG state it saved, and what DeepSpeed's own load_checkpoint returns."""
@@ -321,13 +322,13 @@ def save_worker(rank, world, runs, out):
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
-    for zero, thirds, root in runs:
+    for zero, thirds, root, *bf16 in runs:
         net = build_model(deepspeed, thirds)
         opt = torch.optim.AdamW(param_groups(net), lr=LR, weight_decay=0.0, betas=(0.9, 0.999),
                                 eps=1e-8)
         sched = Scheduler(opt)
         engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, lr_scheduler=sched,
-                                               config=ds_config(zero))
+                                               config=ds_config(zero, bool(bf16)))
         losses = [float(engine.train_batch(samples(t * BATCH, BATCH))) for t in range(ITERATION)]
         args = megatron_ds_args(world, zero, thirds, ITERATION)
         torch.manual_seed(1000 + rank)  # each rank's RNG state is its own in the client state

@@ -55,7 +55,7 @@ def expected_moments(cfg, stages: dict, thirds: bool) -> dict[str, dict[str, tor
     """DeepSpeed's Adam state in our names: its stage modules' names mapped by hand
     (GPTModelPipe's layer list: 1 embedding, 2.. the layers, then the final norm; the tied
     embedding's from stage 0), the layout by mapping.to_ours (thirds reordered per head)."""
-    L, out = mds.LAYERS, {"exp_avg": {}, "exp_avg_sq": {}}
+    L, out = mds.LAYERS, {"exp_avg": {}, "exp_avg_sq": {}, "fp32": {}}
     logical = {"tied_modules.embed.word_embeddings.weight": "embedding.word_embeddings.weight",
                "tied_modules.embed.position_embeddings.weight":
                "embedding.position_embeddings.weight",
@@ -73,7 +73,7 @@ def expected_moments(cfg, stages: dict, thirds: bool) -> dict[str, dict[str, tor
     for stage in sorted(stages, reverse=True):  # stage 0 last: its tied copies win
         for name, state in stages[stage]["moments"].items():
             link = links[logical[name]]
-            for kind in out:
+            for kind in (k for k in out if k in state):
                 t = state[kind].reshape(link.shape)
                 if thirds and "linear_qkv" in link.theirs:
                     t = t.reshape(3, mds.HEADS, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
@@ -237,6 +237,25 @@ def test_zero1_partitions_of_two_replicas_join_by_parameter(two_replicas, tmp_pa
             torch.equal(m[k], got["moments"][n][k]) for n, m in ds["moments"].items()
             for k in ("exp_avg", "exp_avg_sq"))
         assert math.isclose(got["after"], ds["after"], rel_tol=1e-5)
+
+
+def test_a_bf16_run_loads_its_fp32_master_weights_and_moments(tmp_path):
+    """ZeRO-1 with bf16 (DeepSpeed's bf16 optimizer files): the layer files hold bf16 weights,
+    the zero files the fp32 master; an fp32 run continues from the master, bitwise."""
+    ckpt = str(tmp_path / "bf16")
+    spawn(mds.save_worker, 2, args=([(1, False, ckpt, True)], str(tmp_path / "out.pt")),
+          timeout_minutes=4)
+    theirs = {r[ckpt]["stage"]: r[ckpt] for r in torch.load(tmp_path / "out.pt",
+                                                           weights_only=False)}
+    assert sorted(p.name for p in (Path(ckpt) / TAG).glob("*zero*")) == [
+        f"bf16_zero_pp_rank_0_mp_rank_0{mp}_optim_states.pt" for mp in range(2)]
+    cfg = our_cfg(1, 2, 1)
+    results = load(cfg, ckpt, tmp_path)
+    assert any("was saved with bf16; continuing with fp32" in x for x in results[-1]["lines"])
+    want, dumps = expected_moments(cfg, theirs, thirds=False), unshard([r["dump"] for r in results])
+    for kind, ours in (("fp32", "newest"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        got = merged(dumps, ours)
+        assert [n for n in got if not torch.equal(got[n], want[kind][n])] == [], kind
 
 # -- refusals, messages, inspect ---------------------------------------------------------------
 def _copy(deepspeed_checkpoints, tmp_path, name="zero0") -> Path:
