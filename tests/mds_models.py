@@ -312,9 +312,9 @@ def moments(engine, zero: int) -> dict[str, dict[str, torch.Tensor]]:
 def save_worker(rank, world, runs, out):
     """A rank of the real DeepSpeed runs ((zero, thirds, root[, bf16]) each): build, train
     ITERATION batches, save as Megatron-DeepSpeed does; writes every rank's results to `out`:
-    the batch losses, the loss on the fixed batch (samples 0 .. BATCH-1) at the checkpoint ("fixed") and
-    after one more batch ("after"), the Adam state saved (its stage's, by its names), the torch
-    RNG state it saved, and what DeepSpeed's own load_checkpoint returns."""
+    the batch losses, the loss on the fixed batch (samples 0 .. BATCH-1) at the checkpoint
+    ("fixed") and after one more batch ("after"), the Adam state saved (its stage's, by its
+    names), the torch RNG state it saved, and what DeepSpeed's own load_checkpoint returns."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import importlib
 
