@@ -8,7 +8,9 @@ default), when an async save is published (saver.py), resuming on a new allocati
 `tools/checkpoint_inspect.py` (inspect.py), the converters (convert/: native, HuggingFace,
 torch -> torch_dist, -> megatron-core) and Megatron's own checkpoints (megatron/: megatron-core
 torch_dist and Megatron's torch format read into any layout, ours written in megatron-core's
-format, through the one name and layout map megatron/mapping.py). Every write goes through fs.py
+format, through the one name and layout map megatron/mapping.py) and reading DeepSpeed's pipeline
+checkpoints (deepspeed_pipe/: Megatron-DeepSpeed's GPT for --load, the files and ZeRO state the
+drop-in reads). Every write goes through fs.py
 or dist/storage.py.
 Must not import: planner, deepspeed, testing, pretrain, generate.
 """

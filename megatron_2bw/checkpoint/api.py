@@ -208,7 +208,8 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
     except CheckpointError as e:
         problem = str(e)
     dist = found is not None and found.format in ("torch_dist", "megatron")
-    where = directory if dist or found is None else stage_file(load_dir, t, grid)
+    where = directory if dist or found is None or found.format == "deepspeed" else \
+        stage_file(load_dir, t, grid)
     try:
         if found is not None:
             payload = _read_any(found, directory, where, t, engine, cfg, grid,
@@ -237,7 +238,7 @@ def load_checkpoint(load_dir: str, engine, cfg: Config, grid, load_optim: bool =
         engine.load_state_dict(state)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {where}: {e}") from None
-    if dist and not finetune and load_rng:
+    if (dist or found.format == "deepspeed") and not finetune and load_rng:
         _restore_rng(payload, cfg, grid, engine.device, found.foreign)
     return engine.iteration
 
@@ -250,6 +251,10 @@ def _read_any(found, directory: str, where: str, t: int, engine, cfg: Config, gr
     if found.format == "torch":
         return _read(where, t, cfg, grid, engine, load_optim)
     from megatron_2bw.checkpoint.dist.load import stage_boxes
+    if found.format == "deepspeed":
+        from megatron_2bw.checkpoint.deepspeed_pipe.megatron_read import read_deepspeed
+        return read_deepspeed(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,
+                              load_optim)
     if found.format == "megatron":
         from megatron_2bw.checkpoint.megatron.dist_read import read_megatron_dist
         return read_megatron_dist(directory, engine, stage_boxes(engine, cfg, grid), grid, cfg,

@@ -14,6 +14,11 @@
                                                         iter_0000100 once every rank's files are
                                                         durable
     {dir}/.../.tmp-XXXXXX                               a write in progress (TMP_PREFIX)
+    DeepSpeed's pipeline engine (read only; checkpoint/deepspeed_pipe/):
+    {dir}/latest                                        the tag of its newest save (DS_LATEST)
+    {dir}/global_step100/                               that save: the iteration directory
+                                                        (Megatron-DeepSpeed also writes
+                                                        latest_checkpointed_iteration.txt)
 
 - Every file is written to a `.tmp-` name next to it, fsynced and renamed over the target (fs.py),
   so a reader sees the old file or the new one, never half of one. A writer killed mid-write leaves
@@ -41,6 +46,7 @@ from megatron_2bw.config import ConfigError
 
 LATEST = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
+DS_LATEST = "latest"  # DeepSpeed's: the tag of its newest save
 
 
 def optimizer_shard_name(dp_rank: int) -> str:
@@ -61,7 +67,43 @@ def agree(problem: str | None, grid) -> str | None:
 
 
 def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+    """root/iter_XXXXXXX, or the DeepSpeed save that DeepSpeed's `latest` names when it is of
+    this iteration and no iter_XXXXXXX exists (saves are always of an iteration newer than
+    latest_iteration, which counts that save)."""
+    path = os.path.join(root, f"iter_{iteration:07d}")
+    if not os.path.isdir(path):
+        tag = deepspeed_tag(root)
+        if tag is not None and tag[1] == iteration:
+            return tag[0]
+    return path
+
+
+def deepspeed_tag(directory: str) -> tuple[str, int] | None:
+    """(the tag directory, its iteration) that DeepSpeed's `latest` in `directory` names, when
+    that directory holds DeepSpeed's *model_states.pt files; else None. The iteration is N of
+    its global_stepN name (DeepSpeed's own), else the one its first state file records
+    (Megatron-DeepSpeed's client state "iteration", else DeepSpeed's global_steps)."""
+    path = os.path.join(directory, DS_LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    target = os.path.join(directory, tag)
+    if not tag or not os.path.isdir(target) or \
+            not glob.glob(os.path.join(target, "*model_states.pt")):
+        return None
+    m = re.fullmatch(r"global_step(\d+)", os.path.basename(tag))
+    if m:
+        return target, int(m.group(1))
+    from megatron_2bw.checkpoint.megatron.pickles import load_megatron_file
+    state = os.path.join(target, "mp_rank_00_model_states.pt")
+    try:
+        record = load_megatron_file(state, mmap=True)
+        return target, int(record.get("iteration", record["global_steps"]))
+    except Exception:  # noqa: BLE001 - damaged or missing: the reader words it
+        raise CheckpointError(f"{path} names the DeepSpeed tag {tag!r}, whose {state} cannot "
+                              "be read for its iteration: it is missing, truncated or "
+                              "corrupted; load another tag") from None
 
 
 def rank_dir(root: str, iteration: int, tp: int, pp: int, num_stages: int) -> str:
@@ -225,15 +267,19 @@ def agreed_latest(directory: str, grid) -> int | None:
 
 
 def latest_iteration(directory: str) -> int | None:
-    """The iteration named by `latest`, or None when the directory holds no checkpoint yet."""
+    """The iteration named by `latest`, or by DeepSpeed's (`deepspeed_tag`) where that is newer
+    (a directory both wrote: nothing is ever saved over the newer), or None when the directory
+    holds no checkpoint yet."""
     path = os.path.join(directory, LATEST)
+    tag = deepspeed_tag(directory)
+    theirs = None if tag is None else tag[1]
     if not os.path.exists(path):
-        return None
+        return theirs
     text = open(path).read().strip()
     if not text.isdigit():
         raise CheckpointError(f"{path} does not hold an iteration number ({text!r}): fix or "
                               "delete it")
-    return int(text)
+    return int(text) if theirs is None else max(int(text), theirs)
 
 
 def write_latest(directory: str, iteration: int) -> None:

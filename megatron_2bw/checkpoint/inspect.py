@@ -151,6 +151,9 @@ def inspect(root: str, iteration: int | None = None, tensors: bool = False) -> l
         return inspect_megatron(root, it, tensors, found)
     if found.format == "megatron-torch":
         return inspect_megatron_torch(root, it, tensors, found)
+    if found.format == "deepspeed":
+        from megatron_2bw.checkpoint.deepspeed_pipe.inspect import inspect_deepspeed
+        return inspect_deepspeed(root, it, tensors, found, _header, _size)
     if is_dist_checkpoint(directory):
         return inspect_dist(root, it, tensors)
     return inspect_torch(root, it, tensors)

@@ -12,7 +12,9 @@ DeepSpeed's contract, running on the 2BW engine (or flush / gpipe: `"pipeline": 
 Owns: the DeepSpeed drop-in, DeepSpeed's names over the 2BW engine: initialize.py (initialize,
 init_distributed, add_config_arguments), engine.py (DeepSpeedPipelineEngine and its contract
 differences from DeepSpeed), views.py (the optimizer / lr scheduler / mpu objects it hands out),
-checkpoint.py (DeepSpeed's checkpoint layout, loadable under another stage count), pipe/
+checkpoint.py (DeepSpeed's checkpoint layout, loadable under another stage count),
+from_deepspeed.py (what a tag written by DeepSpeed itself restores: steps, ZeRO-0/1 Adam state,
+client_state, as DeepSpeed's load_checkpoint), pipe/
 (`deepspeed.pipe`: PipelineModule, LayerSpec, TiedLayerSpec, topologies, partitioning), utils.py
 (`deepspeed.utils`), runtime/ (`deepspeed.runtime`: utils, pipe.schedule as a view of the flush
 tables, pipe.topology's PipelineParallelGrid), accelerator.py, checkpointing.py, comm.py

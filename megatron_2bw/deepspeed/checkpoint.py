@@ -18,8 +18,8 @@ it names as they were; a killed one leaves only `.tmp-<tag>` (removed by the nex
 Re-saving the tag `latest` names swaps the directories with two renames on rank 0 (a crash
 between them leaves the old tag under a `.tmp-` name and `latest` naming no directory).
 A load verifies each file against its checksum when the tag has checksums (tags written by
-DeepSpeed or by earlier versions have none and load unverified); a damaged or missing file is one
-CheckpointError naming it, raised on every rank.
+DeepSpeed itself, restored as DeepSpeed does by from_deepspeed.py, or by earlier versions have
+none); a damaged or missing file is one CheckpointError naming it, raised on every rank.
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree,
                                            read_checkpoint_file, remove_temporary_files,
                                            write_checkpoint_file, write_error, write_with_checksum)
 from megatron_2bw.config.input_files import read_text
+from megatron_2bw.deepspeed.from_deepspeed import (load_deepspeed_state, read_foreign,
+                                                  returned_client_state)
 from megatron_2bw.fs import fsync_directory, unique_temp, writable_problem
 from megatron_2bw.optim.distributed import full_state
 
@@ -156,7 +158,7 @@ class CheckpointMixin:
         problem, read = None, None
         try:
             read = self._read_checkpoint(path, load_module_strict, load_optimizer_states,
-                                         load_module_only)
+                                         load_module_only, load_lr_scheduler_states)
         except CheckpointError as e:
             problem = str(e)
         except Exception as e:  # noqa: BLE001 - a file that unpickles into the wrong shape
@@ -181,16 +183,17 @@ class CheckpointMixin:
         self._engine.grid.comm.barrier()
         return self._state_file(path), client
 
-    def _read_checkpoint(self, path, strict, load_optimizer, module_only):
+    def _read_checkpoint(self, path, strict, load_optimizer, module_only, load_lr=True):
         """(engine state, buffers, the contents of this stage's state file, client_state) of the
-        tag `path` (no collective)."""
+        tag `path` (no collective); a tag DeepSpeed wrote: from_deepspeed.py."""
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint directory {path} does not exist: check the tag "
                                   "or the 'latest' file next to it")
         verify = bool(glob.glob(os.path.join(path, "*.sha256")))  # written with checksums
 
-        def read(file: str) -> dict:
-            return read_checkpoint_file(file, weights_only=False, verify=verify)
+        def read(file: str) -> dict:  # DeepSpeed's own files hold its classes: the allow-list
+            return read_checkpoint_file(file, weights_only=False) if verify else \
+                read_foreign(file)
 
         eng, w = self._engine, self._engine.weights
         state = eng.state_dict()
@@ -204,12 +207,16 @@ class CheckpointMixin:
             os.path.isfile(state_file + ".sha256") else {}
         ours = meta.get("megatron_2bw")
         client = {k: v for k, v in meta.items() if k not in STATE_KEYS}
-        if module_only:
+        if ours is None:  # written by DeepSpeed itself
+            zero = self.zero_optimization_stage() > 0
+            client = returned_client_state(meta, load_optimizer, load_lr, module_only, zero)
+            if module_only:
+                state.pop("previous", None)
+            else:
+                state = load_deepspeed_state(path, self, state, meta, load_optimizer, load_lr)
+        elif module_only:
             state.pop("previous", None)
             client = {}
-        elif ours is None:  # weights only (e.g. a checkpoint written by DeepSpeed itself)
-            state.pop("previous", None)
-            state["iteration"] = int(meta.get("global_steps", state["iteration"]))
         elif ours["engine"]["names"] == names and \
                 [tuple(s) for s in ours["shapes"]] == [tuple(s) for s in w.shapes]:
             loaded = ours["engine"]

@@ -9,6 +9,8 @@ format) the first stage file's keys, without reading a tensor:
                            common.pt holds our record and checksums.sha256 lists the files
     Megatron torch         mp_rank_*/model_optim_rng.pt without a sidecar, holding "model":
                            megatron-core names or the legacy `language_model.*` names
+    DeepSpeed pipeline     a tag directory of layer_*model_states.pt / mp_rank_*_model_states.pt
+                           (Megatron-DeepSpeed, DeepSpeed; checkpoint/deepspeed_pipe/)
 
 Anything else in an iteration directory is "no checkpoint format this project reads" (one line).
 """
@@ -30,13 +32,14 @@ OURS, MCORE, MEGATRON_CORE_NAMES, MEGATRON_LEGACY = ("megatron-2bw", "megatron-c
 
 @dataclass(frozen=True)
 class Found:
-    format: str      # "torch_dist", "megatron" (megatron-core torch_dist), "megatron-torch", "torch"
+    format: str      # "torch_dist", "megatron" (megatron-core torch_dist), "megatron-torch",
+    #                  "torch", "deepspeed" (DeepSpeed's pipeline layout)
     writer: str
     verified: bool   # the files carry our checksums
 
     @property
     def foreign(self) -> bool:
-        return self.format in ("megatron", "megatron-torch")
+        return self.format in ("megatron", "megatron-torch", "deepspeed")
 
 
 def is_megatron_dist(directory: str) -> bool:
@@ -79,12 +82,16 @@ def detect(directory: str) -> Found:
         if os.path.exists(files[0] + ".sha256"):
             return Found("torch", OURS, True)
         return Found("megatron-torch", _torch_writer(files[0]), False)
+    from megatron_2bw.checkpoint.deepspeed_pipe.files import is_tag_dir, tag_writer
+    if is_tag_dir(directory):
+        return Found("deepspeed", tag_writer(directory), False)
     what = ", ".join(sorted(os.listdir(directory))[:4]) if os.path.isdir(directory) else ""
     raise CheckpointError(f"checkpoint {directory} is in no format this project reads (it "
                           f"holds {what or 'nothing'}; expected torch_dist's .metadata and "
-                          "*.distcp, megatron-core's metadata.json, or mp_rank_*/"
-                          f"{FILENAME}): load a checkpoint written by megatron-2bw, "
-                          "Megatron-LM or megatron-core")
+                          "*.distcp, megatron-core's metadata.json, mp_rank_*/"
+                          f"{FILENAME}, or DeepSpeed's *model_states.pt): load a checkpoint "
+                          "written by megatron-2bw, Megatron-LM, megatron-core or "
+                          "(Megatron-)DeepSpeed")
 
 
 def _foreign_common(directory: str) -> bool:

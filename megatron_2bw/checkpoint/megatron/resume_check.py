@@ -13,7 +13,11 @@ from megatron_2bw.checkpoint.megatron.detect import OURS_KEY, stage_files
 
 def foreign_state(directory: str, found) -> dict:
     """The checkpoint's common state: common.pt (torch_dist), or the first stage file without
-    reading its tensors (torch format; zip's CRC-32 checked first)."""
+    reading its tensors (torch format; zip's CRC-32 checked first), or a DeepSpeed save's
+    (checkpoint/deepspeed_pipe/megatron_read.py)."""
+    if found.format == "deepspeed":
+        from megatron_2bw.checkpoint.deepspeed_pipe.megatron_read import deepspeed_common
+        return deepspeed_common(directory)
     if found.format == "megatron":
         from megatron_2bw.checkpoint.megatron.dist_read import read_megatron_common
         return read_megatron_common(directory, verified=found.verified)
@@ -35,6 +39,9 @@ def saved(directory: str, found) -> tuple[str, dict, int, dict]:
     if ours:  # our own export: our record says what saved it
         return (f"megatron-core torch_dist by {found.writer}", dict(ours.get("parallel") or {}),
                 int(ours.get("consumed_samples", 0)), state)
+    if found.format == "deepspeed":
+        return (f"DeepSpeed pipeline checkpoint by {found.writer}", state["parallel"],
+                state["consumed_samples"], state)
     fmt = "megatron-core torch_dist" if found.format == "megatron" else \
         f"Megatron torch format ({found.writer})"
     args = args_of(state)

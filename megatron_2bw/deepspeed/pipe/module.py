@@ -320,13 +320,22 @@ class PipelineModule(EngineView, nn.Module):
             tied_key = tied_attr = None
             if entry is not None and entry[0] == "tied" and entry[1] in self._cross_keys:
                 tied_key = entry[1]
-                tied_attr = "layer." + self.tied_weight_attrs[tied_key][0]
+                tied_attr = "layer." + self._param_path(tied_key)
             specs.append(EngineLayerSpec(
                 build=(lambda w=wrapper: w) if local else _not_local(idx),
                 name=self.layer_type_name(idx), tied_key=tied_key,
                 tied_attr=tied_attr or "weight",
                 recompute=bool(interval) and local and self._checkpointable(idx, wrapper)))
         return specs
+
+    def _param_path(self, key: str) -> str:
+        """The dotted parameter name of a tied key's attribute, which may be a property (as
+        Megatron-DeepSpeed's `word_embeddings_weight`): DeepSpeed reads it with getattr."""
+        module, attr = self.tied_modules[key], self.tied_weight_attrs[key][0]
+        target = module
+        for part in attr.split("."):
+            target = getattr(target, part)
+        return next((n for n, p in module.named_parameters() if p is target), attr)
 
     def _checkpointable(self, idx, wrapper) -> bool:
         if idx == 0:
