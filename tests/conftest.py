@@ -23,6 +23,20 @@ def _restore_environment():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """A test that starts a default process group in the test process must end it: one left
+    behind fails every later test of that worker that checks nothing started (or starts its own).
+    The leaking test fails here, by name, and the group is ended so later tests run clean."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    pytest.fail(f"{request.node.nodeid} left a default process group initialized: end it "
+                "(torch.distributed.destroy_process_group) in the test's teardown")
+
+
 _TIER_ORDER = {"e2e": 0, "distributed": 1, "unit": 2}
 
 

@@ -59,11 +59,13 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
     env_rank, env_world, local_rank = env_rank_world()
     rank = env_rank if rank < 0 else rank
     world_size = env_world if world_size < 0 else world_size
-    if timeout is default_pg_timeout and _ENV_MINUTES is None:  # the variable sets the default
-        raise ConfigError(f"DEEPSPEED_TIMEOUT={os.environ.get('DEEPSPEED_TIMEOUT')!r}: the "
-                          "process group timeout must be a number of minutes > 0; unset it "
-                          "for the default")
     minutes = timeout.total_seconds() / 60
+    if timeout is default_pg_timeout:  # the variable sets the default, read as the call starts
+        minutes = _env_minutes()
+        if minutes is None:
+            raise ConfigError(f"DEEPSPEED_TIMEOUT={os.environ.get('DEEPSPEED_TIMEOUT')!r}: the "
+                              "process group timeout must be a number of minutes > 0; unset "
+                              "it for the default")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     backend = dist_backend or default_backend()
