@@ -62,7 +62,7 @@ from megatron_2bw.config import ConfigError
 from megatron_2bw.config.input_files import read_json
 from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
-from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
+from megatron_2bw.schedule.compensation_methods import NONE, compensation_error, method_names
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
 
 SCHEDULES = schedule_names()

@@ -34,7 +34,7 @@ from megatron_2bw.parallel.devices import to_device
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.parallel.p2p import P2P
 from megatron_2bw.pipeline.batch_step import BatchStepper
-from megatron_2bw.pipeline.compensation import compensation_method
+from megatron_2bw.schedule.compensation_methods import compensation_method
 from megatron_2bw.pipeline.host_memory import keep_freed_memory
 from megatron_2bw.pipeline.interpreter import Interpreter, comm_layout
 from megatron_2bw.pipeline.timers import ActionClock

@@ -16,7 +16,7 @@ from megatron_2bw.checkpoint.api import LATEST, load_checkpoint, rank_dir
 from megatron_2bw.checkpoint.files import optimizer_shard_name
 from megatron_2bw.config.build import build_config
 from megatron_2bw.optim.distributed import full_state
-from megatron_2bw.pipeline.compensation import NONE, method_names
+from megatron_2bw.schedule.compensation_methods import NONE, method_names
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.verify import parse, run
