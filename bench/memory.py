@@ -46,7 +46,7 @@ import _common as C  # noqa: E402
 from memory_report import STATE, format_rows, targets  # noqa: E402
 from megatron_2bw.schedule.compensation_methods import NONE, compensation_error, method_names
 from megatron_2bw.config.schedule_flags import grad_buffers_arg
-from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
+from megatron_2bw.config.choices import GRAD_ACCUMULATIONS
 from megatron_2bw.schedule.kinds import (schedule_kind, schedule_kind_of,  # noqa: E402
                                          schedule_names)
 

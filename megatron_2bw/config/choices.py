@@ -15,6 +15,9 @@ RANK_ORDERS = ("tp-dp-pp", "tp-pp-dp")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+# --grad-accumulation (pipeline/weights.py): each parameter's gradient into fp32 as backward makes
+# it (Megatron's main_grad), or a stage-sized bf16/fp16 buffer folded after every backward
+GRAD_ACCUMULATIONS = ("fp32", "buffer")
 # checkpoint/api.py; Megatron's names, its default first; "megatron": megatron-core's torch_dist
 # layout and names (checkpoint/megatron/export.py), which Megatron-LM loads
 CKPT_FORMATS = ("torch_dist", "torch", "megatron")
