@@ -19,7 +19,7 @@ from megatron_2bw.config.precision_flags import add_precision_args, precision_fr
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, ramp_fields
 from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
 from megatron_2bw.config.schedule_flags import add_schedule_args, schedule_fields
-from megatron_2bw.models.flavours import FLAVOURS, flavour_shape
+from megatron_2bw.config.flavours import FLAVOURS, flavour_shape
 
 
 class FlagParser(FiniteParser):
