@@ -35,8 +35,9 @@ from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.comm import PeerError
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
-from megatron_2bw.parallel.launcher import (check_rendezvous, env_rank_world, launched,
-                                            local_rank_problem, node_ranks)
+from megatron_2bw.config.launcher_env import env_rank_world
+from megatron_2bw.parallel.launcher import (check_rendezvous, launched, local_rank_problem,
+                                            node_ranks)
 from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
                                                abort_on_sigint, describe, hold_usr1,
                                                watch_launcher)

@@ -11,12 +11,13 @@ refusals: ramp_checks.py), the directories a run writes into (config/paths.py),
 whether the loggers' packages import (packages.py), the DeepSpeed JSON (ds_json/), "a number is
 finite where a number is meant" for every front door (numbers.py: float flags, JSON numbers,
 Config floats), reading a user's input file inside a one-line error (input_files.py), the named
-model shapes of `--model` (flavours.py) and the control flags' names (control_flags.py).
+model shapes of `--model` (flavours.py), the control flags' names (control_flags.py) and the
+rank and world the launcher's variables give (launcher_env.py).
 Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
 testing, pretrain, generate.
 A config is built and validated before anything runs: it reads only the names it checks from
 their owners (schedule/kinds.py, schedule/compensation_methods.py) and the launcher's
-environment (parallel/launcher.py), never an engine, a process group or a file of data (the
+environment (launcher_env.py), never an engine, a process group or a file of data (the
 files it reads for the other packages, input_files.py, it reads where they ask).
 
     from megatron_2bw.config import Config, ConfigError, ModelConfig

@@ -32,7 +32,7 @@ from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import default_device
 from megatron_2bw.parallel.distributed import current_rank_world
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.parallel.launcher import env_rank_world
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.schedule.kinds import ScheduleKind
 
 

@@ -17,7 +17,8 @@ from megatron_2bw.deepspeed.pipe.module import PipelineModule, _is_ds_pipeline_m
 from megatron_2bw.deepspeed.pipe.topology import grid_layout
 from megatron_2bw.parallel.devices import default_backend, default_device, is_initialized
 from megatron_2bw.parallel.distributed import current_rank_world, init_process_group
-from megatron_2bw.parallel.launcher import discover_env, env_rank_world, launched
+from megatron_2bw.config.launcher_env import env_rank_world
+from megatron_2bw.parallel.launcher import discover_env, launched
 from megatron_2bw.training.reliability import watch_launcher
 
 __all__ = ["DeepSpeedPipelineEngine", "add_config_arguments", "init_distributed", "initialize"]

@@ -5,7 +5,8 @@ tensor on the device its backend communicates on), the process grid (grid.py: (t
 data) coordinates, rank order, the groups, the tied-weight groups), point-to-point between
 neighbouring stages (p2p.py), starting the process group (distributed.py:
 `start_process_group`), backend and device choice (devices.py) and what the launcher told this
-process (launcher.py: torchrun / SLURM / mpirun variables, no torch).
+process beyond its rank and world (launcher.py: torchrun / SLURM / mpirun variables, no torch;
+rank and world: config/launcher_env.py).
 Must not import: schedule, pipeline, models, tensor_parallel, optim, data, checkpoint, training,
 planner, deepspeed, testing, pretrain, generate.
 """

@@ -20,7 +20,7 @@ from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import default_device
 from megatron_2bw.parallel.devices import is_initialized
 from megatron_2bw.parallel.distributed import current_rank_world
-from megatron_2bw.parallel.launcher import env_rank_world
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.training.build import build_grid
 
 
