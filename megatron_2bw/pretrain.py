@@ -38,9 +38,8 @@ from megatron_2bw.parallel.distributed import destroy_process_group, start_proce
 from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.parallel.launcher import (check_rendezvous, launched, local_rank_problem,
                                             node_ranks)
-from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
-                                               abort_on_sigint, describe, hold_usr1,
-                                               watch_launcher)
+from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError
+from megatron_2bw.training.reliability import abort_on_sigint, hold_usr1, watch_launcher
 
 
 def build_parser(family: str) -> FlagParser:
@@ -201,7 +200,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
               f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
               f"{cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}, "
               f"seq {cfg.model.seq_length})", flush=True)
-    interrupted = (f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
+    interrupted = (f"error: {grid.describe()} aborted by SIGINT: no checkpoint of this point "
                    "(one Ctrl-C saves one when --save is set)")
     # (training/reliability.py: a KeyboardInterrupt can be lost)
     previous = abort_on_sigint(interrupted)
@@ -220,7 +219,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
             import traceback
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        _exit(f"error: {describe(grid)} failed: {type(e).__name__}: {first}", 1)
+        _exit(f"error: {grid.describe()} failed: {type(e).__name__}: {first}", 1)
     grid.comm.barrier()
     destroy_process_group()
     return 0

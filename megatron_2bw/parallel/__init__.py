@@ -2,7 +2,8 @@
 
 Owns: `Comm` (comm.py: the one door to torch.distributed, every collective and p2p call, each
 tensor on the device its backend communicates on), the process grid (grid.py: (tensor, pipeline,
-data) coordinates, rank order, the groups, the tied-weight groups), point-to-point between
+data) coordinates, rank order, the groups, the tied-weight groups, a rank's name in messages:
+`describe`), point-to-point between
 neighbouring stages (p2p.py), starting the process group (distributed.py:
 `start_process_group`), backend and device choice (devices.py) and what the launcher told this
 process beyond its rank and world (launcher.py: torchrun / SLURM / mpirun variables, no torch;

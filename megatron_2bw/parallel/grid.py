@@ -66,6 +66,13 @@ class ProcessGrid:
             return tp, rest // w, rest % w
         return tp, rest % d, rest // d
 
+    def describe(self, rank: int | None = None) -> str:
+        """"rank R (stage S/D, data-parallel replica W, tensor rank T)" of this rank or `rank`."""
+        r = self.rank if rank is None else rank
+        tp, stage, dp = self.coords(r)
+        return (f"rank {r} (stage {stage}/{self.pipeline}, data-parallel replica {dp}, tensor "
+                f"rank {tp})")
+
     @property
     def tp_rank(self) -> int:
         return self.coords()[0]

@@ -3,6 +3,7 @@
 Owns: building a run (build.py: the process grid, this rank's engine through
 `models.families.model_parts`, its microbatches), the training loop (loop.py: train, evaluate,
 save every --save-interval, resume, log), failure handling (reliability.py: the launcher watch,
-preemption, non-finite stops, failures named by rank, fault hooks) and observability (observe/).
+preemption, non-finite stops; its leaf, NumericsError and the fault hooks, is
+pipeline/faults.py) and observability (observe/).
 Must not import: schedule, optim, planner, deepspeed, testing, pretrain, generate.
 """

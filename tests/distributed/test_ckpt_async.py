@@ -19,7 +19,7 @@ from megatron_2bw.checkpoint.saver import AGREEMENT_DELAY, Checkpointer
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.training.build import build_engine, build_grid, mock_batches
-from megatron_2bw.training.reliability import FaultHooks
+from megatron_2bw.pipeline.faults import FaultHooks
 from test_resume import make_cfg, run
 
 

@@ -15,7 +15,7 @@ from megatron_2bw.pretrain import build_parser
 from megatron_2bw.testing.launch import spawn
 from megatron_2bw.training.build import batches, build_grid, mock_dataset
 from megatron_2bw.training.loop import train
-from megatron_2bw.training.reliability import NO_FAULTS
+from megatron_2bw.pipeline.faults import NO_FAULTS
 
 BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --pipeline-model-parallel-size 2 "

@@ -18,7 +18,8 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.config.flags import config_from_args
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.training.build import build_engine, build_grid
-from megatron_2bw.training.reliability import NumericsError, Preemption
+from megatron_2bw.pipeline.faults import NumericsError
+from megatron_2bw.training.reliability import Preemption
 
 ROOT = Path(__file__).resolve().parents[2]
 
