@@ -146,10 +146,11 @@ def optimizer_buffers(optimizer) -> list:
 
 def run_stage(rank, world, spec, schedule, m, dist):
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training.build import build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import mock_batches
     from megatron_2bw.models.families import model_parts
     cfg = make_config(spec, schedule, m, dist)
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     data = list(_take(mock_batches(cfg, grid.data, grid.dp_rank), (spec["batches"] + 1) * m))
     C.framework_warmup()
     probe = C.MemoryProbe()

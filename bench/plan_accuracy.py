@@ -78,7 +78,8 @@ def _p2p(rank, shape, comm, trips=23):
 
 
 def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
-    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
     results = []
     for rnd in range(repeats):
         for k in range(len(cfgs)):  # interleaved rounds, the order rotated each round
@@ -86,7 +87,7 @@ def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
             cfg = cfgs[i]
             m, b = cfg.model, cfg.batch.micro_batch_size
             shape = (b, m.seq_length, m.hidden_size)
-            grid = build_grid(cfg, rank, world_size)
+            grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
             p2p = _link(rank, shape, grid.comm)
             before = measure_profile(m, (b,), repeats=5,
                                      compensation=cfg.compensation).to_dict()

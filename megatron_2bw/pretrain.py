@@ -184,8 +184,8 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
                                                 local_rank))
     comm = start_process_group(rank, world_size, local_rank, backend=cfg.parallel.backend,
                                timeout_minutes=cfg.parallel.timeout_minutes)
-    from megatron_2bw.training.build import build_grid
-    grid = build_grid(cfg, rank, world_size, comm)
+    from megatron_2bw.parallel.grid import ProcessGrid
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups(comm)
     device, backend = comm.device, comm.backend
     from megatron_2bw.training.kernels import configure_math
     configure_math(cfg, device)

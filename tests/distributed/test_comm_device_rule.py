@@ -98,6 +98,7 @@ def _install_bug(bug):
 
 
 def _worker(rank, world_size, d, bug):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.training import build as building
     from megatron_2bw.training import loop as training
     _install_bug(bug)
@@ -116,7 +117,7 @@ def _worker(rank, world_size, d, bug):
                              "--load", f"{d}/ck", "--exit-duration-in-mins", "1e-9",
                              "--eval-interval", "3", "--eval-iters", "1"]),
     }
-    grid = building.build_grid(runs["preempted"], rank, world_size)
+    grid = ProcessGrid.from_config(runs["preempted"], rank, world_size).init_groups()
     signalled = grid.rank_of(0, 0, 1)
     out = {}
     for name, cfg in runs.items():

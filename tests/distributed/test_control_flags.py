@@ -88,12 +88,13 @@ class _P2PRecorder(Comm):
 
 
 def _worker(rank, world_size, t, d, raiser, out):
-    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
     argv = BASE + ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size",
                    str(d)]
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", world_size).config
     comm = _P2PRecorder()
-    grid = build_grid(cfg, rank, world_size, comm)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups(comm)
     result = {}
     for who in (raiser, None):
         engine = build_engine(cfg, grid, "cpu")

@@ -80,9 +80,9 @@ class _Counting:
 
 def _engine_run(d, schedule, seqs, dynamic):
     from megatron_2bw.pipeline.engine import PipelineEngine
-    from megatron_2bw.training.build import build_grid
+    from megatron_2bw.parallel.grid import ProcessGrid
     cfg = _cfg(schedule, d)
-    grid = build_grid(cfg, torch.distributed.get_rank(), d)
+    grid = ProcessGrid.from_config(cfg, torch.distributed.get_rank(), d).init_groups()
     engine = PipelineEngine(cfg, grid, _specs(), _loss, [LAYERS * s // d for s in range(d + 1)],
                             "cpu", dynamic_shape=dynamic)
     engine.p2p.comm = counter = _Counting(engine.p2p.comm)

@@ -10,7 +10,8 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.verify import parse, run
-from megatron_2bw.training.build import batches, build_grid, mock_dataset
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.training.build import batches, mock_dataset
 from megatron_2bw.training.loop import train
 from megatron_2bw.training.observe.logger import parse_line
 from megatron_2bw.pipeline.faults import FaultHooks
@@ -41,7 +42,7 @@ class KeepEngine(FaultHooks):
 
 def _params_norm_worker(rank, world_size, cfg, out):
     hooks = KeepEngine()
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     dataset = mock_dataset(cfg)
     lines = []
     train(cfg, grid, "cpu", log=lines.append, hooks=hooks,

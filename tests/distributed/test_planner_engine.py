@@ -32,7 +32,8 @@ def _cfg(schedule, t=1, d=1, b=2, m=4, dtype="fp32", opt="adam", recompute=False
 def _worker(rank, world_size, cfgs, outdir):
     from megatron_2bw.pipeline.engine import PipelineEngine
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training.build import build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import mock_batches
     from megatron_2bw.models.families import model_parts
 
     class Counting(PipelineEngine):
@@ -55,7 +56,7 @@ def _worker(rank, world_size, cfgs, outdir):
 
     results = []
     for cfg in cfgs:
-        grid = build_grid(cfg, rank, world_size)
+        grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
         specs, loss_fn, bounds = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
         engine = Counting(cfg, grid, specs, loss_fn, bounds, "cpu")
         data = mock_batches(cfg, grid.data, grid.dp_rank)

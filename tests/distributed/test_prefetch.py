@@ -179,9 +179,10 @@ class BrokenAt:
 
 
 def _train_on_broken_data(rank, world_size, cfg):
-    from megatron_2bw.training.build import batches, build_grid
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import batches
     from megatron_2bw.training.loop import train
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     data = BrokenAt(cfg)
     train(cfg, grid, "cpu", make_data=lambda s: batches(cfg, data, grid.data, grid.dp_rank, s),
           log=lambda line: None)
