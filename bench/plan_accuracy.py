@@ -156,7 +156,7 @@ def run(schedules=schedule_names(), layers=4, hidden=128, heads=4, seq=64, vocab
         micro_batch=4, global_batch=32, warmup=3, iters=10, repeats=3, log=print,
         compensation=NONE):
     """`compensation`: also run 2BW with that --2bw-compensation (row `2bw+NAME`)."""
-    from megatron_2bw.testing.launch import spawn
+    from megatron_2bw.training.spawn import spawn
     if compensation not in method_names():
         raise SystemExit(f"--compensation {compensation!r}: use one of {', '.join(method_names())}")
     model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,

@@ -9,6 +9,6 @@ plot_schedule.py (pipeline timelines; + trace_file.py: reading engine traces), g
 stays with what they command: planner/cli.py (m2bw-plan), checkpoint/convert/cli.py
 (m2bw-convert), checkpoint/inspect.py (m2bw-inspect), generate.py (m2bw-generate),
 testing/verify.py (m2bw-verify).
-It may run the judges (testing/: verify, spawn); nothing imports it (tests/unit/test_layout.py).
+It may run the judges (testing/: verify); nothing imports it (tests/unit/test_layout.py).
 Must not import: deepspeed.
 """

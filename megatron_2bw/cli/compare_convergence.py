@@ -141,7 +141,7 @@ def run_one(run: str, family: str, argv: list, nproc: int, out_dir: str,
             wandb_group: str | None, wandb_project: str = "megatron-2bw-convergence"
             ) -> tuple[list, list]:
     """(training losses, validation points) of one run."""
-    from megatron_2bw.testing.launch import spawn
+    from megatron_2bw.training.spawn import spawn
     schedule, method = split_run(run)
     path = os.path.join(out_dir, f"losses_{run}.json")
     argv = argv + ["--pipeline-schedule", schedule, "--2bw-compensation", method]

@@ -4,8 +4,8 @@ bench do.
 
 Owns: the equivalence check (verify.py, `tools/verify_equivalence.py`: t*d*w gloo processes
 against the single-process reference), the single-process references of docs/ARCHITECTURE.md
-section 1 in plain PyTorch (reference.py), running a function on N local processes (launch.py)
-and reading an offline wandb run back (wandb_offline.py).
+section 1 in plain PyTorch (reference.py) and reading an offline wandb run back
+(wandb_offline.py). Running a function on N local processes is product code (training/spawn.py).
 Must not import: pretrain, generate.
 The judges may import any product package; they run the entry points as commands.
 """

@@ -33,7 +33,7 @@ from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_
 from megatron_2bw.models.families import model_parts
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.tensor_parallel.shards import merge_tensor_shards
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.testing.reference import build_sequential, reference_train
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import build_engine, mock_batches

@@ -18,7 +18,7 @@ import mcore_models as mc
 from megatron_2bw.checkpoint.api import load_checkpoint
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import build_engine, mock_batches
 

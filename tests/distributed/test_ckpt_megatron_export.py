@@ -18,7 +18,7 @@ import torch
 
 import mcore_models as mc
 from megatron_2bw.checkpoint.convert.cli import main as convert_main
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_reshard import SAVED_AT, _save, check_load
 
 MEGATRON = ("--ckpt-format", "megatron")

@@ -24,7 +24,7 @@ from megatron_2bw.models.families import model_parts
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.tensor_parallel.shards import merge_tensor_shards
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.testing.reference import build_sequential, reference_train
 from megatron_2bw.testing.verify import Report, compare
 from megatron_2bw.parallel.grid import ProcessGrid

@@ -15,7 +15,7 @@ from megatron_2bw.checkpoint.files import iteration_dir
 from megatron_2bw.config.build import build_config
 from megatron_2bw.optim.distributed import full_state
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import build_engine
 

@@ -10,7 +10,7 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.pipeline.flags import FLAGS, ControlFlags
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3").split()

@@ -123,7 +123,7 @@ def _view_worker(rank, world, outdir):
 
 
 def test_the_pipeline_module_is_a_view_of_the_newest_weights():
-    from megatron_2bw.testing.launch import spawn
+    from megatron_2bw.training.spawn import spawn
     with tempfile.TemporaryDirectory() as d:
         spawn(_view_worker, 2, args=(d,), timeout_minutes=2)
         res = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megatron_2bw.models.stage import LayerSpec
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.testing.reference import reference_train
 from megatron_2bw.testing.verify import parse
 

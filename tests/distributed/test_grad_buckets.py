@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_2bw.pipeline.engine import PipelineEngine
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.testing.verify import _worker, parse, run
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "

@@ -8,7 +8,7 @@ import torch
 
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.testing.verify import parse, run
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import batches, mock_dataset

@@ -12,7 +12,7 @@ from torch.multiprocessing import ProcessRaisedException
 from fault_hooks import PoisonGradient, SlowStage
 from megatron_2bw.checkpoint.api import LATEST
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.training.observe.logger import parse_line
 from megatron_2bw.training.observe.straggler import rank_times, straggler_report
 from megatron_2bw.pipeline.faults import NumericsError

@@ -13,7 +13,7 @@ from megatron_2bw.config import BatchConfig, Config, ModelConfig, OptimizerConfi
 from megatron_2bw.config import PrecisionConfig, TrainConfig
 from megatron_2bw.planner import AnalyticProfile, Topology
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, activation_bytes, stage_plan
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 BATCHES = 3
 

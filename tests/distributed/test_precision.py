@@ -6,7 +6,7 @@ import tempfile
 import pytest
 import torch
 
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.testing.verify import parse, run
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import build_engine, mock_batches

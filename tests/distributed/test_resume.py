@@ -12,7 +12,7 @@ from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common, r
 from megatron_2bw.checkpoint.files import iteration_dir
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import batches, mock_dataset
 from megatron_2bw.training.loop import train

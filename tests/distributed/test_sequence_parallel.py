@@ -16,7 +16,7 @@ from megatron_2bw.models.flops import layer_costs
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from megatron_2bw.testing.verify import parse, run
 from test_flops import _saved_bytes
 

@@ -25,7 +25,7 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.testing.launch import free_port, spawn
+from megatron_2bw.training.spawn import free_port, spawn
 from megatron_2bw.training.build import batches, build_engine, mock_batches, mock_dataset
 from megatron_2bw.training.loop import train
 from megatron_2bw.training.observe.logger import parse_line
