@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN_GPT, VERIFY = "megatron_2bw.cli.pretrain_gpt", "megatron_2bw.testing.verify"
 
-from megatron_2bw.cli.gpu_check_report import (  # noqa: F401 (tests use them from here)
+from megatron_2bw.testing.gpu_check_report import (  # noqa: F401 (tests use them from here)
     Requirements, failed_requirements, parse_log, profiled_kernels, report, summarize)
 from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
