@@ -13,8 +13,8 @@ finite where a number is meant" for every front door (numbers.py: float flags, J
 Config floats), reading a user's input file inside a one-line error (input_files.py), the named
 model shapes of `--model` (flavours.py), the control flags' names (control_flags.py) and the
 rank and world the launcher's variables give (launcher_env.py).
-Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
-testing, pretrain, generate.
+Must not import: parallel, data, tensor_parallel, models, optim, pipeline, checkpoint, training,
+planner, deepspeed, testing, pretrain, generate.
 A config is built and validated before anything runs: it reads only the names it checks from
 their owners (schedule/kinds.py, schedule/compensation_methods.py) and the launcher's
 environment (launcher_env.py), never an engine, a process group or a file of data (the

@@ -8,6 +8,6 @@ the flat weight buffers per version slot (weights.py), 2BW staleness compensatio
 (compensation.py), the control flags carried in the per-batch reductions (flags.py), action
 timers (timers.py), the CPU heap policy (host_memory.py) and the leaf of failure handling that
 checkpoints and training share (faults.py: NumericsError, FaultHooks).
-Must not import: tensor_parallel, data, checkpoint, planner, deepspeed, testing, pretrain,
-generate.
+Must not import: tensor_parallel, data, checkpoint, training, planner, deepspeed, testing,
+pretrain, generate.
 """
