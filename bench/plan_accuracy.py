@@ -35,11 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.config import BatchConfig, Config, ModelConfig, ParallelConfig, TrainConfig
 from megatron_2bw.models.gpt import gpt_partition  # noqa: E402
-from megatron_2bw.schedule.compensation_methods import NONE, method_names  # noqa: E402
 from megatron_2bw.planner import Topology, predict, stage_plan  # noqa: E402
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup  # noqa: E402
 from megatron_2bw.planner.measure import measure_profile  # noqa: E402
 from megatron_2bw.planner.profile import MeasuredProfile  # noqa: E402
+from megatron_2bw.schedule.compensation_methods import NONE, method_names  # noqa: E402
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names  # noqa: E402
 
 

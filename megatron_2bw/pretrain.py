@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.config.build import build_config
 from megatron_2bw.config.compat import add_compat_args
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.config.mds_flags import add_mds_args
 from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
                                        add_training_args, exit_on_config_error)
@@ -35,7 +36,6 @@ from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.comm import PeerError
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
-from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.parallel.launcher import (check_rendezvous, launched, local_rank_problem,
                                             node_ranks)
 from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError

@@ -111,9 +111,9 @@ def held_out(cfg, dataset, grid):
 
 
 def _worker(rank, world, family, argv, out_path, prefix):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.training.observe.logger import parse_line
     from megatron_2bw.pretrain import parse
-    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.training.build import batches
     from megatron_2bw.training.loop import train
     parsed = parse(family, argv)

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.deepspeed.checkpoint import CheckpointMixin
 from megatron_2bw.deepspeed.pipe.module import PipelineError, PipelineModule
 from megatron_2bw.deepspeed.utils import RepeatingLoader
@@ -32,7 +33,6 @@ from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import default_device
 from megatron_2bw.parallel.distributed import current_rank_world
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.schedule.kinds import ScheduleKind
 
 

@@ -51,11 +51,11 @@ from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.compensation import Compensator
-from megatron_2bw.schedule.compensation_methods import compensation_method
+from megatron_2bw.pipeline.faults import NumericsError
 from megatron_2bw.pipeline.flags import ControlFlags
 from megatron_2bw.pipeline.grad_reduce import GradReduction
 from megatron_2bw.pipeline.weights import VersionedWeights
-from megatron_2bw.pipeline.faults import NumericsError
+from megatron_2bw.schedule.compensation_methods import compensation_method
 
 class BatchStepper:
     def __init__(self, cfg: Config, grid: ProcessGrid, weights: VersionedWeights, device,

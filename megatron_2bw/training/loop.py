@@ -11,12 +11,12 @@ from megatron_2bw.checkpoint.api import check_iterations, load_checkpoint
 from megatron_2bw.config import Config
 from megatron_2bw.data.prefetch import close_pipelines, input_pipeline
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError
 from megatron_2bw.training.build import build_engine
 from megatron_2bw.training.kernels import kernels_line
 from megatron_2bw.training.observe.interval_log import IntervalLog
 from megatron_2bw.training.observe.logger import TrainLogger
 from megatron_2bw.training.observe.profiling import StepProfiler
-from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError
 from megatron_2bw.training.reliability import Preemption, check_numerics, process_start_time
 
 

@@ -17,10 +17,10 @@ from megatron_2bw.checkpoint.dist import storage
 from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration, temporary_files
 from megatron_2bw.checkpoint.saver import AGREEMENT_DELAY, Checkpointer
 from megatron_2bw.config.build import build_config
-from megatron_2bw.pretrain import build_parser
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.training.build import build_engine, mock_batches
 from megatron_2bw.pipeline.faults import FaultHooks
+from megatron_2bw.pretrain import build_parser
+from megatron_2bw.training.build import build_engine, mock_batches
 from test_resume import make_cfg, run
 
 

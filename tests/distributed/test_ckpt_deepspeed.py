@@ -26,10 +26,10 @@ from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.megatron import mapping
 from megatron_2bw.checkpoint.resume import resume_note
 from megatron_2bw.config.build import build_config
-from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.spawn import spawn
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pretrain import build_parser
 from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_reshard import _dump, merged, unshard
 
 RUNS = [(0, False, "zero0"), (1, True, "zero1-thirds")]

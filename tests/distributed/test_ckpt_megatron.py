@@ -17,10 +17,10 @@ import torch
 import mcore_models as mc
 from megatron_2bw.checkpoint.api import load_checkpoint
 from megatron_2bw.config.build import build_config
-from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.spawn import spawn
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pretrain import build_parser
 from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (1, 2, 2)]
 SAVED = [("gpt-learned", 1), ("gpt-learned", 2), ("gpt-llama", 1), ("gpt-llama", 2),

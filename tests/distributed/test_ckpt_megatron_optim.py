@@ -25,11 +25,11 @@ import mcore_models as mc
 from megatron_2bw.checkpoint.api import load_checkpoint
 from megatron_2bw.checkpoint.megatron import mapping
 from megatron_2bw.models.families import model_parts
-from megatron_2bw.training.spawn import spawn
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.testing.reference import build_sequential, reference_train
 from megatron_2bw.testing.verify import compare
-from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_megatron import our_cfg
 from test_ckpt_reshard import _dump, merged, unshard
 

@@ -17,10 +17,10 @@ from megatron_2bw.checkpoint import files
 from megatron_2bw.checkpoint.api import load_checkpoint, save_checkpoint
 from megatron_2bw.checkpoint.files import LATEST, CheckpointError
 from megatron_2bw.config.build import build_config
-from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.spawn import spawn
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pretrain import build_parser
 from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 TINY = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
         "--micro-batch-size 1 --global-batch-size 4 --vocab-size 64 --train-iters 4").split()

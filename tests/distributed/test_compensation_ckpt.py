@@ -14,10 +14,10 @@ from megatron_2bw.checkpoint.dist.load import read_full, stage_boxes
 from megatron_2bw.checkpoint.files import iteration_dir
 from megatron_2bw.config.build import build_config
 from megatron_2bw.optim.distributed import full_state
-from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.spawn import spawn
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pretrain import build_parser
 from megatron_2bw.training.build import build_engine
+from megatron_2bw.training.spawn import spawn
 
 from test_resume import _worker as _train_worker
 

@@ -16,12 +16,12 @@ from megatron_2bw.checkpoint.api import LATEST, load_checkpoint, rank_dir
 from megatron_2bw.checkpoint.files import optimizer_shard_name
 from megatron_2bw.config.build import build_config
 from megatron_2bw.optim.distributed import full_state
-from megatron_2bw.schedule.compensation_methods import NONE, method_names
-from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.spawn import spawn
-from megatron_2bw.testing.verify import parse, run
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pretrain import build_parser
+from megatron_2bw.schedule.compensation_methods import NONE, method_names
+from megatron_2bw.testing.verify import parse, run
 from megatron_2bw.training.build import build_engine
+from megatron_2bw.training.spawn import spawn
 from torch.multiprocessing import ProcessRaisedException
 
 from fault_hooks import PoisonGradient

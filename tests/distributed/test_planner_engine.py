@@ -30,9 +30,9 @@ def _cfg(schedule, t=1, d=1, b=2, m=4, dtype="fp32", opt="adam", recompute=False
 
 
 def _worker(rank, world_size, cfgs, outdir):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.pipeline.engine import PipelineEngine
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.training.build import mock_batches
     from megatron_2bw.models.families import model_parts
 

@@ -6,10 +6,10 @@ import tempfile
 import pytest
 import torch
 
-from megatron_2bw.training.spawn import spawn
-from megatron_2bw.testing.verify import parse, run
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.testing.verify import parse, run
 from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 16 --train-iters 5 --data-parallel-size 2 "

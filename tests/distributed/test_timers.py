@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.training.spawn import spawn
-from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import batches, mock_dataset
 from megatron_2bw.training.loop import train
+from megatron_2bw.training.spawn import spawn
 from log_lines import interval_fields
 
 sys.path.insert(0, os.path.join(

@@ -26,12 +26,12 @@ from megatron_2bw.checkpoint.convert.native import (FullModel, one_process_model
                                                     write_checkpoint)
 from megatron_2bw.config.build import build_config  # noqa: E402
 from megatron_2bw.models.families import model_parts
-from megatron_2bw.pretrain import build_parser  # noqa: E402
-from megatron_2bw.training.spawn import spawn  # noqa: E402
-from megatron_2bw.testing.reference import reference_train  # noqa: E402
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pretrain import build_parser  # noqa: E402
+from megatron_2bw.testing.reference import reference_train  # noqa: E402
 from megatron_2bw.training.build import batches, mock_batches, mock_dataset
 from megatron_2bw.training.loop import train
+from megatron_2bw.training.spawn import spawn  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parents[2]

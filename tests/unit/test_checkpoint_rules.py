@@ -16,10 +16,10 @@ from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.config import ConfigError, PrecisionConfig, TrainConfig
 from megatron_2bw.config.build import build_config
 from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.pipeline.faults import NumericsError
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.training.build import build_engine
-from megatron_2bw.pipeline.faults import NumericsError
 from megatron_2bw.training.reliability import Preemption
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_2bw.config import Config, ConfigError
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.deepspeed.pipe.topology import (PipeDataParallelTopology,
                                                   PipeModelDataParallelTopology, ProcessTopology,
                                                   grid_layout)
@@ -20,7 +21,6 @@ from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import default_device
 from megatron_2bw.parallel.devices import is_initialized
 from megatron_2bw.parallel.distributed import current_rank_world
-from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.parallel.grid import ProcessGrid
 
 
