@@ -110,7 +110,7 @@ def _worker(rank, world, port, outdir, fn, args, threads):
         # every run, one rank too, joins the parent's store: MASTER_PORT names a port the
         # parent holds, so a later env:// rendezvous (a DeepSpeed-style initialize) would fail
         from megatron_2bw.parallel.distributed import init_process_group
-        from megatron_2bw.testing.launch import connect_store
+        from megatron_2bw.training.spawn import connect_store
         init_process_group(rank, world, "gloo", timeout_minutes=5,
                            store=connect_store(port, world, 5))
         result = {"ok": fn(rank, world, *args)}
@@ -153,7 +153,7 @@ def run_spawned(fn, world: int, args: tuple = (), timeout: float = 600.0, thread
     or a timeout) and kills the processes when a rank fails or hangs."""
     ctx = _context()
     outdir = tempfile.mkdtemp(prefix="bench_")
-    from megatron_2bw.testing.launch import host_store
+    from megatron_2bw.training.spawn import host_store
     store = host_store(world, 5)  # held until the ranks have exited
     procs = [ctx.Process(target=_worker, args=(r, world, store.port, outdir, fn, args, threads))
              for r in range(world)]

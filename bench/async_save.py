@@ -53,10 +53,11 @@ def make_config(spec: dict, variant: str, save_dir: str):
 
 def one_round(variant: str, spec: dict, root: str) -> dict:
     from megatron_2bw.checkpoint.saver import Checkpointer
-    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
     save_dir = tempfile.mkdtemp(prefix=f"{variant}-", dir=root)
     cfg = make_config(spec, variant, save_dir)
-    grid = build_grid(cfg, 0, 1)
+    grid = ProcessGrid.from_config(cfg, 0, 1).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     data = mock_batches(cfg, 1, 0)
     for _ in range(spec["warmup"]):

@@ -40,7 +40,7 @@ if ROOT not in sys.path:
 
 from megatron_2bw.cli import compare_convergence  # noqa: E402
 from megatron_2bw.cli.convergence_report import BASELINE  # noqa: E402
-from megatron_2bw.pipeline.compensation import NONE, method_names  # noqa: E402
+from megatron_2bw.schedule.compensation_methods import NONE, method_names  # noqa: E402
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names  # noqa: E402
 
 SETTINGS = {
@@ -88,7 +88,7 @@ def run_cell(out: str, model: str, setting: str, seed: int, iters: int, eval_int
 def auto_method(model: str) -> str:
     """What --2bw-compensation auto picks for this bench's optimizer (Adam, fp32)."""
     try:
-        from megatron_2bw.pipeline.compensation import auto_method as pick
+        from megatron_2bw.schedule.compensation_methods import auto_method as pick
     except ImportError:  # before auto existed
         return "?"
     return pick("adam", 0.9, "fp32")

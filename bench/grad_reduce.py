@@ -45,12 +45,13 @@ def make_config(spec: dict, schedule: str, mode: str):
 
 
 def run(rank, world, spec, names):
-    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
     C.framework_warmup()
     grid, runners, buckets = None, {}, {}
     for n in names:
         cfg = make_config(spec, *n.split(":"))
-        grid = grid or build_grid(cfg, rank, world)
+        grid = grid or ProcessGrid.from_config(cfg, rank, world).init_groups()
         engine = build_engine(cfg, grid, "cpu")
         runners[n] = (engine, mock_batches(cfg, 2, grid.dp_rank))
     times, losses = overhead.timed_rounds(runners, names, spec)

@@ -44,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 from memory_report import STATE, format_rows, targets  # noqa: E402
-from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
+from megatron_2bw.config.choices import GRAD_ACCUMULATIONS
 from megatron_2bw.config.schedule_flags import grad_buffers_arg
-from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
+from megatron_2bw.schedule.compensation_methods import NONE, compensation_error, method_names
 from megatron_2bw.schedule.kinds import (schedule_kind, schedule_kind_of,  # noqa: E402
                                          schedule_names)
 
@@ -145,11 +145,12 @@ def optimizer_buffers(optimizer) -> list:
 
 
 def run_stage(rank, world, spec, schedule, m, dist):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training.build import build_grid, mock_batches
+    from megatron_2bw.training.build import mock_batches
     from megatron_2bw.models.families import model_parts
     cfg = make_config(spec, schedule, m, dist)
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     data = list(_take(mock_batches(cfg, grid.data, grid.dp_rank), (spec["batches"] + 1) * m))
     C.framework_warmup()
     probe = C.MemoryProbe()

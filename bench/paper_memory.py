@@ -37,7 +37,7 @@ GPU_MEMORY_GB = 16
 SERVER = dict(num_nodes=1, gpus_per_node=8, gpu_memory_gb=GPU_MEMORY_GB,
               intra_node_bandwidth_gbps=1200)
 # The paper's throughput experiments run GPT at sequence length 512 (Sec. 5.2: the throughputs
-# "using 8 and 64 V100s with a sequence length of 512"); models/flavours.py's GPT shapes carry
+# "using 8 and 64 V100s with a sequence length of 512"); config/flavours.py's GPT shapes carry
 # 2048, the GPT-3 convention. Activations and the logits (s x V per sample) scale with it.
 PAPER_SEQ_LENGTH = 512
 # the paper's code (github.com/msr-fiddle/pipedream, megatron/): fp16 gradient all-reduce, an

@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from peer_runs import runner, unavailable_reason  # noqa: E402
 
-from megatron_2bw.pipeline.compensation import NONE, method_names  # noqa: E402
+from megatron_2bw.schedule.compensation_methods import NONE, method_names  # noqa: E402
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind, schedule_names
 
 # ours-2bw+predict: 2BW with --2bw-compensation predict (pipeline/compensation.py)

@@ -35,11 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_2bw.config import BatchConfig, Config, ModelConfig, ParallelConfig, TrainConfig
 from megatron_2bw.models.gpt import gpt_partition  # noqa: E402
-from megatron_2bw.pipeline.compensation import NONE, method_names  # noqa: E402
 from megatron_2bw.planner import Topology, predict, stage_plan  # noqa: E402
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup  # noqa: E402
 from megatron_2bw.planner.measure import measure_profile  # noqa: E402
 from megatron_2bw.planner.profile import MeasuredProfile  # noqa: E402
+from megatron_2bw.schedule.compensation_methods import NONE, method_names  # noqa: E402
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names  # noqa: E402
 
 
@@ -78,7 +78,8 @@ def _p2p(rank, shape, comm, trips=23):
 
 
 def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
-    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
     results = []
     for rnd in range(repeats):
         for k in range(len(cfgs)):  # interleaved rounds, the order rotated each round
@@ -86,7 +87,7 @@ def _worker(rank, world_size, cfgs, warmup, iters, repeats, out):
             cfg = cfgs[i]
             m, b = cfg.model, cfg.batch.micro_batch_size
             shape = (b, m.seq_length, m.hidden_size)
-            grid = build_grid(cfg, rank, world_size)
+            grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
             p2p = _link(rank, shape, grid.comm)
             before = measure_profile(m, (b,), repeats=5,
                                      compensation=cfg.compensation).to_dict()
@@ -155,7 +156,7 @@ def run(schedules=schedule_names(), layers=4, hidden=128, heads=4, seq=64, vocab
         micro_batch=4, global_batch=32, warmup=3, iters=10, repeats=3, log=print,
         compensation=NONE):
     """`compensation`: also run 2BW with that --2bw-compensation (row `2bw+NAME`)."""
-    from megatron_2bw.testing.launch import spawn
+    from megatron_2bw.training.spawn import spawn
     if compensation not in method_names():
         raise SystemExit(f"--compensation {compensation!r}: use one of {', '.join(method_names())}")
     model = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,

@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 from megatron_2bw.config import Config, ConfigError
 from megatron_2bw.config.build import build_config
 from megatron_2bw.config.compat import add_compat_args
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.config.mds_flags import add_mds_args
 from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
                                        add_training_args, exit_on_config_error)
@@ -35,11 +36,10 @@ from megatron_2bw.data.flags import add_data_args
 from megatron_2bw.parallel.comm import PeerError
 from megatron_2bw.parallel.devices import backend_device, default_backend
 from megatron_2bw.parallel.distributed import destroy_process_group, start_process_group
-from megatron_2bw.parallel.launcher import (check_rendezvous, env_rank_world, launched,
-                                            local_rank_problem, node_ranks)
-from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError,
-                                               abort_on_sigint, describe, hold_usr1,
-                                               watch_launcher)
+from megatron_2bw.parallel.launcher import (check_rendezvous, launched, local_rank_problem,
+                                            node_ranks)
+from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError
+from megatron_2bw.training.reliability import abort_on_sigint, hold_usr1, watch_launcher
 
 
 def build_parser(family: str) -> FlagParser:
@@ -184,8 +184,8 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
                                                 local_rank))
     comm = start_process_group(rank, world_size, local_rank, backend=cfg.parallel.backend,
                                timeout_minutes=cfg.parallel.timeout_minutes)
-    from megatron_2bw.training.build import build_grid
-    grid = build_grid(cfg, rank, world_size, comm)
+    from megatron_2bw.parallel.grid import ProcessGrid
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups(comm)
     device, backend = comm.device, comm.backend
     from megatron_2bw.training.kernels import configure_math
     configure_math(cfg, device)
@@ -200,7 +200,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
               f"({cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, "
               f"{cfg.model.num_attention_heads} heads, vocab {cfg.model.vocab_size}, "
               f"seq {cfg.model.seq_length})", flush=True)
-    interrupted = (f"error: {describe(grid)} aborted by SIGINT: no checkpoint of this point "
+    interrupted = (f"error: {grid.describe()} aborted by SIGINT: no checkpoint of this point "
                    "(one Ctrl-C saves one when --save is set)")
     # (training/reliability.py: a KeyboardInterrupt can be lost)
     previous = abort_on_sigint(interrupted)
@@ -219,7 +219,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
             import traceback
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        _exit(f"error: {describe(grid)} failed: {type(e).__name__}: {first}", 1)
+        _exit(f"error: {grid.describe()} failed: {type(e).__name__}: {first}", 1)
     grid.comm.barrier()
     destroy_process_group()
     return 0

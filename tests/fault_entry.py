@@ -14,8 +14,8 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from fault_hooks import InjectedFault, SlowIterations, SlowStart  # noqa: E402
 
+from megatron_2bw.pipeline.faults import NO_FAULTS  # noqa: E402
 from megatron_2bw.pretrain import main  # noqa: E402
-from megatron_2bw.training.reliability import NO_FAULTS  # noqa: E402
 
 if __name__ == "__main__":
     argv, hooks = sys.argv[1:], NO_FAULTS

@@ -1,5 +1,5 @@
-"""Test-only fault injection: a reliability.FaultHooks that injects one fault on one rank at one
-iteration. Production code never builds one; tests pass it to training.train(hooks=) or, for
+"""Test-only fault injection: a pipeline.faults.FaultHooks that injects one fault on one rank at
+one iteration. Production code never builds one; tests pass it to training.train(hooks=) or, for
 launcher tests, through tests/fault_entry.py (--inject KIND:RANK:ITERATION).
 
 Kinds: kill (SIGKILL itself after that iteration), sigterm / sigint (signal itself there),
@@ -14,7 +14,7 @@ import signal
 import time
 
 from megatron_2bw.checkpoint.files import TMP_PREFIX
-from megatron_2bw.training.reliability import FaultHooks
+from megatron_2bw.pipeline.faults import FaultHooks
 
 KINDS = ("kill", "sigterm", "sigint", "raise", "freeze", "kill-in-save", "nan")
 

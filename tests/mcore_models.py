@@ -1,8 +1,8 @@
 """megatron-core's own models and checkpoints, on CPU under gloo, for the Megatron checkpoint
 tests (tests/distributed/test_ckpt_megatron*.py).
 
-Each function runs inside a rank of `megatron_2bw.testing.launch.spawn` (a gloo group is up) and
-uses megatron-core 0.16 as Megatron-LM does: `parallel_state.initialize_model_parallel`, its
+Each function runs inside a rank of `megatron_2bw.training.spawn.spawn` (a gloo group is up)
+and uses megatron-core 0.16 as Megatron-LM does: `parallel_state.initialize_model_parallel`, its
 GPTModel (local layer spec) / BertModel with `use_cpu_initialization`, `sharded_state_dict` and
 `dist_checkpointing.save`. The state saved is the one Megatron-LM's
 megatron/training/checkpointing.py builds (`generate_state_dict`: args, checkpoint_version,

@@ -12,5 +12,5 @@ format, through the one name and layout map megatron/mapping.py) and reading Dee
 checkpoints (deepspeed_pipe/: Megatron-DeepSpeed's GPT for --load, the files and ZeRO state the
 drop-in reads). Every write goes through fs.py
 or dist/storage.py.
-Must not import: planner, deepspeed, testing, pretrain, generate.
+Must not import: training, planner, deepspeed, testing, pretrain, generate.
 """

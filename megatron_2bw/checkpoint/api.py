@@ -42,7 +42,7 @@ from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, ag
 from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout
 from megatron_2bw.config import Config, TrainConfig
 from megatron_2bw.config.paths import check_writable_dir
-from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks, NumericsError, describe
+from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError
 
 __all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteration",
            "save_checkpoint", "start_checkpoint", "load_checkpoint", "layout", "preflight",
@@ -62,7 +62,7 @@ def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: s
             last = latest_iteration(save_dir)
             kept = f"the last good one is iteration {last} in {save_dir}" if last is not None \
                 else f"{save_dir} holds none"
-            return (f"the {key} weights of {describe(grid)} are not finite in {dtype} (max |w| "
+            return (f"the {key} weights of {grid.describe()} are not finite in {dtype} (max |w| "
                     f"{top:g}) at iteration {t}: no checkpoint written ({kept}); the run "
                     "diverged: lower --lr or add --clip-grad and resume from the last good one")
     return None

@@ -18,8 +18,8 @@ from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common
 from megatron_2bw.checkpoint.files import CheckpointError, iteration_dir, latest_iteration
 from megatron_2bw.checkpoint.torch_format import first_stage_file, record_problem
 from megatron_2bw.config import Config
-from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, Predict,
-                                                compensation_method, method_names)
+from megatron_2bw.schedule.compensation_methods import (NONE as NO_COMPENSATION, Predict,
+                                                        compensation_method, method_names)
 from megatron_2bw.schedule.kinds import schedule_kind
 
 

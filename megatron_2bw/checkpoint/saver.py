@@ -24,7 +24,7 @@ import time
 
 from megatron_2bw.checkpoint.api import save_checkpoint, start_checkpoint
 from megatron_2bw.config import Config
-from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks
+from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks
 
 FLAG = "save_busy"
 AGREEMENT_DELAY = 3  # boundaries after a save starts before `save_busy` speaks about it

@@ -62,7 +62,7 @@ from megatron_2bw.config import ConfigError
 from megatron_2bw.config.input_files import read_json
 from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
-from megatron_2bw.pipeline.compensation import NONE, compensation_error, method_names
+from megatron_2bw.schedule.compensation_methods import NONE, compensation_error, method_names
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_names
 
 SCHEDULES = schedule_names()
@@ -111,13 +111,14 @@ def held_out(cfg, dataset, grid):
 
 
 def _worker(rank, world, family, argv, out_path, prefix):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.training.observe.logger import parse_line
     from megatron_2bw.pretrain import parse
-    from megatron_2bw.training.build import batches, build_grid
+    from megatron_2bw.training.build import batches
     from megatron_2bw.training.loop import train
     parsed = parse(family, argv)
     cfg, data = parsed.cfg, parsed.data
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     validation, started = [], time.time()
 
     def log(line):
@@ -140,7 +141,7 @@ def run_one(run: str, family: str, argv: list, nproc: int, out_dir: str,
             wandb_group: str | None, wandb_project: str = "megatron-2bw-convergence"
             ) -> tuple[list, list]:
     """(training losses, validation points) of one run."""
-    from megatron_2bw.testing.launch import spawn
+    from megatron_2bw.training.spawn import spawn
     schedule, method = split_run(run)
     path = os.path.join(out_dir, f"losses_{run}.json")
     argv = argv + ["--pipeline-schedule", schedule, "--2bw-compensation", method]

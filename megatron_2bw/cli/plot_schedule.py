@@ -32,8 +32,8 @@ import re
 import sys
 
 
-from megatron_2bw.cli.trace_file import read_traces
 from megatron_2bw.config.numbers import FiniteParser, finite_float
+from megatron_2bw.pipeline.trace_file import read_traces
 from megatron_2bw.schedule import actions as A
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, schedule_kind_of, schedule_names
 

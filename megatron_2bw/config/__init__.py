@@ -10,12 +10,14 @@ batch-size ramps, Megatron's num-microbatches arithmetic: ramps.py, their
 refusals: ramp_checks.py), the directories a run writes into (config/paths.py),
 whether the loggers' packages import (packages.py), the DeepSpeed JSON (ds_json/), "a number is
 finite where a number is meant" for every front door (numbers.py: float flags, JSON numbers,
-Config floats) and reading a user's input file inside a one-line error (input_files.py).
-Must not import: tensor_parallel, optim, data, checkpoint, training, planner, deepspeed,
-testing, pretrain, generate.
+Config floats), reading a user's input file inside a one-line error (input_files.py), the named
+model shapes of `--model` (flavours.py), the control flags' names (control_flags.py) and the
+rank and world the launcher's variables give (launcher_env.py).
+Must not import: parallel, data, tensor_parallel, models, optim, pipeline, checkpoint, training,
+planner, deepspeed, testing, pretrain, generate.
 A config is built and validated before anything runs: it reads only the names it checks from
-their owners (schedule/kinds.py, pipeline/compensation.py, models/flavours.py) and the launcher's
-environment (parallel/launcher.py), never an engine, a process group or a file of data (the
+their owners (schedule/kinds.py, schedule/compensation_methods.py) and the launcher's
+environment (launcher_env.py), never an engine, a process group or a file of data (the
 files it reads for the other packages, input_files.py, it reads where they ask).
 
     from megatron_2bw.config import Config, ConfigError, ModelConfig

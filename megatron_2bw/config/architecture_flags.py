@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from megatron_2bw.config.flavours import flavour_architecture
 from megatron_2bw.config.schema import ModelConfig
-from megatron_2bw.models.flavours import flavour_architecture
 
 
 # -- architecture flags (Megatron's names and meanings) -------------------------------------------

@@ -7,14 +7,14 @@ import importlib.util
 import shutil
 import sys
 
-from megatron_2bw.config.choices import (CKPT_FORMATS, LR_DECAY_STYLES, MODEL_FAMILIES, OPTIMIZERS,
-                                         PRECISIONS, RANK_ORDERS, RECOMPUTE_GRANULARITIES,
-                                         RECOMPUTE_METHODS, SCHEDULES, ConfigError)
+from megatron_2bw.config.choices import (CKPT_FORMATS, GRAD_ACCUMULATIONS, LR_DECAY_STYLES,
+                                         MODEL_FAMILIES, OPTIMIZERS, PRECISIONS, RANK_ORDERS,
+                                         RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, SCHEDULES,
+                                         ConfigError)
 from megatron_2bw.config.mds_flags import check_lr_tokens
 from megatron_2bw.config.ramp_checks import ramp_error
 from megatron_2bw.config.numbers import NOT_FINITE, nonfinite_fields
-from megatron_2bw.pipeline.compensation import compensation_error
-from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
+from megatron_2bw.schedule.compensation_methods import compensation_error
 from megatron_2bw.schedule.kinds import schedule_kind, schedule_kind_of
 
 

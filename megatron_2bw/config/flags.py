@@ -12,6 +12,7 @@ from megatron_2bw.config import (CKPT_FORMATS, LR_DECAY_STYLES, OPTIMIZERS, RANK
                                  TrainConfig)
 from megatron_2bw.config.checks import OPTIMIZER_IMPLS
 from megatron_2bw.config.compat import refusals
+from megatron_2bw.config.flavours import FLAVOURS, flavour_shape
 from megatron_2bw.config.log_flags import add_observability_args, logger_fields
 from megatron_2bw.config.mds_flags import fold_mds_args, mds_model
 from megatron_2bw.config.numbers import FiniteParser
@@ -19,7 +20,6 @@ from megatron_2bw.config.precision_flags import add_precision_args, precision_fr
 from megatron_2bw.config.ramps import add_ramp_args, batch_ramp_problems, ramp_fields
 from megatron_2bw.config.reduce_flags import add_reduce_args, reduce_config
 from megatron_2bw.config.schedule_flags import add_schedule_args, schedule_fields
-from megatron_2bw.models.flavours import FLAVOURS, flavour_shape
 
 
 class FlagParser(FiniteParser):

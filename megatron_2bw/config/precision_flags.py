@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_2bw.config.choices import GRAD_ACCUMULATIONS
 from megatron_2bw.config.schema import PrecisionConfig
-from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS
 
 
 def add_precision_args(g) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_2bw.config.choices import SCHEDULES
-from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION, method_names
+from megatron_2bw.schedule.compensation_methods import NONE as NO_COMPENSATION, method_names
 from megatron_2bw.schedule.kinds import DEFAULT_SCHEDULE, FIRST_STAGE, default_schedule
 
 

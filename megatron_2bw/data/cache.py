@@ -46,7 +46,7 @@ def description_hash(description: dict) -> str:
 
 def is_local_builder() -> bool:
     """True on the process that builds caches on this node: local rank 0."""
-    from megatron_2bw.parallel.launcher import env_rank_world
+    from megatron_2bw.config.launcher_env import env_rank_world
     return env_rank_world()[2] == 0
 
 

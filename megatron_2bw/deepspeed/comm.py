@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 
 from megatron_2bw.config import ConfigError
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.deepspeed.initialize import (  # noqa: F401 (DeepSpeed's names)
     default_pg_timeout, init_distributed)
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import is_initialized  # noqa: F401 (DeepSpeed's name)
 from megatron_2bw.parallel.distributed import destroy_process_group as _destroy
-from megatron_2bw.parallel.launcher import env_rank_world
 
 NCCL_BACKEND, GLOO_BACKEND, MPI_BACKEND = "nccl", "gloo", "mpi"
 CCL_BACKEND, HCCL_BACKEND, SCCL_BACKEND = "ccl", "hccl", "sccl"

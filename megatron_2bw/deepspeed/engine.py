@@ -13,7 +13,7 @@ per-microbatch reseeding (the pretrain scripts' engine reseeds by seed, stage an
 This is a view over the core engine's public surface (`pipeline/engine.py`): it assigns nothing
 inside it; DeepSpeed's lr arithmetic (skipped steps do not advance the scheduler) is the
 `lr_schedule` it passes to the engine's constructor, and the grid comes from the builder the
-training loop uses (`training.build_grid`).
+training loop uses (`ProcessGrid.from_config`).
 `tests/distributed/test_deepspeed_surface.py` checks this.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.deepspeed.checkpoint import CheckpointMixin
 from megatron_2bw.deepspeed.pipe.module import PipelineError, PipelineModule
 from megatron_2bw.deepspeed.utils import RepeatingLoader
@@ -32,7 +33,6 @@ from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import default_device
 from megatron_2bw.parallel.distributed import current_rank_world
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.parallel.launcher import env_rank_world
 from megatron_2bw.schedule.kinds import ScheduleKind
 
 
@@ -82,14 +82,14 @@ class DeepSpeedPipelineEngine(CheckpointMixin):
                  training_data=None, collate_fn=None):
         """`cfg` and `settings` (config.ds_json.DeepSpeedSettings) from config_from_deepspeed."""
         from megatron_2bw.pipeline.engine import PipelineEngine
-        from megatron_2bw.training.build import build_grid
         self._cfg, self._config, self._settings = cfg, ds_json, settings
         self.module = module
         self.global_rank, self.world_size = current_rank_world()
         self.local_rank = int(os.environ.get("LOCAL_RANK", env_rank_world()[2]))
         comm = Comm()
         self.device = default_device(self.local_rank, comm.backend)
-        grid = build_grid(cfg, self.global_rank, self.world_size, Comm(self.device, comm.backend))
+        grid = ProcessGrid.from_config(cfg, self.global_rank, self.world_size).init_groups(
+            Comm(self.device, comm.backend))
         if grid.stage != module.stage_id:
             raise RuntimeError(f"rank {self.global_rank}: grid stage {grid.stage} != module stage "
                                f"{module.stage_id}")

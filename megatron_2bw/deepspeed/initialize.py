@@ -11,13 +11,14 @@ import torch
 
 from megatron_2bw.config import ConfigError
 from megatron_2bw.config.ds_json import config_from_deepspeed, load_ds_json
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.deepspeed.engine import DeepSpeedPipelineEngine
 from megatron_2bw.deepspeed.pipe.module import PipelineModule, _is_ds_pipeline_module
 from megatron_2bw.deepspeed.pipe.topology import grid_layout
 from megatron_2bw.parallel.devices import default_backend, default_device, is_initialized
 from megatron_2bw.parallel.distributed import current_rank_world, init_process_group
-from megatron_2bw.parallel.launcher import discover_env, env_rank_world, launched
+from megatron_2bw.parallel.launcher import discover_env, launched
 from megatron_2bw.training.reliability import watch_launcher
 
 __all__ = ["DeepSpeedPipelineEngine", "add_config_arguments", "init_distributed", "initialize"]

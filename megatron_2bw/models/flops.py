@@ -53,7 +53,7 @@ def _gpt(layers: int, hidden: int, heads: int, seq: int = 2048, vocab: int = 502
 
 
 # Named shapes (GPT-3 paper table; vocab 50257 padded to 50304, BERT's 30522 to 30592); the
-# `--model` flavours of models/flavours.py are accepted too. `debug` is the tiny test model.
+# `--model` flavours of config/flavours.py are accepted too. `debug` is the tiny test model.
 MODELS = {
     "debug": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                          vocab_size=512),
@@ -70,7 +70,7 @@ MODELS = {
 
 def _flavours() -> dict:
     try:
-        from megatron_2bw.models.flavours import FLAVOURS
+        from megatron_2bw.config.flavours import FLAVOURS
     except ImportError:  # pragma: no cover - flavours are optional
         return {}
     return FLAVOURS
@@ -84,7 +84,7 @@ def named_model(name: str) -> ModelConfig:
     if name in MODELS:
         return replace(MODELS[name])
     if name in _flavours():
-        from megatron_2bw.models.flavours import flavour_architecture
+        from megatron_2bw.config.flavours import flavour_architecture
         family, layers, hidden, heads, seq = _flavours()[name]
         vocab = pad_vocab(30522 if family == "bert" else 50257)
         cfg = replace(_gpt(layers, hidden, heads, seq, vocab), **flavour_architecture(name))

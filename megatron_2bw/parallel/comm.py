@@ -33,8 +33,8 @@ import re
 import torch
 import torch.distributed as dist
 
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.parallel.devices import backend_device, is_initialized
-from megatron_2bw.parallel.launcher import env_rank_world
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # single-tensor reduce-scatter / all-gather under their newest names (older torch: *_tensor)

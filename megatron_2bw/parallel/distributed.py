@@ -18,9 +18,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.parallel.comm import WORLD_TIMEOUT, Comm
 from megatron_2bw.parallel.devices import default_backend, default_device, is_initialized
-from megatron_2bw.parallel.launcher import check_rendezvous, env_rank_world, slurm_rendezvous
+from megatron_2bw.parallel.launcher import check_rendezvous, slurm_rendezvous
 
 _HAS_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters  # torch>=2.3
 

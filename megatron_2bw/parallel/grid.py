@@ -46,6 +46,15 @@ class ProcessGrid:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
 
+    @classmethod
+    def from_config(cls, cfg, rank: int, world_size: int) -> "ProcessGrid":
+        """The layout of `cfg` (a config.Config) on `world_size` ranks, seen from `rank`: the
+        training loop's, the DeepSpeed adapter's and the data roles'. No process group yet:
+        `init_groups(comm)` creates them."""
+        return cls(cfg.parallel.tensor, cfg.parallel.pipeline,
+                   cfg.resolved(world_size).data_parallel_size, rank=rank,
+                   rank_order=cfg.parallel.rank_order)
+
     # -- arithmetic -----------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -65,6 +74,13 @@ class ProcessGrid:
         if self.rank_order == "tp-dp-pp":
             return tp, rest // w, rest % w
         return tp, rest % d, rest // d
+
+    def describe(self, rank: int | None = None) -> str:
+        """"rank R (stage S/D, data-parallel replica W, tensor rank T)" of this rank or `rank`."""
+        r = self.rank if rank is None else rank
+        tp, stage, dp = self.coords(r)
+        return (f"rank {r} (stage {stage}/{self.pipeline}, data-parallel replica {dp}, tensor "
+                f"rank {tp})")
 
     @property
     def tp_rank(self) -> int:

@@ -1,8 +1,8 @@
 """What the launcher (torchrun, DeepSpeed's `deepspeed`, srun, mpirun, torch multiprocessing) told
-this process: its rank,
-the world size and its local rank (`LAUNCHER_VARS`, the one list of the variables every launcher
-sets), SLURM's host list, and the rendezvous address when no torchrun set one. Environment
-reading (and `scontrol show hostnames` where SLURM is installed): no torch, no process group."""
+this process beyond its rank and world (config/launcher_env.py `env_rank_world`): whether a
+launcher started it, its --local-rank, the ranks of its node, SLURM's host list, and the
+rendezvous address when no torchrun set one. Environment reading (and `scontrol show hostnames`
+where SLURM is installed): no torch, no process group."""
 from __future__ import annotations
 
 import os
@@ -10,46 +10,13 @@ import shutil
 import subprocess
 
 from megatron_2bw.config import ConfigError
+from megatron_2bw.config.launcher_env import LAUNCHER_VARS, env_int
 
-# (rank, world size, local rank, processes on this node) as each launcher names them
-LAUNCHER_VARS = (("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun, torch mp
-                 ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-                 ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                  "OMPI_COMM_WORLD_LOCAL_SIZE"),                            # Open MPI
-                 ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))  # MPICH, Intel
 MPI_VARS = LAUNCHER_VARS[2:]
 # DeepSpeed's launcher (deepspeed.launcher.launch, under `deepspeed --num_gpus N ...`) sets RANK,
 # WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT as torchrun does, passes --local_rank=N, and names
 # the node and its processes: (node index, nodes, processes on this node)
 DEEPSPEED_VARS = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
-
-
-def _env_int(env, var: str, default: str | None = None) -> int:
-    value = env.get(var, default)
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{var}={value!r} is not an integer (the launcher's variables, or the "
-                          f"shell's): unset {var} for one process, or launch with torchrun / "
-                          "srun") from None
-
-
-def env_rank_world(env=None) -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun, SLURM or MPI variables; (0, 1, 0) if none.
-    Variables that are no integers, or a rank outside the world, are a one-line ConfigError."""
-    env = os.environ if env is None else env
-    for rank_var, world_var, local_var, _ in LAUNCHER_VARS:
-        if rank_var in env and world_var in env:
-            rank, world = _env_int(env, rank_var), _env_int(env, world_var)
-            local = _env_int(env, local_var, "0")
-            if world < 1 or not 0 <= rank < world or local < 0:
-                raise ConfigError(f"{rank_var}={rank} {world_var}={world} {local_var}={local}: "
-                                  f"the rank must be in 0..{world_var}-1 and the local rank >= "
-                                  f"0; unset them for one process, or launch with torchrun / "
-                                  "srun")
-            return rank, world, local
-    return 0, 1, 0
-
 
 LOCAL_RANK_FLAGS = ("--local-rank", "--local_rank")
 
@@ -96,10 +63,10 @@ def node_ranks(rank: int, local_rank: int) -> list[int] | None:
     env = os.environ
     if "TORCHELASTIC_RUN_ID" in env or "GROUP_RANK" in env:  # torchrun's workers
         first = rank - local_rank
-        return list(range(first, first + _env_int(env, "LOCAL_WORLD_SIZE", local_rank + 1)))
+        return list(range(first, first + env_int(env, "LOCAL_WORLD_SIZE", local_rank + 1)))
     if all(v in env for v in DEEPSPEED_VARS):  # DeepSpeed's launcher: a node's ranks in a row
         first = rank - local_rank
-        return list(range(first, first + _env_int(env, "LOCAL_SIZE", 1)))
+        return list(range(first, first + env_int(env, "LOCAL_SIZE", 1)))
     if "SLURM_GTIDS" in env and env.get("SLURM_PROCID") == str(rank):  # srun, one task a rank
         try:
             return [int(x) for x in env["SLURM_GTIDS"].split(",")]

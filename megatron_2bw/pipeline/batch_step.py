@@ -50,11 +50,12 @@ from megatron_2bw.optim import make_loss_scaler, make_optimizer
 from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.optim.distributed import DistributedOptimizer
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.pipeline.compensation import Compensator, compensation_method
+from megatron_2bw.pipeline.compensation import Compensator
+from megatron_2bw.pipeline.faults import NumericsError
 from megatron_2bw.pipeline.flags import ControlFlags
 from megatron_2bw.pipeline.grad_reduce import GradReduction
 from megatron_2bw.pipeline.weights import VersionedWeights
-from megatron_2bw.training.reliability import NumericsError, describe
+from megatron_2bw.schedule.compensation_methods import compensation_method
 
 class BatchStepper:
     def __init__(self, cfg: Config, grid: ProcessGrid, weights: VersionedWeights, device,
@@ -258,7 +259,7 @@ class BatchStepper:
             raise NumericsError(
                 f"fp16 skipped {self.skipped_in_a_row} steps in a row (gradients not finite at "
                 f"iterations {batch + 2 - self.skipped_in_a_row}-{batch + 1}, loss scale "
-                f"{scale:g}) on {describe(self.grid)}: the run diverged; lower --lr or add "
+                f"{scale:g}) on {self.grid.describe()}: the run diverged; lower --lr or add "
                 "--clip-grad and resume from the last checkpoint (--max-skipped-steps sets the "
                 "limit, 0 disables it)")
 

@@ -34,12 +34,12 @@ from megatron_2bw.parallel.devices import to_device
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.parallel.p2p import P2P
 from megatron_2bw.pipeline.batch_step import BatchStepper
-from megatron_2bw.pipeline.compensation import compensation_method
 from megatron_2bw.pipeline.host_memory import keep_freed_memory
 from megatron_2bw.pipeline.interpreter import Interpreter, comm_layout
 from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule.compensation_methods import compensation_method
 from megatron_2bw.schedule.kinds import schedule_kind_of
 from megatron_2bw.schedule.simulate import check_schedule
 from megatron_2bw.schedule.tables import forward_only, make_schedule

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_2bw.pipeline.flag_names import FLAGS  # noqa: F401 (torch-free, for the planner)
+from megatron_2bw.config.control_flags import FLAGS  # noqa: F401 (torch-free, for the planner)
 
 
 class ControlFlags:

@@ -29,8 +29,8 @@ from __future__ import annotations
 from megatron_2bw.config import Config
 from megatron_2bw.models.stage import LayerSpec
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.pipeline.compensation import compensation_method
 from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule.compensation_methods import compensation_method
 from megatron_2bw.schedule.nccl_order import early_receives_safe
 from megatron_2bw.schedule.comm_layout import CommLayout
 from megatron_2bw.schedule.nccl_posts import comm_groups

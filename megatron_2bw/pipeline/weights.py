@@ -68,8 +68,9 @@ import copy
 import torch
 from torch import nn
 
+from megatron_2bw.config.choices import GRAD_ACCUMULATIONS
+from megatron_2bw.config.control_flags import TAIL  # TAIL: loss, then flags
 from megatron_2bw.optim.shard_layout import ShardLayout, region_lengths
-from megatron_2bw.pipeline.flag_names import GRAD_ACCUMULATIONS, TAIL  # TAIL: loss, then flags
 
 
 def _group(p: nn.Parameter, tied: dict) -> int:

@@ -54,12 +54,12 @@ from functools import cached_property
 from megatron_2bw.config import ModelConfig
 from megatron_2bw.models.flops import DTYPE_BYTES, layer_costs
 from megatron_2bw.models.partition import partition, partition_within
-from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.planner.memory import (OPTIMIZER_COPIES, _kept, _recomputed,  # noqa: F401
                                          activation_bytes, layout_stage_memory, stage_memory,
                                          stage_params, stage_tied, state_bytes)
 from megatron_2bw.planner.placement import placement
 from megatron_2bw.planner.reductions import _reduction
+from megatron_2bw.schedule.compensation_methods import NONE as NO_COMPENSATION
 from megatron_2bw.schedule.kinds import ScheduleKind, schedule_kind_of
 
 

@@ -15,7 +15,7 @@ DEVICES = {
     # the PipeDream-2BW paper's measured per-GPU rate (Narayanan et al., ICML 2021, Sec. 5, as
     # issue 30 quotes it). Shape: the paper's Fig. 12, ~4x throughput from b=1 to b=16 for its GPT
     # models, which its throughput experiments run at sequence length 512 (Sec. 5.2: "using 8 and
-    # 64 V100s with a sequence length of 512"; not models/flavours.py's 2048, which an earlier
+    # 64 V100s with a sequence length of 512"; not config/flavours.py's 2048, which an earlier
     # reading assumed): 16 (1 + k) / (16 + k) = 4 gives k = 4 samples, M_half = 4 x 512 rows
     # (kernel launch and framework overheads of small microbatches, not only the GEMMs).
     "v100": dict(device_tflops=125.0, efficiency=0.36, memory_bandwidth_gb_per_s=900.0,

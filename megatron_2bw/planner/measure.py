@@ -8,9 +8,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
-from megatron_2bw.pipeline.compensation import compensation_method
 from megatron_2bw.planner.profile import KINDS, SHAPE_FIELDS, MeasuredProfile
+from megatron_2bw.schedule.compensation_methods import NONE as NO_COMPENSATION
+from megatron_2bw.schedule.compensation_methods import compensation_method
 
 
 def _median_time(fn, repeats: int) -> float:

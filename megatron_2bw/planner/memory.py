@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from megatron_2bw.config.control_flags import TAIL
 from megatron_2bw.models.flops import DTYPE_BYTES
 from megatron_2bw.optim.shard_layout import bucket_elements, padded_numel
-from megatron_2bw.pipeline.compensation import (NONE as NO_COMPENSATION, compensation_method,
-                                                keeps_master)
-from megatron_2bw.pipeline.flag_names import TAIL
+from megatron_2bw.schedule.compensation_methods import (NONE as NO_COMPENSATION,
+                                                        compensation_method, keeps_master)
 from megatron_2bw.schedule.kinds import schedule_kind_of
 
 OPTIMIZER_COPIES = {"adam": 2, "sgd": 1}

@@ -40,11 +40,11 @@ from megatron_2bw.config.input_files import read_json
 from megatron_2bw.config.numbers import is_finite
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.models.flops import DTYPE_BYTES, LayerCost
-from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
-from megatron_2bw.pipeline.compensation import compensation_method, method_names
 from megatron_2bw.planner.curve import (DEVICES, fit_gemm_curve, fixed_cost_split,
                                         gemm_efficiency, ridge_tokens)
 from megatron_2bw.planner.topology import PlanError
+from megatron_2bw.schedule.compensation_methods import NONE as NO_COMPENSATION
+from megatron_2bw.schedule.compensation_methods import compensation_method, method_names
 
 STEP_BYTES = 36.0  # a plain step's memory traffic per parameter (AnalyticProfile's default)
 

@@ -3,9 +3,9 @@ the data-parallel one the stage's last backward of the batch hides (cost_model.p
 says what is counted; `stage_plan` prices every stage with `_reduction`)."""
 from __future__ import annotations
 
+from megatron_2bw.config.control_flags import TAIL
 from megatron_2bw.models.flops import DTYPE_BYTES
 from megatron_2bw.optim.shard_layout import bucket_elements
-from megatron_2bw.pipeline.flag_names import TAIL
 
 
 def _after_last_backward(t_dp: float, bwd: float, params: int, w: int, setup) -> float:

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field, replace
 from megatron_2bw.config import RANK_ORDERS, ModelConfig
 from megatron_2bw.config import num_microbatches as config_microbatches
 from megatron_2bw.models.flops import DTYPE_BYTES
-from megatron_2bw.pipeline.compensation import NONE as NO_COMPENSATION
 from megatron_2bw.planner.cost_model import (OPTIMIZER_COPIES, LayerTimes, Layout, Setup,
                                              compute_floor, stage_plan)
 from megatron_2bw.planner.memory import largest_affine_fit, layout_stage_memory
 from megatron_2bw.planner.simulate import Estimate, predict
 from megatron_2bw.planner.topology import GB, PlanError, Topology
+from megatron_2bw.schedule.compensation_methods import NONE as NO_COMPENSATION
 from megatron_2bw.schedule.kinds import FIRST_STAGE, schedule_kind, schedule_names
 
 SCHEDULES = schedule_names()

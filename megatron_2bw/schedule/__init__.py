@@ -3,7 +3,8 @@ but itself (tests/unit/test_layout.py checks that nothing here imports torch).
 
 Owns: the action vocabulary (actions.py: F/B, ra/sa/rg/sg, R/N/S and their printable forms),
 the table generators (generators.py), the schedule registry and every rule a schedule implies
-(kinds.py: gpipe, flush, 2bw, forward; slots, versions, m >= d, in flight, segments), the lazy
+(kinds.py: gpipe, flush, 2bw, forward; slots, versions, m >= d, in flight, segments), the 2BW
+compensation methods and what each needs (compensation_methods.py), the lazy
 per-stage tables of a (kind, d, m, segment) (tables.py), the event-driven simulator that is also
 the validator (simulate.py: deadlock-free, dependencies, versions), the NCCL-order validator
 (nccl_posts.py: what every rank posts and waits for, as the engine runs a table; nccl_order.py:

@@ -39,7 +39,7 @@ from megatron_2bw.config import Config
 from megatron_2bw.models.stage import LayerSpec, StageModule
 from megatron_2bw.optim.lr import LRSchedule
 from megatron_2bw.optim.optimizer import torch_reference_optimizer
-from megatron_2bw.pipeline.compensation import compensation_method
+from megatron_2bw.schedule.compensation_methods import compensation_method
 from megatron_2bw.schedule.kinds import schedule_kind
 
 

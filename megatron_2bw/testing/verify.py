@@ -31,11 +31,12 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.config.flags import (FlagParser, add_model_args, add_parallel_args,
                                        add_training_args, exit_on_config_error)
 from megatron_2bw.models.families import model_parts
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.tensor_parallel.shards import merge_tensor_shards
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.reference import build_sequential, reference_train
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
 
@@ -60,7 +61,7 @@ EVAL_DATA_OFFSET = 10 ** 6  # evaluation samples come from far beyond the traini
 
 def _worker(rank: int, world_size: int, cfg: Config, outdir: str, engine_class,
             eval_interval: int = 0) -> None:
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     engine = build_engine(cfg, grid, "cpu", engine_class)
     data = mock_batches(cfg, grid.data, grid.dp_rank)
     eval_data = mock_batches(cfg, grid.data, grid.dp_rank, start_batch=EVAL_DATA_OFFSET,

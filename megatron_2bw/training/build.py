@@ -1,4 +1,5 @@
-"""Building a run from the config: the process grid, this rank's engine and its microbatches."""
+"""Building a run from the config: this rank's engine, its data role and its microbatches (the
+process grid: parallel/grid.py `ProcessGrid.from_config`)."""
 from __future__ import annotations
 
 from megatron_2bw.config import Config
@@ -6,15 +7,6 @@ from megatron_2bw.models.families import FAMILIES, model_parts
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.tensor_parallel import TPGroup
-
-
-def build_grid(cfg: Config, rank: int, world_size: int, comm=None) -> ProcessGrid:
-    """The process groups of `cfg`'s layout on `world_size` ranks (the training loop's and the
-    DeepSpeed adapter's), created through `comm` (default: a Comm of the process group)."""
-    grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
-                       cfg.resolved(world_size).data_parallel_size, rank=rank,
-                       rank_order=cfg.parallel.rank_order)
-    return grid.init_groups(comm)
 
 
 def data_role(cfg: Config, rank: int, world_size: int,
@@ -25,9 +17,7 @@ def data_role(cfg: Config, rank: int, world_size: int,
     parallel/launcher.py `node_ranks`) that reads data. With `node` unknown every rank that
     reads builds: several builders are harmless (data/cache.py publishes create-if-absent),
     a node without one would wait for the cache until its timeout."""
-    grid = ProcessGrid(cfg.parallel.tensor, cfg.parallel.pipeline,
-                       cfg.resolved(world_size).data_parallel_size, rank=rank,
-                       rank_order=cfg.parallel.rank_order)
+    grid = ProcessGrid.from_config(cfg, rank, world_size)
     d = grid.pipeline
 
     def reads(r: int) -> bool:

@@ -11,13 +11,13 @@ from megatron_2bw.checkpoint.api import check_iterations, load_checkpoint
 from megatron_2bw.config import Config
 from megatron_2bw.data.prefetch import close_pipelines, input_pipeline
 from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError
 from megatron_2bw.training.build import build_engine
 from megatron_2bw.training.kernels import kernels_line
 from megatron_2bw.training.observe.interval_log import IntervalLog
 from megatron_2bw.training.observe.logger import TrainLogger
 from megatron_2bw.training.observe.profiling import StepProfiler
-from megatron_2bw.training.reliability import (NO_FAULTS, FaultHooks, NumericsError, Preemption,
-                                               check_numerics, process_start_time)
+from megatron_2bw.training.reliability import Preemption, check_numerics, process_start_time
 
 
 def _stop_requested(cfg: Config, started: float, iteration: int, engine) -> bool:
@@ -52,9 +52,9 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     more). make_data(start_batch) gives this replica's training microbatches; lr_schedule
     (iteration -> lr, e.g. a DeepSpeed JSON's) replaces the Config's. Returns the losses of the
     iterations run (read on the host only at log intervals). `progress`: a terminal stream for
-    the progress bar (None: plain lines). `hooks` injects faults (tests only:
-    reliability.FaultHooks). `started`: when --exit-duration-in-mins starts counting (time.time();
-    None: when this process started, so start-up and checkpoint loading count)."""
+    the progress bar (None: plain lines). `hooks` injects faults (tests only: pipeline/faults.py
+    FaultHooks). `started`: when --exit-duration-in-mins starts counting (time.time(); None: when
+    this process started, so start-up and checkpoint loading count)."""
     t = cfg.train
     started = process_start_time() if started is None else started
     # SIGTERM/SIGUSR1/SIGINT from here on end in a checkpoint, also while loading

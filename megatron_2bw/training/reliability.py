@@ -25,7 +25,8 @@ rank and stage, non-finite losses and gradients, and the fault-injection hooks t
   just queued), and those of the newest before a checkpoint and at the end, so no checkpoint of a
   diverged step is written; `check_numerics` stops fp32/bf16 runs naming the iteration and the
   stages. fp16 skips such steps instead.
-- Fault injection: `FaultHooks` is the set of points where tests inject faults. Production code
+- Fault injection: `FaultHooks` (pipeline/faults.py, with `NumericsError`: the leaf that the
+  engine and checkpoints share) is the set of points where tests inject faults. Production code
   calls the no-op defaults; tests pass their own object to `training.train(..., hooks=)` or
   `pretrain.main(family, argv, hooks=)`. Nothing here reads the environment to inject a fault.
 """
@@ -36,47 +37,8 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
 
-
-class NumericsError(RuntimeError):
-    """A run that diverged: a non-finite loss without loss scaling, too many consecutive
-    skipped fp16 steps, or non-finite weights at a checkpoint."""
-
-
-def describe(grid, rank: int | None = None) -> str:
-    """"rank R (stage S/D, data-parallel replica W, tensor rank T)" of this rank or `rank`."""
-    r = grid.rank if rank is None else rank
-    tp, stage, dp = grid.coords(r)
-    return (f"rank {r} (stage {stage}/{grid.pipeline}, data-parallel replica {dp}, tensor rank "
-            f"{tp})")
-
-
-class FaultHooks:
-    """The points where tests inject faults; every default does nothing.
-
-    after_iteration(grid, iteration)     after each training iteration (1-based), on every rank
-    during_save(grid, iteration, path)   on each writing rank, before it writes `path`
-    wrap_loss(loss_fn, engine)           once per engine: the loss function the engine uses
-    on_engine(engine)                    once per engine, before training: tests register torch
-                                         module or gradient hooks on `engine.weights.modules`
-                                         (a stage that sleeps, a gradient made non-finite)
-    """
-
-    def after_iteration(self, grid, iteration: int) -> None:
-        pass
-
-    def during_save(self, grid, iteration: int, path: str) -> None:
-        pass
-
-    def wrap_loss(self, loss_fn: Callable, engine) -> Callable:
-        return loss_fn
-
-    def on_engine(self, engine) -> None:
-        pass
-
-
-NO_FAULTS = FaultHooks()
+from megatron_2bw.pipeline.faults import NumericsError
 
 WATCHER = "megatron-2bw-launcher-watch"
 
@@ -220,6 +182,6 @@ def check_numerics(numerics: tuple[int, float, list[int]] | None, grid, dtype: s
     what = f"loss is {loss}" if not math.isfinite(loss) else "gradient norm is not finite"
     resume = f"resume from {last_checkpoint}" if last_checkpoint else \
         "resume from the last checkpoint"
-    raise NumericsError(f"{what} at iteration {batch + 1} on {describe(grid)} with {dtype}: "
+    raise NumericsError(f"{what} at iteration {batch + 1} on {grid.describe()} with {dtype}: "
                         f"{where}; lower --lr, add --clip-grad, use --fp16 loss scaling, or "
                         f"{resume}")

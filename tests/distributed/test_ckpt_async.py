@@ -17,9 +17,10 @@ from megatron_2bw.checkpoint.dist import storage
 from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration, temporary_files
 from megatron_2bw.checkpoint.saver import AGREEMENT_DELAY, Checkpointer
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.faults import FaultHooks
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
-from megatron_2bw.training.reliability import FaultHooks
+from megatron_2bw.training.build import build_engine, mock_batches
 from test_resume import make_cfg, run
 
 
@@ -27,7 +28,7 @@ def _one_rank(argv=()):
     flags = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
              "--seq-length 16 --micro-batch-size 2 --global-batch-size 4 --train-iters 20").split()
     cfg = build_config(build_parser("gpt").parse_args(flags + list(argv)), "gpt", 1).config
-    grid = build_grid(cfg, 0, 1)
+    grid = ProcessGrid.from_config(cfg, 0, 1).init_groups()
     return build_engine(cfg, grid, "cpu"), cfg, grid
 
 

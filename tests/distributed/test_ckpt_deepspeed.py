@@ -26,9 +26,10 @@ from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.megatron import mapping
 from megatron_2bw.checkpoint.resume import resume_note
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_reshard import _dump, merged, unshard
 
 RUNS = [(0, False, "zero0"), (1, True, "zero1-thirds")]
@@ -82,7 +83,7 @@ def expected_moments(cfg, stages: dict, thirds: bool) -> dict[str, dict[str, tor
 
 
 def _load_worker(rank, world, cfg, ckpt, out, load_optim, finetune, load_rng):
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     lines = []
     start = load_checkpoint(ckpt, engine, cfg, grid, load_optim=load_optim, finetune=finetune,
@@ -323,7 +324,7 @@ def test_a_foreign_layout_an_incomplete_or_truncated_checkpoint_is_one_line_befo
 
 
 def _refused_worker(rank, world, cfg, ckpt, out):
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     before = {k: v.clone() for k, v in engine.fp32_state().items()}
     try:

@@ -15,7 +15,7 @@ from megatron_2bw.checkpoint.convert.to_dist import torch_to_dist
 from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from test_resume import _worker
 
 FIXTURE = Path(__file__).resolve().parents[1] / "golden" / "ckpt_e2f4b58"

@@ -17,9 +17,10 @@ import torch
 import mcore_models as mc
 from megatron_2bw.checkpoint.api import load_checkpoint
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (1, 2, 2)]
 SAVED = [("gpt-learned", 1), ("gpt-learned", 2), ("gpt-llama", 1), ("gpt-llama", 2),
@@ -43,7 +44,7 @@ def megatron_checkpoints(tmp_path_factory):
 
 
 def _load_worker(rank, world, cfg, ckpt, out):
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     lines = []
     start = load_checkpoint(ckpt, engine, cfg, grid, log=lines.append)

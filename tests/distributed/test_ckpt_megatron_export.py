@@ -18,7 +18,7 @@ import torch
 
 import mcore_models as mc
 from megatron_2bw.checkpoint.convert.cli import main as convert_main
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_reshard import SAVED_AT, _save, check_load
 
 MEGATRON = ("--ckpt-format", "megatron")
@@ -55,9 +55,10 @@ def _our_worker(rank, world, cfg, ckpt, out):
     """Train our run STEPS steps, save it (--ckpt-format megatron), write our batch loss and our
     Adam moments by one-process name."""
     from megatron_2bw.checkpoint.api import save_checkpoint
-    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
     from test_ckpt_reshard import _dump
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     data = mock_batches(cfg, grid.data, grid.dp_rank)
     for _ in range(mc.STEPS):

@@ -25,10 +25,11 @@ import mcore_models as mc
 from megatron_2bw.checkpoint.api import load_checkpoint
 from megatron_2bw.checkpoint.megatron import mapping
 from megatron_2bw.models.families import model_parts
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.testing.reference import build_sequential, reference_train
 from megatron_2bw.testing.verify import compare
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_megatron import our_cfg
 from test_ckpt_reshard import _dump, merged, unshard
 
@@ -63,7 +64,7 @@ def expected(root: str, cfg, main_prefix: str) -> dict:
 
 
 def _worker(rank, world, cfg, ckpt, out, load_optim, finetune, load_rng):
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     lines = []
     start = load_checkpoint(ckpt, engine, cfg, grid, load_optim=load_optim, finetune=finetune,

@@ -17,7 +17,7 @@ from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.resume import resume_note, saved_config
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 
 @pytest.fixture(scope="module")

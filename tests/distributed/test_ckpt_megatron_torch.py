@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mcore_models as mc
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_megatron import load_and_evaluate, our_cfg
 
 RUNS = [("gpt-llama", 2, 1, False), ("gpt-learned", 2, 2, True), ("gpt-llama", 2, 2, True)]

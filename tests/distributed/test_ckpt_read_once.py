@@ -17,9 +17,10 @@ from megatron_2bw.checkpoint import files
 from megatron_2bw.checkpoint.api import load_checkpoint, save_checkpoint
 from megatron_2bw.checkpoint.files import LATEST, CheckpointError
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 TINY = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
         "--micro-batch-size 1 --global-batch-size 4 --vocab-size 64 --train-iters 4").split()
@@ -56,7 +57,7 @@ def _worker(rank, world, root, out):
     for fmt in FORMATS:
         argv = TINY + ["--ckpt-format", fmt]
         cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", world).config
-        grid = build_grid(cfg, rank, world)
+        grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
         engine = build_engine(cfg, grid, "cpu")
         engine.train_batch(mock_batches(cfg, grid.data, grid.dp_rank))
         ck = os.path.join(root, fmt)

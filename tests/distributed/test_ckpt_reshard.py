@@ -22,12 +22,13 @@ from megatron_2bw.checkpoint.names import one_process_names
 from megatron_2bw.config.build import build_config
 from megatron_2bw.models.families import model_parts
 from megatron_2bw.optim.distributed import full_state
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.tensor_parallel.shards import merge_tensor_shards
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.reference import build_sequential, reference_train
 from megatron_2bw.testing.verify import Report, compare
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 1 --global-batch-size 8 --lr 3e-3 --vocab-size 128 "
@@ -84,7 +85,7 @@ def unshard(dumps: list[dict]) -> list[dict]:
 
 
 def _save_worker(rank, world, cfg, ckpt, out):
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     data = mock_batches(cfg, grid.data, grid.dp_rank)
     for _ in range(SAVED_AT):
@@ -94,7 +95,7 @@ def _save_worker(rank, world, cfg, ckpt, out):
 
 
 def _load_worker(rank, world, cfg, ckpt, out):
-    grid = build_grid(cfg, rank, world)
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     assert load_checkpoint(ckpt, engine, cfg, grid) == SAVED_AT
     loaded = _dump(engine, cfg, grid)

@@ -13,7 +13,7 @@ from megatron_2bw.parallel import devices
 from megatron_2bw.parallel import distributed as D
 from megatron_2bw.parallel.comm import Comm, CommDeviceError
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from torch.multiprocessing import ProcessRaisedException
 from megatron_2bw.checkpoint.api import LATEST
 from megatron_2bw.config.build import build_config
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --pipeline-model-parallel-size 2 "
@@ -98,6 +98,7 @@ def _install_bug(bug):
 
 
 def _worker(rank, world_size, d, bug):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.training import build as building
     from megatron_2bw.training import loop as training
     _install_bug(bug)
@@ -116,7 +117,7 @@ def _worker(rank, world_size, d, bug):
                              "--load", f"{d}/ck", "--exit-duration-in-mins", "1e-9",
                              "--eval-interval", "3", "--eval-iters", "1"]),
     }
-    grid = building.build_grid(runs["preempted"], rank, world_size)
+    grid = ProcessGrid.from_config(runs["preempted"], rank, world_size).init_groups()
     signalled = grid.rank_of(0, 0, 1)
     out = {}
     for name, cfg in runs.items():

@@ -10,11 +10,12 @@ import torch
 
 from matrix import matrix
 from megatron_2bw.config.build import build_config
-from megatron_2bw.pipeline.compensation import Compensator, keeps_master, method_names
+from megatron_2bw.pipeline.compensation import Compensator
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.planner.cost_model import state_bytes
 from megatron_2bw.pretrain import build_parser
+from megatron_2bw.schedule.compensation_methods import keeps_master, method_names
 from megatron_2bw.testing.reference import _predicted, _spike
 from megatron_2bw.testing.verify import parse, run
 from test_engine_units import _model, stepped

@@ -14,9 +14,10 @@ from megatron_2bw.checkpoint.dist.load import read_full, stage_boxes
 from megatron_2bw.checkpoint.files import iteration_dir
 from megatron_2bw.config.build import build_config
 from megatron_2bw.optim.distributed import full_state
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import build_engine, build_grid
+from megatron_2bw.training.build import build_engine
+from megatron_2bw.training.spawn import spawn
 
 from test_resume import _worker as _train_worker
 
@@ -34,7 +35,7 @@ def cfg_of(method, d, w, *extra):
 def _load_worker(rank, world_size, cfg, load_dir, out):
     """Load the checkpoint and dump this rank's optimizer state, where its flat buffers' global
     tensors lie, and the newest slot (what the next batch but one runs on: the prediction)."""
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     load_checkpoint(load_dir, engine, cfg, grid)
     engine.stepper.wait_weights()

@@ -10,7 +10,7 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.pipeline.flags import FLAGS, ControlFlags
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3").split()
@@ -88,12 +88,13 @@ class _P2PRecorder(Comm):
 
 
 def _worker(rank, world_size, t, d, raiser, out):
-    from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine, mock_batches
     argv = BASE + ["--tensor-model-parallel-size", str(t), "--pipeline-model-parallel-size",
                    str(d)]
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", world_size).config
     comm = _P2PRecorder()
-    grid = build_grid(cfg, rank, world_size, comm)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups(comm)
     result = {}
     for who in (raiser, None):
         engine = build_engine(cfg, grid, "cpu")

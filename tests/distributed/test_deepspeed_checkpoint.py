@@ -18,7 +18,7 @@ import megatron_2bw as deepspeed  # noqa: E402
 import train as example  # noqa: E402
 from megatron_2bw.checkpoint.files import CheckpointError  # noqa: E402
 from megatron_2bw.deepspeed import checkpoint as ds_checkpoint  # noqa: E402
-from megatron_2bw.testing.launch import spawn  # noqa: E402
+from megatron_2bw.training.spawn import spawn  # noqa: E402
 
 FAILING = "mp_rank_01_model_states.pt"  # stage 1 runs out of space half-way through this file
 

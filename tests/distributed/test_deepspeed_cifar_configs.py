@@ -15,7 +15,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples", "deepspeed_style"))
 
-from megatron_2bw.testing.launch import spawn  # noqa: E402
+from megatron_2bw.training.spawn import spawn  # noqa: E402
 
 TOPOLOGIES = [(1, 4), (2, 2), (4, 1)]
 STEPS, BATCH, MICRO = 3, 16, 4

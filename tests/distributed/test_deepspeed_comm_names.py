@@ -18,7 +18,7 @@ import torch
 
 import megatron_2bw.deepspeed.comm as ours
 from megatron_2bw.config import ConfigError
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 # read in a process of its own: the real deepspeed must not share this one with the drop-in
 READ = r'''

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "examples", "deepspeed_style"))
 
 import train as example  # noqa: E402
-from megatron_2bw.testing.launch import spawn  # noqa: E402
+from megatron_2bw.training.spawn import spawn  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed")

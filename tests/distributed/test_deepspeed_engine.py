@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples", "deepspeed_style"))
 
 import megatron_2bw as deepspeed  # noqa: E402
 import train as example  # noqa: E402
-from megatron_2bw.testing.launch import spawn  # noqa: E402
+from megatron_2bw.training.spawn import spawn  # noqa: E402
 
 
 def micro_batches(micro, start=0):

@@ -12,7 +12,7 @@ import megatron_2bw as deepspeed
 from megatron_2bw.config import ConfigError
 from megatron_2bw.deepspeed.pipe import PipeDataParallelTopology, ProcessTopology
 from megatron_2bw.deepspeed.runtime.pipe.topology import PipelineParallelGrid, default_topology
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 
 def _save(obj, outdir, rank):

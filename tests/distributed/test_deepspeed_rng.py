@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import megatron_2bw as deepspeed
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-8}},

@@ -50,7 +50,7 @@ def scan(source: str) -> list:
             elif name[0] == "setattr":
                 found.append((node.lineno, "setattr"))
             elif name[0] == "ProcessGrid":
-                found.append((node.lineno, "builds its own grid (use training.build_grid)"))
+                found.append((node.lineno, "builds its own grid (use ProcessGrid.from_config)"))
     return found
 
 
@@ -80,7 +80,7 @@ def state_dict(self):
     whats = {what for _, what in scan(before)}
     assert {"_engine._engine", "the engine's stepper", "assigns stepper.lr",
             "adopt() re-points the module",
-            "builds its own grid (use training.build_grid)"} <= whats
+            "builds its own grid (use ProcessGrid.from_config)"} <= whats
     fine = '''
 def init(self, cfg):
     self._engine = PipelineEngine(cfg, lr_schedule=schedule)
@@ -123,7 +123,7 @@ def _view_worker(rank, world, outdir):
 
 
 def test_the_pipeline_module_is_a_view_of_the_newest_weights():
-    from megatron_2bw.testing.launch import spawn
+    from megatron_2bw.training.spawn import spawn
     with tempfile.TemporaryDirectory() as d:
         spawn(_view_worker, 2, args=(d,), timeout_minutes=2)
         res = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(2)]

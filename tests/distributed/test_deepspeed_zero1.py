@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import megatron_2bw as deepspeed
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 
 def _engine(schedule, stage):

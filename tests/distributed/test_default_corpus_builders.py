@@ -31,7 +31,7 @@ def test_concurrent_builders_agree(tmp_path):
 
 @pytest.mark.slow
 def test_readme_run_on_default_corpus_beats_unigram_entropy(cache):
-    from megatron_2bw.testing.launch import spawn
+    from megatron_2bw.training.spawn import spawn
     entropy = default_corpus_unigram_entropy()
     out = str(cache / "losses.pt")
     spawn(_train_on_default_corpus, 2, (readme_run(), out))

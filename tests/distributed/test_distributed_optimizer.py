@@ -16,11 +16,12 @@ from megatron_2bw.checkpoint.api import LATEST, load_checkpoint, rank_dir
 from megatron_2bw.checkpoint.files import optimizer_shard_name
 from megatron_2bw.config.build import build_config
 from megatron_2bw.optim.distributed import full_state
-from megatron_2bw.pipeline.compensation import NONE, method_names
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.schedule.compensation_methods import NONE, method_names
 from megatron_2bw.testing.verify import parse, run
-from megatron_2bw.training.build import build_engine, build_grid
+from megatron_2bw.training.build import build_engine
+from megatron_2bw.training.spawn import spawn
 from torch.multiprocessing import ProcessRaisedException
 
 from fault_hooks import PoisonGradient
@@ -133,7 +134,7 @@ def test_resume_with_tied_stages_is_bitwise_identical(schedule):
 
 
 def _load_unsharded(rank, world_size, cfg, load_dir, out):
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     load_checkpoint(load_dir, engine, cfg, grid)
     assert not engine.weights.sharded

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from megatron_2bw.models.stage import LayerSpec
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.reference import reference_train
 from megatron_2bw.testing.verify import parse
+from megatron_2bw.training.spawn import spawn
 
 HIDDEN, MICRO, M = 16, 2, 4
 CHANGING = [[8] * M, [32] * M, [8] * M, [32] * M]     # sequence length per batch, microbatch
@@ -79,10 +79,10 @@ class _Counting:
 
 
 def _engine_run(d, schedule, seqs, dynamic):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.pipeline.engine import PipelineEngine
-    from megatron_2bw.training.build import build_grid
     cfg = _cfg(schedule, d)
-    grid = build_grid(cfg, torch.distributed.get_rank(), d)
+    grid = ProcessGrid.from_config(cfg, torch.distributed.get_rank(), d).init_groups()
     engine = PipelineEngine(cfg, grid, _specs(), _loss, [LAYERS * s // d for s in range(d + 1)],
                             "cpu", dynamic_shape=dynamic)
     engine.p2p.comm = counter = _Counting(engine.p2p.comm)

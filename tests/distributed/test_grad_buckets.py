@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_2bw.pipeline.engine import PipelineEngine
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.verify import _worker, parse, run
+from megatron_2bw.training.spawn import spawn
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --lr 3e-3 --train-iters 4 --clip-grad 0.3 "

@@ -15,7 +15,7 @@ from megatron_2bw.parallel.comm import Comm, PeerError
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.parallel.p2p import P2P
 from megatron_2bw.pipeline.batch_step import _wait
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 TIMEOUT_MIN = 0.05  # 3 s
 

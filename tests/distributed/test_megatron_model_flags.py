@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.faults import FaultHooks
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.verify import parse, run
-from megatron_2bw.training.build import batches, build_grid, mock_dataset
+from megatron_2bw.training.build import batches, mock_dataset
 from megatron_2bw.training.loop import train
 from megatron_2bw.training.observe.logger import parse_line
-from megatron_2bw.training.reliability import FaultHooks
+from megatron_2bw.training.spawn import spawn
 
 FLAGS = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
          "--micro-batch-size 2 --train-iters 3 --global-batch-size 8 --weight-decay 0.1 "
@@ -41,7 +42,7 @@ class KeepEngine(FaultHooks):
 
 def _params_norm_worker(rank, world_size, cfg, out):
     hooks = KeepEngine()
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     dataset = mock_dataset(cfg)
     lines = []
     train(cfg, grid, "cpu", log=lines.append, hooks=hooks,

@@ -4,10 +4,11 @@ read data; dropout on). A loader that started from the wrong microbatch fails it
 import torch
 
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import batches, build_grid, mock_dataset
+from megatron_2bw.training.build import batches, mock_dataset
 from megatron_2bw.training.loop import train
+from megatron_2bw.training.spawn import spawn
 
 BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --pipeline-model-parallel-size 2 "
@@ -18,7 +19,7 @@ BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --s
 def _worker(rank, world_size, runs, out):
     """The runs one after another in these processes (one process group: a spawn costs more
     than the training)."""
-    grid = build_grid(runs[0], rank, world_size)
+    grid = ProcessGrid.from_config(runs[0], rank, world_size).init_groups()
     dataset = mock_dataset(runs[0])
     for i, cfg in enumerate(runs):
         losses = train(cfg, grid, "cpu", log=lambda line: None,

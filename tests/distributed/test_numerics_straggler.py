@@ -12,10 +12,11 @@ from torch.multiprocessing import ProcessRaisedException
 from fault_hooks import PoisonGradient, SlowStage
 from megatron_2bw.checkpoint.api import LATEST
 from megatron_2bw.parallel.grid import ProcessGrid
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.pipeline.faults import NumericsError
 from megatron_2bw.training.observe.logger import parse_line
 from megatron_2bw.training.observe.straggler import rank_times, straggler_report
-from megatron_2bw.training.reliability import NumericsError, check_numerics
+from megatron_2bw.training.reliability import check_numerics
+from megatron_2bw.training.spawn import spawn
 from test_resume import _worker, make_cfg, newest_weights, run
 
 STRAGGLER = re.compile(r"^straggler at iteration (\d+): rank (\d) \(stage (\d)/2")

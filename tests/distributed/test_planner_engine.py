@@ -13,7 +13,7 @@ from megatron_2bw.config import BatchConfig, Config, ModelConfig, OptimizerConfi
 from megatron_2bw.config import PrecisionConfig, TrainConfig
 from megatron_2bw.planner import AnalyticProfile, Topology
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, activation_bytes, stage_plan
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 BATCHES = 3
 
@@ -30,9 +30,10 @@ def _cfg(schedule, t=1, d=1, b=2, m=4, dtype="fp32", opt="adam", recompute=False
 
 
 def _worker(rank, world_size, cfgs, outdir):
+    from megatron_2bw.parallel.grid import ProcessGrid
     from megatron_2bw.pipeline.engine import PipelineEngine
     from megatron_2bw.tensor_parallel import TPGroup
-    from megatron_2bw.training.build import build_grid, mock_batches
+    from megatron_2bw.training.build import mock_batches
     from megatron_2bw.models.families import model_parts
 
     class Counting(PipelineEngine):
@@ -55,7 +56,7 @@ def _worker(rank, world_size, cfgs, outdir):
 
     results = []
     for cfg in cfgs:
-        grid = build_grid(cfg, rank, world_size)
+        grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
         specs, loss_fn, bounds = model_parts(cfg, TPGroup.from_grid(grid), grid.pipeline)
         engine = Counting(cfg, grid, specs, loss_fn, bounds, "cpu")
         data = mock_batches(cfg, grid.data, grid.dp_rank)

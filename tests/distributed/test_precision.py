@@ -6,9 +6,10 @@ import tempfile
 import pytest
 import torch
 
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.testing.verify import parse, run
-from megatron_2bw.training.build import build_engine, build_grid, mock_batches
+from megatron_2bw.training.build import build_engine, mock_batches
+from megatron_2bw.training.spawn import spawn
 
 TINY = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 16 --train-iters 5 --data-parallel-size 2 "
@@ -28,7 +29,7 @@ def test_mixed_precision_2bw_tracks_fp32_reference(precision, rtol, extra):
 
 
 def _fp16_worker(rank, world_size, cfg, outdir):
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     data = mock_batches(cfg, grid.data, grid.dp_rank)
     engine.start(cfg.train.train_iters)

@@ -179,9 +179,10 @@ class BrokenAt:
 
 
 def _train_on_broken_data(rank, world_size, cfg):
-    from megatron_2bw.training.build import batches, build_grid
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import batches
     from megatron_2bw.training.loop import train
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     data = BrokenAt(cfg)
     train(cfg, grid, "cpu", make_data=lambda s: batches(cfg, data, grid.data, grid.dp_rank, s),
           log=lambda line: None)
@@ -189,8 +190,8 @@ def _train_on_broken_data(rank, world_size, cfg):
 
 def test_a_failed_read_stops_training_with_one_line():
     from megatron_2bw.config.build import build_config
-    from megatron_2bw.testing.launch import spawn
     from megatron_2bw.pretrain import build_parser
+    from megatron_2bw.training.spawn import spawn
     argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
             "--micro-batch-size 2 --global-batch-size 4 --train-iters 4 --num-workers 2").split()
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 1).config

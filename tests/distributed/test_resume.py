@@ -11,11 +11,12 @@ from megatron_2bw.checkpoint.api import LATEST, CheckpointError, rank_dir
 from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common, read_full
 from megatron_2bw.checkpoint.files import iteration_dir
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.pipeline.faults import NO_FAULTS
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import batches, build_grid, mock_dataset
+from megatron_2bw.training.build import batches, mock_dataset
 from megatron_2bw.training.loop import train
-from megatron_2bw.training.reliability import NO_FAULTS
+from megatron_2bw.training.spawn import spawn
 
 BASE = ("--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --pipeline-model-parallel-size 2 "
@@ -27,7 +28,7 @@ def make_cfg(argv, family="gpt"):
 
 
 def _worker(rank, world_size, cfg, out, hooks=NO_FAULTS, log=None):
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     dataset = mock_dataset(cfg)
     lines = []
     losses = train(cfg, grid, "cpu",

@@ -16,8 +16,8 @@ from megatron_2bw.models.flops import layer_costs
 from megatron_2bw.pipeline.engine import PipelineEngine
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.testing.launch import spawn
 from megatron_2bw.testing.verify import parse, run
+from megatron_2bw.training.spawn import spawn
 from test_flops import _saved_bytes
 
 # init std 0.1 (about 1/sqrt(hidden), as test_equivalence_llama.py explains): at Megatron's 0.02

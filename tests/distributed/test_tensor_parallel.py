@@ -13,7 +13,7 @@ from megatron_2bw.models.transformer import TransformerLayer
 from megatron_2bw.tensor_parallel import (ColumnParallelLinear, RNGTracker, RowParallelLinear,
                                           TPGroup, VocabParallelEmbedding, copy_to_tp_region,
                                           gather_from_tp_region, vocab_parallel_cross_entropy)
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
                   seq_length=8)

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from megatron_2bw.config.build import build_config
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.timers import ActionClock
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.testing.launch import spawn
-from megatron_2bw.training.build import batches, build_grid, mock_dataset
+from megatron_2bw.training.build import batches, mock_dataset
 from megatron_2bw.training.loop import train
+from megatron_2bw.training.spawn import spawn
 from log_lines import interval_fields
 
 sys.path.insert(0, os.path.join(
@@ -126,7 +127,7 @@ BASE = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --s
 
 
 def _worker(rank, world_size, cfg, out):
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     dataset = mock_dataset(cfg)
     lines = []
     train(cfg, grid, "cpu", make_data=lambda s: batches(cfg, dataset, grid.data, grid.dp_rank, s),

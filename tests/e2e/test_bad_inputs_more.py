@@ -153,7 +153,7 @@ def test_plot_schedule_bad_values_are_one_line(tmp_path, argv, words, code):
     (["--micro-batch-size", "0"], "--micro-batch-size 0: must be >= 1"),
 ])
 def test_gpu_check_refuses_values_before_the_plan(argv, words):
-    one_line(tool("megatron_2bw.cli.gpu_check", ["--dry-run", *argv]), words)
+    one_line(tool("megatron_2bw.testing.gpu_check", ["--dry-run", *argv]), words)
 
 
 def test_generate_names_the_iterations_a_directory_holds(tmp_path):

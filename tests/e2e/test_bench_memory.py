@@ -70,7 +70,7 @@ def test_memory_tiny_one_gradient_buffer_matches_the_planner_model(tmp_path):
     """Issue 32: `--2bw-grad-buffers 1`: a 2BW stage holds one fp32 gradient buffer (and each
     slot's loss element), to the byte of the memory model; weights, master and optimizer as
     with two."""
-    from megatron_2bw.pipeline.flag_names import TAIL
+    from megatron_2bw.config.control_flags import TAIL
     _run(["bench/memory.py", "--tiny", "--json", tmp_path / "m.json", "--schedules", "2bw",
           "--2bw-grad-buffers", "1"])
     rows = json.loads((tmp_path / "m.json").read_text())["rows"]

@@ -15,7 +15,7 @@ from megatron_2bw.checkpoint.convert.cli import main as convert_main
 from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.inspect import main as inspect_main
 from megatron_2bw.checkpoint.resume import resume_note
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 from test_ckpt_megatron import load_and_evaluate, our_cfg
 from test_resume import make_cfg, run
 

@@ -20,7 +20,7 @@ import torch
 import mds_models as mds
 from megatron_2bw.checkpoint.files import CheckpointError, latest_iteration
 from megatron_2bw.checkpoint.inspect import inspect
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 

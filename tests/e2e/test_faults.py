@@ -15,7 +15,7 @@ from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from fault_hooks import InjectedFault
 from megatron_2bw.checkpoint.api import LATEST
-from megatron_2bw.testing.launch import free_port, spawn
+from megatron_2bw.training.spawn import free_port, spawn
 from test_resume import _worker, make_cfg, run
 from log_lines import interval_fields
 

@@ -26,11 +26,12 @@ from megatron_2bw.checkpoint.convert.native import (FullModel, one_process_model
                                                     write_checkpoint)
 from megatron_2bw.config.build import build_config  # noqa: E402
 from megatron_2bw.models.families import model_parts
+from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser  # noqa: E402
-from megatron_2bw.testing.launch import spawn  # noqa: E402
 from megatron_2bw.testing.reference import reference_train  # noqa: E402
-from megatron_2bw.training.build import batches, build_grid, mock_batches, mock_dataset
+from megatron_2bw.training.build import batches, mock_batches, mock_dataset
 from megatron_2bw.training.loop import train
+from megatron_2bw.training.spawn import spawn  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +106,7 @@ def make_cfg(argv):
 
 
 def _train_worker(rank, world_size, cfg, out):
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     dataset = mock_dataset(cfg)
     losses = train(cfg, grid, "cpu", log=lambda line: None,
                    make_data=lambda start: batches(cfg, dataset, grid.data, grid.dp_rank, start))

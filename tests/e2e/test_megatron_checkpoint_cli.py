@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import mcore_models as mc
-from megatron_2bw.testing.launch import spawn
+from megatron_2bw.training.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,13 +25,12 @@ from megatron_2bw.config.build import build_config
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.schedule import actions as A
-from megatron_2bw.testing.launch import free_port, spawn
-from megatron_2bw.training.build import (batches, build_engine, build_grid, mock_batches,
-                                         mock_dataset)
+from megatron_2bw.training.build import batches, build_engine, mock_batches, mock_dataset
 from megatron_2bw.training.loop import train
 from megatron_2bw.training.observe.logger import parse_line
 from megatron_2bw.training.observe.memory import memory_peaks, reset_memory_peaks
 from megatron_2bw.training.observe.progress import Pace, format_duration
+from megatron_2bw.training.spawn import free_port, spawn
 from test_resume import make_cfg, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +43,7 @@ def _lines(prefix, rank=1):
 
 
 def _train_with_eval(rank, world_size, cfg, log):
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     dataset = mock_dataset(cfg)
     lines = []
     train(cfg, grid, "cpu", log=lines.append,

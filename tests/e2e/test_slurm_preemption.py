@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_2bw.checkpoint.api import LATEST
-from megatron_2bw.testing.launch import free_port
+from megatron_2bw.training.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_SLURM = ROOT / "tests" / "fake_slurm"

@@ -7,7 +7,7 @@ import torch
 
 from megatron_2bw.config import ConfigError, ModelConfig
 from megatron_2bw.config.flags import FlagParser, add_model_args, config_from_args
-from megatron_2bw.models.flavours import FLAVOURS, LLAMA
+from megatron_2bw.config.flavours import FLAVOURS, LLAMA
 from megatron_2bw.models.flops import layer_costs, layer_params, named_model, num_parameters
 from megatron_2bw.models.gpt import gpt_layer_specs
 from megatron_2bw.models.norms import RMSNorm

@@ -16,9 +16,11 @@ from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.config import ConfigError, PrecisionConfig, TrainConfig
 from megatron_2bw.config.build import build_config
 from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.pipeline.faults import NumericsError
 from megatron_2bw.pretrain import build_parser
-from megatron_2bw.training.build import build_engine, build_grid
-from megatron_2bw.training.reliability import NumericsError, Preemption
+from megatron_2bw.parallel.grid import ProcessGrid
+from megatron_2bw.training.build import build_engine
+from megatron_2bw.training.reliability import Preemption
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +29,7 @@ def _engine():
     argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
             "--micro-batch-size 2 --global-batch-size 4").split()
     cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 1).config
-    grid = build_grid(cfg, 0, 1)
+    grid = ProcessGrid.from_config(cfg, 0, 1).init_groups()
     return build_engine(cfg, grid, "cpu"), cfg, grid
 
 
@@ -160,7 +162,6 @@ def test_production_code_reads_no_fault_injection_setting():
 def test_latest_naming_an_iteration_that_does_not_exist_is_one_line(tmp_path):
     """Not a message about --train-iters (issue 29): the file, the iteration and what exists."""
     from megatron_2bw.checkpoint.api import load_checkpoint
-    from megatron_2bw.parallel.grid import ProcessGrid
     ck = tmp_path / "ck"
     (ck / "iter_0000002").mkdir(parents=True)
     (ck / "iter_0000004").mkdir()

@@ -14,9 +14,9 @@ from megatron_2bw.checkpoint.dist.save import DistSave, nested_tensors, tmp_dir
 from megatron_2bw.checkpoint.dist.shards import empty_state, flat_range_boxes, state_shards
 from megatron_2bw.checkpoint.dist.storage import plan_save, read_boxes
 from megatron_2bw.parallel.comm import Comm
+from megatron_2bw.pipeline.faults import NO_FAULTS
 from megatron_2bw.tensor_parallel.layers import shard_box
 from megatron_2bw.training.build import mock_batches
-from megatron_2bw.training.reliability import NO_FAULTS
 from test_ckpt_async import _one_rank
 
 

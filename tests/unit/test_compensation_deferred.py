@@ -12,9 +12,9 @@ from megatron_2bw.config import BatchConfig, Config, ModelConfig, OptimizerConfi
 from megatron_2bw.optim import optimizer as optim
 from megatron_2bw.parallel.grid import ProcessGrid
 from megatron_2bw.pipeline.batch_step import _wait
-from megatron_2bw.pipeline.compensation import method_names
 from megatron_2bw.pipeline.interpreter import Interpreter
 from megatron_2bw.schedule import actions as A
+from megatron_2bw.schedule.compensation_methods import method_names
 from megatron_2bw.training.build import build_engine, mock_batches
 import test_engine_units
 from test_engine_units import stepped

@@ -138,7 +138,8 @@ def _train_on_default_corpus(rank, world_size, argv, out):
     from megatron_2bw.data.build import pretrain_tokenizer
     from megatron_2bw.data.flags import add_data_args
     from megatron_2bw.data.mock import GPTBatches
-    from megatron_2bw.training.build import build_engine, build_grid
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine
     p = argparse.ArgumentParser()
     for add in (add_model_args, add_parallel_args, add_training_args, add_data_args):
         add(p)
@@ -148,7 +149,7 @@ def _train_on_default_corpus(rank, world_size, argv, out):
     n = cfg.train.train_iters * cfg.batch.global_batch_size
     data = build_gpt_train_data(args, cfg.model.seq_length, cfg.train.seed, n)
     assert data.vocab_size == cfg.model.vocab_size
-    grid = build_grid(cfg, rank, world_size)
+    grid = ProcessGrid.from_config(cfg, rank, world_size).init_groups()
     engine = build_engine(cfg, grid, torch.device("cpu"))
     batches = GPTBatches(data.dataset, cfg.batch.micro_batch_size,
                          cfg.num_microbatches, grid.data, grid.dp_rank)

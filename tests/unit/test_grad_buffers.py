@@ -9,8 +9,8 @@ import torch
 
 from megatron_2bw.config.build import build_config
 from megatron_2bw.config.choices import ConfigError
+from megatron_2bw.config.control_flags import TAIL
 from megatron_2bw.planner.memory import state_bytes
-from megatron_2bw.pipeline.flag_names import TAIL
 from megatron_2bw.pipeline.weights import VersionedWeights
 from megatron_2bw.pretrain import build_parser
 from megatron_2bw.schedule.actions import BACKWARD, NORM, REDUCE, STEP

@@ -7,8 +7,8 @@ and the memory model hold one buffer on stage 0 and two elsewhere, to the byte."
 import pytest
 import torch
 
+from megatron_2bw.config.control_flags import TAIL
 from megatron_2bw.planner.memory import state_bytes
-from megatron_2bw.pipeline.flag_names import TAIL
 from megatron_2bw.schedule.actions import BACKWARD, NORM, REDUCE, STEP
 from megatron_2bw.schedule.kinds import (FIRST_STAGE, TwoBWFirstStageOneBuffer, schedule_kind,
                                          schedule_kind_of)

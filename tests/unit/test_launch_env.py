@@ -3,6 +3,7 @@ import re
 
 import pytest
 
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.parallel import launcher as D
 
 
@@ -17,7 +18,7 @@ def clean_env(monkeypatch):
 
 
 def test_no_launcher_is_a_single_process(clean_env):
-    assert D.env_rank_world() == (0, 1, 0)
+    assert env_rank_world() == (0, 1, 0)
 
 
 def test_torchrun_variables_win(clean_env):
@@ -26,7 +27,7 @@ def test_torchrun_variables_win(clean_env):
     clean_env.setenv("LOCAL_RANK", "1")
     clean_env.setenv("SLURM_PROCID", "0")
     clean_env.setenv("SLURM_NTASKS", "2")
-    assert D.env_rank_world() == (3, 8, 1)
+    assert env_rank_world() == (3, 8, 1)
 
 
 def test_plain_srun(clean_env):
@@ -35,7 +36,7 @@ def test_plain_srun(clean_env):
     clean_env.setenv("SLURM_LOCALID", "1")
     clean_env.setenv("SLURM_JOB_NODELIST", "gpu[007-008],cpu1")
     clean_env.setenv("SLURM_JOB_ID", "123456")
-    assert D.env_rank_world() == (9, 16, 1)
+    assert env_rank_world() == (9, 16, 1)
     D.slurm_rendezvous()
     import os
     assert os.environ["MASTER_ADDR"] == "gpu007"
@@ -53,7 +54,7 @@ def test_deepspeeds_launcher(clean_env):
         clean_env.setenv(k, v)
     clean_env.delenv("TORCHELASTIC_RUN_ID", raising=False)
     clean_env.delenv("GROUP_RANK", raising=False)
-    assert D.env_rank_world() == (6, 8, 2) and D.launched()
+    assert env_rank_world() == (6, 8, 2) and D.launched()
     assert D.node_ranks(6, 2) == [4, 5, 6, 7]
 
 
@@ -61,7 +62,7 @@ def test_mpi(clean_env):
     clean_env.setenv("OMPI_COMM_WORLD_RANK", "2")
     clean_env.setenv("OMPI_COMM_WORLD_SIZE", "4")
     clean_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
-    assert D.env_rank_world() == (2, 4, 0)
+    assert env_rank_world() == (2, 4, 0)
 
 
 def test_mpich_pmi_is_read_by_the_one_list_both_front_doors_ask(clean_env):
@@ -70,7 +71,7 @@ def test_mpich_pmi_is_read_by_the_one_list_both_front_doors_ask(clean_env):
     clean_env.setenv("PMI_RANK", "5")
     clean_env.setenv("PMI_SIZE", "6")
     clean_env.setenv("MPI_LOCALRANKID", "1")
-    assert D.launched() and D.env_rank_world() == (5, 6, 1)
+    assert D.launched() and env_rank_world() == (5, 6, 1)
     clean_env.setenv("MPI_LOCALNRANKS", "6")  # one node: no MASTER_ADDR needed
     D.discover_env(29500)
     import os

@@ -1,10 +1,14 @@
 """The package's layout rules (docs/ARCHITECTURE.md, "Package map"), checked on the source:
 
+- the package order: docs/ARCHITECTURE.md states the packages bottom to top (`order: fs <
+  schedule < ...`), every package and root module has its place, and no import points up it:
+  imports at module level, inside functions and under `if TYPE_CHECKING:` all count, as do the
+  package `__init__`s an import runs, with no exception (the test prints its count: 0);
 - no import circle among the package's modules, counting imports inside functions and the
   package `__init__` files an import runs (importing `a.b.c` from outside `a.b` runs `a/__init__`
   and `a/b/__init__` first);
-- nothing outside megatron_2bw/testing/ (the judges) and cli/ (the commands) imports
-  testing/, and nothing outside cli/ imports cli/;
+- nothing outside megatron_2bw/testing/ (the judges) imports testing/, and nothing outside cli/
+  (the commands) imports cli/;
 - each package's `__init__` docstring says what it owns (`Owns:`) and what it must not import
   (`Must not import: a, b.`), and no module of the package imports what its package forbids;
 - schedule/ is pure (no torch); no product file is over 400 lines; the package root holds only
@@ -13,6 +17,7 @@ Each rule is also shown to fail on a planted violation."""
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 from pathlib import Path
 
@@ -22,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_2bw"
 ROOT_MODULES = {"__init__.py", "pretrain.py", "generate.py", "fs.py", "pipe.py"}
 MAX_LINES = 400
+ORDER_DOC = ROOT / "docs" / "ARCHITECTURE.md"
 
 
 # -- the graph ---------------------------------------------------------------------------------
@@ -131,13 +137,46 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def judges_imported_by(graph: dict[str, set[str]], top: str) -> list[str]:
-    """The commands (cli/: what tools/ wraps; `verify` is one of them) sit above the product and
-    may run the judges; nothing else may, and nothing at all imports the commands."""
+    """Only the judges (testing/) import the judges, the commands (cli/: what tools/ wraps)
+    included, and only the commands import the commands."""
     judges, commands = f"{top}.testing", f"{top}.cli"
     inside = lambda m, p: m == p or m.startswith(p + ".")  # noqa: E731
     return sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
-                  if (inside(t, judges) and not inside(m, judges) and not inside(m, commands))
+                  if (inside(t, judges) and not inside(m, judges))
                   or (inside(t, commands) and not inside(m, commands)))
+
+
+# -- the package order ---------------------------------------------------------------------------
+def package_order(text: str) -> list[list[str]]:
+    """The levels of the order a document states, bottom first: the `order:` line and the lines
+    that continue it (up to a blank line), `<` between levels, spaces or commas between the
+    names of one level. A package is its folder's name, a root module its file's stem
+    (`__init__`: the package root)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("order:")), None)
+    stated = [] if start is None else list(itertools.takewhile(str.strip, lines[start:]))
+    levels = " ".join(stated).replace("order:", "", 1).split("<")
+    return [level.replace(",", " ").split() for level in levels] if stated else []
+
+
+def unit(module: str) -> str:
+    """The package (or root module) `module` belongs to: `top.a.b` -> `a`, `top` -> `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def units(package_dir: Path) -> set[str]:
+    return {unit(m) for m in modules(package_dir)}
+
+
+def climbing_imports(graph: dict[str, set[str]], order: list[list[str]]) -> list[str]:
+    """'importer -> imported' for every import that points up `order` (from a package to one of
+    a later level). A package missing from `order` ranks above everything: any import of it
+    climbs (and test_the_order_places_every_package_once names it)."""
+    rank = {name: i for i, level in enumerate(order) for name in level}
+    top = len(order)
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                  if rank.get(unit(t), top) > rank.get(unit(m), top))
 
 
 def forbidden(package_dir: Path) -> dict[str, list[str]]:
@@ -170,6 +209,25 @@ def broken_promises(package_dir: Path) -> list[str]:
 
 
 # -- the package ---------------------------------------------------------------------------------
+def test_the_order_places_every_package_once():
+    order = package_order(ORDER_DOC.read_text())
+    placed = [name for level in order for name in level]
+    assert len(order) > 10, f"{ORDER_DOC.name}: no `order: a < b < ...` line in its Package map"
+    assert len(placed) == len(set(placed)), f"placed twice in the package order: {placed}"
+    missing = sorted(units(PACKAGE) - set(placed))
+    assert not missing, (f"place these in the package order ({ORDER_DOC.name}, Package map): "
+                         f"{missing}")
+    assert not set(placed) - units(PACKAGE), \
+        f"the package order names what the package lacks: {sorted(set(placed) - units(PACKAGE))}"
+
+
+def test_no_import_climbs_the_package_order():
+    found = climbing_imports(import_graph(PACKAGE), package_order(ORDER_DOC.read_text()))
+    print(f"imports climbing the package order: {len(found)}")
+    assert len(found) == 0, (f"{len(found)} imports climb the package order ({ORDER_DOC.name}, "
+                             f"Package map; move the code down, no exceptions): {found}")
+
+
 def test_the_package_has_no_import_circle():
     graph = import_graph(PACKAGE)
     assert len(graph) > 100 and "megatron_2bw.pipeline.engine" in graph
@@ -276,9 +334,53 @@ def test_a_circle_through_a_package_init_is_found(tmp_path):
 def test_a_product_import_of_testing_is_found(tmp_path):
     root = _plant(tmp_path, {"core.py": "def check():\n    from pkg.testing.verify import run\n",
                              "testing/verify.py": "from pkg.core import check\nrun = 1\n",
-                             "testing/reference.py": "from pkg.testing import verify\n"})
-    assert judges_imported_by(import_graph(root), "pkg") == ["pkg.core -> pkg.testing",
-                                                             "pkg.core -> pkg.testing.verify"]
+                             "testing/reference.py": "from pkg.testing import verify\n",
+                             "cli/gpu.py": "from pkg.testing.verify import run\n",
+                             "cli/plot.py": "from pkg.cli import gpu\n"})
+    assert judges_imported_by(import_graph(root), "pkg") == [
+        f"pkg.{m} -> pkg.testing{v}" for m in ("cli.gpu", "core") for v in ("", ".verify")]
+
+
+ORDER_TEXT = """Some prose.
+
+    order: fs < schedule < config, parallel < pipeline
+           < checkpoint < __init__ < testing
+
+More prose (order: is read once)."""
+
+
+def test_the_stated_order_is_read():
+    assert package_order(ORDER_TEXT) == [["fs"], ["schedule"], ["config", "parallel"],
+                                         ["pipeline"], ["checkpoint"], ["__init__"], ["testing"]]
+    assert package_order("no order here") == []
+
+
+@pytest.mark.parametrize("source", [
+    "from pkg.pipeline.engine import E\n",                                  # module level
+    "def f():\n    import pkg.pipeline.engine\n",                           # in a function
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+    "    from pkg.pipeline import engine\n",                                 # TYPE_CHECKING
+    "from ..pipeline.engine import E\n"])                                   # relative
+def test_a_climbing_import_is_found(tmp_path, source):
+    root = _plant(tmp_path, {"config/checks.py": source, "pipeline/engine.py": "E = 1\n",
+                             "pipeline/weights.py": "from pkg.config import checks\n",
+                             "fs.py": "import os\n", "__init__.py": "from pkg import fs\n"})
+    order = package_order(ORDER_TEXT)
+    found = climbing_imports(import_graph(root), order)
+    assert found and all(f.startswith("pkg.config.checks -> pkg.pipeline") for f in found), found
+    assert "pkg.config.checks -> pkg.pipeline.engine" in found
+    # the same import turned around (pipeline -> config: down) and sideways (config -> parallel)
+    root = _plant(tmp_path / "ok", {"config/checks.py": "from pkg.parallel import grid\n",
+                                    "parallel/grid.py": "G = 1\n",
+                                    "pipeline/weights.py": "from pkg.config import checks\n"})
+    assert climbing_imports(import_graph(root), order) == []
+
+
+def test_a_package_the_order_leaves_out_is_found(tmp_path):
+    root = _plant(tmp_path, {"config/checks.py": "from pkg.extra import x\n",
+                             "extra/x.py": "x = 1\n"})
+    assert climbing_imports(import_graph(root), package_order(ORDER_TEXT)) == [
+        "pkg.config.checks -> pkg.extra", "pkg.config.checks -> pkg.extra.x"]
 
 
 def test_a_broken_must_not_import_is_found(tmp_path):

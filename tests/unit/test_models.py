@@ -4,9 +4,9 @@ import torch
 
 from megatron_2bw.config import ConfigError, ModelConfig
 from megatron_2bw.config.flags import config_from_args
+from megatron_2bw.config.flavours import FLAVOURS
 from megatron_2bw.data.bert_mock import BertBatches, MockBertDataset
 from megatron_2bw.models.bert import bert_layer_specs, make_bert_loss
-from megatron_2bw.models.flavours import FLAVOURS
 from megatron_2bw.models.gpt import gpt_layer_specs
 from megatron_2bw.models.stage import StageModule
 from megatron_2bw.pretrain import build_parser

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from megatron_2bw.models.flops import named_model
-from megatron_2bw.pipeline.compensation import NONE, method_names
 from megatron_2bw.planner import AnalyticProfile, MeasuredProfile, PlanError, Topology
 from megatron_2bw.planner.cost_model import LayerTimes, Layout, Setup, stage_plan
 from megatron_2bw.planner.profile import STEP_BYTES, compensation_bytes, profile_from_dict
+from megatron_2bw.schedule.compensation_methods import NONE, method_names
 
 
 def _steps(profile, schedule, compensation, model, d=2, m=4):

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from megatron_2bw.config import Config, ModelConfig
-from megatron_2bw.pipeline.flag_names import TAIL
+from megatron_2bw.config.control_flags import TAIL
 from megatron_2bw.planner import AnalyticProfile, Topology, predict, search
 from megatron_2bw.planner.auto import Plan, grad_buffers_reason, layout_flags
 from megatron_2bw.planner.cli import run as plan_run

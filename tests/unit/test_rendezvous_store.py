@@ -1,11 +1,11 @@
-"""testing.launch hosts the rendezvous store in the launching process for the whole run: the
+"""training.spawn hosts the rendezvous store in the launching process for the whole run: the
 port is never freed and bound again later, where a test running alongside could take it first
 (the EADDRINUSE that once failed CI)."""
 import socket
 
 import pytest
 
-from megatron_2bw.testing.launch import connect_store, host_store
+from megatron_2bw.training.spawn import connect_store, host_store
 
 
 def test_the_hosted_store_holds_its_port_and_serves_a_client():

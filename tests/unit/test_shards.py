@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from megatron_2bw.config import ModelConfig, OptimizerConfig
+from megatron_2bw.config.control_flags import TAIL
 from megatron_2bw.models.gpt import gpt_layer_specs
 from megatron_2bw.models.stage import StageModule
 from megatron_2bw.optim.distributed import DistributedOptimizer, full_state
 from megatron_2bw.optim.optimizer import make_optimizer
 from megatron_2bw.optim.shard_layout import ShardLayout, padded_numel
-from megatron_2bw.pipeline.weights import TAIL, VersionedWeights
+from megatron_2bw.pipeline.weights import VersionedWeights
 
 
 def test_layout_pads_each_region_and_cuts_equal_pieces():

@@ -40,9 +40,6 @@ EXCEPTIONS = {
     ("megatron_2bw/training/observe/memory.py", "open('/proc/self/clear_refs', 'w')"):
         "writes to a kernel control file (resets the peak-RSS counter): no data, nothing to "
         "make atomic, and a rename over /proc is impossible",
-    ("megatron_2bw/cli/gpu_check.py", "open(log_path, 'w')"):
-        "a check step's log, streamed line by line while the step runs (read by people, kept "
-        "whole by the step's output too); its results go through fs.atomic_write_text",
     ("megatron_2bw/deepspeed/monitor.py", "open(path, 'a', newline='')"):
         "DeepSpeed's csv_monitor files: append-only logs a row per step, read by people while "
         "the run goes (as DeepSpeed writes them); rewriting them whole each step would be "

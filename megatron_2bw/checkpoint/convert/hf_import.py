@@ -13,9 +13,9 @@ import torch
 
 from megatron_2bw.checkpoint.convert.hf_mapping import GPT2, LLAMA, ConvertError, _layer_names
 from megatron_2bw.config import ModelConfig
+from megatron_2bw.config.flavours import llama_architecture
 from megatron_2bw.config.input_files import json_kind
 from megatron_2bw.config.numbers import is_finite
-from megatron_2bw.models.flavours import llama_architecture
 
 
 CONFIG_FIX = ("pass a HuggingFace GPT-2 or Llama directory (config.json as save_pretrained "

@@ -21,7 +21,7 @@ from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, iteration_
                                            latest_iteration, rank_dir)
 from megatron_2bw.checkpoint.torch_format import first_stage_file, read_torch
 from megatron_2bw.parallel.comm import Comm
-from megatron_2bw.training.reliability import NO_FAULTS
+from megatron_2bw.pipeline.faults import NO_FAULTS
 
 
 def _stage_layout(module) -> SimpleNamespace:

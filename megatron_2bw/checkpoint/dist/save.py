@@ -37,7 +37,6 @@ from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree, i
                                            latest_iteration, prune, write_error, write_latest)
 from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.fs import fsync_directory
-from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks
 
 COMMON = "common.pt"
 
@@ -97,10 +96,12 @@ def _private(shards: list, engine) -> list:
 
 
 class DistSave:
-    """One rank's part of a torch_dist save in progress (see the module docstring)."""
+    """One rank's part of a torch_dist save in progress (see the module docstring). `hooks`: the
+    run's fault hooks (pipeline/faults.py `FaultHooks`: `during_save` before the files are
+    written), or None."""
 
     def __init__(self, save_dir: str, iteration: int, grid, planned: PlannedSave, common: dict,
-                 keep_last: int, hooks: FaultHooks, extra_files: dict | None = None):
+                 keep_last: int, hooks=None, extra_files: dict | None = None):
         self.save_dir, self.iteration, self.grid = save_dir, iteration, grid
         self.planned, self.common, self.keep_last, self.hooks = planned, common, keep_last, hooks
         self.extra_files = dict(extra_files or {})  # name -> bytes rank 0 writes beside them
@@ -117,7 +118,8 @@ class DistSave:
 
     def _write(self) -> None:
         try:
-            self.hooks.during_save(self.grid, self.iteration, self.planned.first_file())
+            if self.hooks is not None:
+                self.hooks.during_save(self.grid, self.iteration, self.planned.first_file())
             self.results = write_files(self.planned)
         except CheckpointError as e:
             self.error = str(e)
@@ -181,7 +183,7 @@ class DistSave:
 
 
 def start_save(save_dir: str, engine, grid, view, common: dict, save_optim: bool = True,
-               keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, asynchronous: bool = False,
+               keep_last: int = 0, hooks=None, asynchronous: bool = False,
                state: dict | None = None, export=None) -> DistSave:
     """Collective: stage and plan this rank's part of the save of `engine`'s current iteration
     and start writing it (module docstring, steps 1-2). `view` is the stage's StageBoxes

@@ -58,8 +58,8 @@ schedulers.py also holds `DeepSpeedLR`), engine_settings.py (`DeepSpeedSettings`
 
 Owns: the DeepSpeed JSON front door: reading it, its key vocabulary, the batch triple, each
 section as Settings, DeepSpeed's lr schedulers and merging them onto a Config.
-Must not import: pipeline, models, tensor_parallel, optim, data, checkpoint, training, planner,
-deepspeed, testing, pretrain, generate.
+Must not import: parallel, pipeline, models, tensor_parallel, optim, data, checkpoint, training,
+planner, deepspeed, testing, pretrain, generate.
 """
 from megatron_2bw.config.ds_json.batch import batch_triple
 from megatron_2bw.config.ds_json.engine_settings import DeepSpeedSettings

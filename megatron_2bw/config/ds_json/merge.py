@@ -145,7 +145,7 @@ def merge_flags_and_ds_config(cfg: Config, explicit_flag_names, ds_json, world_s
     ds = load_ds_json(ds_json)
     explicit = {_norm_flag(f) for f in explicit_flag_names}
     if world_size is None:
-        from megatron_2bw.parallel.launcher import env_rank_world
+        from megatron_2bw.config.launcher_env import env_rank_world
         world_size = env_rank_world()[1]
     settings, extra = ds_settings(ds, lr_hint=cfg.optimizer.lr)
     for s in settings:  # pipeline.stages first: it changes the data-parallel size

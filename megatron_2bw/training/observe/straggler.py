@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from statistics import median_low
 
-from megatron_2bw.training.reliability import describe
 
 COMPUTE = ("forward", "backward", "optimizer")
 WAIT = ("p2p", "all-reduce")
@@ -59,7 +58,7 @@ def straggler_report(rows: list[list[float]], grid, threshold: float, iteration:
     if not name or above(slowest) <= threshold:
         return fields, None
     peers = "its stage's ranks" if grid.data > 1 else "all ranks"
-    return fields, (f"straggler at iteration {iteration}: {describe(grid, slowest)} computes "
+    return fields, (f"straggler at iteration {iteration}: {grid.describe(slowest)} computes "
                     f"{rows[slowest][0]:.1f} ms per iteration, {above(slowest):.0f}% above the "
                     f"median of {peers} ({medians[stage_of[slowest]]:.1f} ms; "
                     f"--straggler-threshold {threshold:g}%); it waits {rows[slowest][1]:.1f} ms")

@@ -1,7 +1,7 @@
 """`deepspeed.runtime.pipe.topology`: DeepSpeed's topologies and `PipelineParallelGrid`.
 
 `PipelineParallelGrid(topology)` is the grid of the running job (the process group must be up):
-the training loop's grid (training/build.py `build_grid`) laid out as the topology says
+the training loop's grid (parallel/grid.py `ProcessGrid.from_config`) laid out as the topology says
 (deepspeed/pipe/topology.py `grid_layout`), its groups created through the communication layer,
 queried with DeepSpeed's `mpu` methods (deepspeed/views.py `MPU`: get_stage_id,
 get_data_parallel_group, stage_to_global, ...). Without a topology the world is split as
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_2bw.config import Config, ConfigError
+from megatron_2bw.config.launcher_env import env_rank_world
 from megatron_2bw.deepspeed.pipe.topology import (PipeDataParallelTopology,
                                                   PipeModelDataParallelTopology, ProcessTopology,
                                                   grid_layout)
@@ -20,8 +21,7 @@ from megatron_2bw.parallel.comm import Comm
 from megatron_2bw.parallel.devices import default_device
 from megatron_2bw.parallel.devices import is_initialized
 from megatron_2bw.parallel.distributed import current_rank_world
-from megatron_2bw.parallel.launcher import env_rank_world
-from megatron_2bw.training.build import build_grid
+from megatron_2bw.parallel.grid import ProcessGrid
 
 
 def _prime_factors(n: int) -> list:
@@ -70,7 +70,7 @@ class PipelineParallelGrid(MPU):
             data=layout["data"], rank_order=layout["rank_order"]))
         comm = Comm()
         device = default_device(env_rank_world()[2], comm.backend)
-        grid = build_grid(cfg, rank, world, Comm(device, comm.backend))
+        grid = ProcessGrid.from_config(cfg, rank, world).init_groups(Comm(device, comm.backend))
         for r in range(world):   # grid_layout's promise: our coordinates are the topology's
             coord = topo.get_coord(r)
             assert grid.coords(r)[1:] == (coord.pipe, getattr(coord, "data", 0)), (r, coord)

@@ -53,11 +53,11 @@ from dataclasses import asdict, dataclass, field
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN_GPT, VERIFY = "megatron_2bw.cli.pretrain_gpt", "megatron_2bw.testing.verify"
 
-from megatron_2bw.cli.gpu_check_report import (  # noqa: F401 (tests use them from here)
-    Requirements, failed_requirements, parse_log, profiled_kernels, report, summarize)
 from megatron_2bw.config.numbers import FiniteParser
 from megatron_2bw.fs import atomic_write_text
 from megatron_2bw.schedule.kinds import schedule_names
+from megatron_2bw.testing.gpu_check_report import (  # noqa: F401 (tests use them from here)
+    Requirements, failed_requirements, parse_log, profiled_kernels, report, summarize)
 
 GPT_125M = ("--model", "gpt-125m", "--seq-length", "1024", "--vocab-size", "50304")
 VERIFY_MODEL = ("--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -1,6 +1,7 @@
-"""Reading the engine's action traces (`pretrain_gpt.py --trace FILE` writes FILE.rank<r>.json):
-each file read inside a one-line error (config/input_files.py) and checked to be a trace, so
-tools/plot_schedule.py --trace never fails with a traceback on a file that is not one.
+"""Reading the engine's action traces (`pretrain_gpt.py --trace FILE` writes FILE.rank<r>.json
+through engine.py `save_trace`): each file read inside a one-line error (config/input_files.py)
+and checked to be a trace, so tools/plot_schedule.py --trace (and tools/gpu_check.py) never
+fails with a traceback on a file that is not one.
 
     read_traces(files, fix)   [trace dict per file]; SystemExit with one line otherwise (the
                               tool's errors end it with their line)

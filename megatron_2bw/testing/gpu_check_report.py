@@ -89,13 +89,14 @@ def _steady(rows: list, key: str) -> float | None:
 
 
 def trace_events(prefix: str) -> int:
-    """Events in the resume step's trace as tools/plot_schedule.py --trace reads it (0: none)."""
-    from megatron_2bw.cli.plot_schedule import traced
+    """Events in the resume step's trace (PREFIX.rank*.json), each file read and checked as
+    tools/plot_schedule.py --trace reads it (pipeline/trace_file.py); 0: none."""
+    from megatron_2bw.pipeline.trace_file import read_traces
+    files = glob.glob(f"{prefix}.rank*.json") or ([prefix] if os.path.isfile(prefix) else [])
     try:
-        rows = traced(prefix)[0]
+        return sum(len(t.get("events", [])) for t in read_traces(files, "rerun the check"))
     except SystemExit:
         return 0
-    return sum(len(events) for _, events in rows)
 
 
 def failed_requirements(out: dict, req: Requirements) -> list[str]:

@@ -1,4 +1,5 @@
-"""Run a function on N local processes (gloo on CPU): used by tools and tests.
+"""Run a function on N local processes (gloo on CPU): used by commands (compare_convergence), the
+judges (testing/verify.py) and tests.
 
 If any rank raises, the others are terminated and the error is re-raised in the caller, so a
 failing rank never leaves the rest hanging.
@@ -23,7 +24,7 @@ from megatron_2bw.training.reliability import watch_launcher
 
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch._dynamo",
-           "megatron_2bw.training.loop", "megatron_2bw.testing.reference"]
+           "megatron_2bw.training.loop"]
 
 
 def _forkserver() -> str:
