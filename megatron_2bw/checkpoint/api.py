@@ -39,7 +39,7 @@ from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, ag
                                            dangling_latest, iteration_dir, latest_iteration,
                                            not_newer, optimizer_shard_name, prune, rank_dir,
                                            remove_temporary_files, verify_once, write_latest)
-from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout
+from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout, saved_layout
 from megatron_2bw.config import Config, TrainConfig
 from megatron_2bw.config.paths import check_writable_dir
 from megatron_2bw.training.reliability import NO_FAULTS, FaultHooks, NumericsError, describe
@@ -160,7 +160,7 @@ def _read(path: str, t: int, cfg: Config, grid, engine, load_optim: bool) -> dic
     problem, shards, own = None, [], False
     try:
         payload = read_torch(path, t, verify=False)
-        check_layout(payload["layout"], cfg, grid, path, resharding=False)
+        check_layout(saved_layout(payload), cfg, grid, path, resharding=False)
         count = payload.get("optimizer_shards")
         if count and load_optim:  # its own shard when sharded over as many ranks, else all
             own = engine.weights.sharded and grid.data == count
@@ -179,7 +179,7 @@ def _read_dist(directory: str, engine, cfg: Config, grid, load_optim: bool) -> d
     from megatron_2bw.checkpoint.dist.load import read_engine_state, stage_boxes
     return read_engine_state(
         directory, engine, stage_boxes(engine, cfg, grid), grid, cfg, load_optim,
-        check_common=lambda common: check_layout(common["layout"], cfg, grid, directory,
+        check_common=lambda common: check_layout(saved_layout(common), cfg, grid, directory,
                                                  resharding=True))
 
 
