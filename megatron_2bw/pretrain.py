@@ -6,8 +6,8 @@ Order matters: watch the launcher (a worker never outlives it), parse flags, bui
 directories and what resuming changes (a new layout, e.g. from --auto-plan on a new allocation:
 the log says what changed, and another model is refused; checkpoint/resume.py), then the data
 (every bad input is a one-line error, exit 2), and only then start the process group and train:
-`preflight` writes nothing into --save or --load, so a refused run leaves them as they were.
-The process group starts in the order clusters need (distributed.start_process_group): the
+`check_before_start` writes nothing into --save or --load, so a refused run leaves them as they
+were. The process group starts in the order clusters need (distributed.start_process_group): the
 rank's device from LOCAL_RANK or SLURM_LOCALID made current, `init_process_group(device_id=...)`,
 then the grid's groups. How a run ends:
 
@@ -89,20 +89,20 @@ class Parsed(NamedTuple):
 
 
 def parse(family: str, argv=None) -> Parsed:
-    """The flags, then `preflight`'s checks of this rank (one line and exit 2 on the first
-    problem)."""
+    """The flags, then `check_before_start`: this rank's checks (one line and exit 2 on the
+    first problem)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(family).parse_args(argv)
     rank, world_size, local_rank = exit_on_config_error(env_rank_world)  # a bad launch: 1 line
     given = args.local_rank if args.local_rank is not None and args.local_rank >= 0 else None
     if given is not None and not launched():  # one process: its device, as in Megatron
         local_rank = given  # (-1, "not distributed" in older scripts, is no device)
-    return exit_on_config_error(lambda: preflight(family, args, argv, rank, world_size,
-                                                  local_rank, given))
+    return exit_on_config_error(lambda: check_before_start(family, args, argv, rank, world_size,
+                                                           local_rank, given))
 
 
-def preflight(family: str, args, argv: list, rank: int, world_size: int, local_rank: int,
-              given: int | None) -> Parsed:
+def check_before_start(family: str, args, argv: list, rank: int, world_size: int,
+                       local_rank: int, given: int | None) -> Parsed:
     """Every check this rank makes before any process group, in order: the launch, the config
     (tokenizer, flags, DeepSpeed JSON, planner), the checkpoint directories and the model and
     layout --load's checkpoint was saved for, the loggers and output paths, the data, the memory.
