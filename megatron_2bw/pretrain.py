@@ -4,11 +4,12 @@ Order matters: watch the launcher (a worker never outlives it), parse flags, bui
 (the config needs its vocabulary), build and validate the typed config once
 (`config.build.build_config`: flags, DeepSpeed JSON, planner), check the checkpoint
 directories and what resuming changes (a new layout, e.g. from --auto-plan on a new allocation:
-the log says what changed; checkpoint/resume.py), then the data (every bad input is a one-line
-error, exit 2), and only then start the process group and train. The process group starts in the
-order clusters need (distributed.start_process_group): the rank's device from LOCAL_RANK or
-SLURM_LOCALID made current, `init_process_group(device_id=...)`, then the grid's groups. How a run
-ends:
+the log says what changed, and another model is refused; checkpoint/resume.py), then the data
+(every bad input is a one-line error, exit 2), and only then start the process group and train:
+`check_before_start` writes nothing into --save or --load, so a refused run leaves them as they
+were. The process group starts in the order clusters need (distributed.start_process_group): the
+rank's device from LOCAL_RANK or SLURM_LOCALID made current, `init_process_group(device_id=...)`,
+then the grid's groups. How a run ends:
 
     0    trained to --train-iters, or stopped by --exit-* / SIGTERM / SIGUSR1 / SIGINT after
          saving a checkpoint (when --save is set)
@@ -84,72 +85,102 @@ class Parsed(NamedTuple):
     world_size: int
     local_rank: int
     lr_schedule: Callable | None = None  # a DeepSpeed JSON's scheduler (None: the Config's)
+    beside: dict | None = None   # what every save records beside its iterations (the tokenizer)
 
 
 def parse(family: str, argv=None) -> Parsed:
+    """The flags, then `check_before_start`: this rank's checks (one line and exit 2 on the
+    first problem)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(family).parse_args(argv)
     rank, world_size, local_rank = exit_on_config_error(env_rank_world)  # a bad launch: 1 line
     given = args.local_rank if args.local_rank is not None and args.local_rank >= 0 else None
     if given is not None and not launched():  # one process: its device, as in Megatron
         local_rank = given  # (-1, "not distributed" in older scripts, is no device)
+    return exit_on_config_error(lambda: check_before_start(family, args, argv, rank, world_size,
+                                                           local_rank, given))
 
-    def build():
-        check_rendezvous(world_size)
-        problem = local_rank_problem(argv, given, local_rank)
-        if problem:
-            raise ConfigError(problem)
-        from megatron_2bw.config.ds_json import explicit_flags
-        tokenizer, vocab_size = pretrain_tokenizer(args, family)
-        planner = None
-        if args.auto_plan:
-            from megatron_2bw.planner import plan, planner_inputs
-            topology, profile = planner_inputs(args, world_size)
-            log = (lambda line: print(line, flush=True)) if rank == 0 else None
-            planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
-        eod = tokenizer.eod if tokenizer is not None and (
-            args.eod_mask_loss or args.reset_position_ids or args.reset_attention_mask) else None
-        built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner,
-                             eod=eod, checkpoint=checkpoint_args(args))
-        cfg = built.config
-        if rank == 0:
-            for line in built.notes:
-                print(line, flush=True)
-        from megatron_2bw.checkpoint.api import preflight
-        from megatron_2bw.checkpoint.resume import resume_note
-        start = preflight(cfg.train, rank, log=lambda line: print(line, flush=True))
-        if args.exit_on_missing_checkpoint and cfg.train.load and not start \
-                and not cfg.train.finetune:
-            raise ConfigError(f"--exit-on-missing-checkpoint: --load {cfg.train.load} holds no "
-                              "checkpoint; drop the flag to start from scratch")
-        note = resume_note(cfg, world_size, planned=args.auto_plan)  # or a one-line error
-        if note and rank == 0:
-            print(note, flush=True)
-        from megatron_2bw.training.observe.writers import check_loggers
-        check_loggers(cfg.train)  # tensorboard and wandb: found and importable
-        check_output_paths(cfg.train)  # every path a run writes, before the first iteration
-        t, gbs = cfg.train, cfg.batch.global_batch_size
-        valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
-                 if t.eval_interval else 0)
-        valid = max(valid, t.eval_iters * gbs) if t.skip_train else valid
-        from megatron_2bw.training.build import data_role
-        reads, builder = data_role(cfg, rank, world_size,  # middle stages read none
-                                   node_ranks(rank, local_rank))
-        data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
-                                   cfg.batch_plan.consumed(t.train_iters), valid,
-                                   tokenizer=tokenizer, reads=reads, builder=builder)
-        if t.skip_train and data.valid is None:
-            raise ConfigError("--skip-train evaluates the validation data, and it is empty: "
-                              "give --split a validation part (or --valid-data-path)")
-        if not args.no_memory_check:  # every rank, before any process group
-            from megatron_2bw.planner.memory_check import check_memory
-            check_memory(cfg, world_size, rank, local_rank)
-        if rank == 0 and cfg.train.save:  # generate.py and the exporter read it from there
-            from megatron_2bw.checkpoint.convert.tokenizers import record_tokenizer
-            record_tokenizer(cfg.train.save, data.tokenizer)
-        return Parsed(cfg, data, rank, world_size, local_rank, built.lr_schedule)
 
-    return exit_on_config_error(build)
+def check_before_start(family: str, args, argv: list, rank: int, world_size: int,
+                       local_rank: int, given: int | None) -> Parsed:
+    """Every check this rank makes before any process group, in order: the launch, the config
+    (tokenizer, flags, DeepSpeed JSON, planner), the checkpoint directories and the model and
+    layout --load's checkpoint was saved for, the loggers and output paths, the data, the memory.
+    It writes nothing into --save or --load: the leftovers of killed writers go once every rank
+    has started (training/loop.py) and the tokenizer is recorded with the first save (`beside`),
+    so a refused run leaves both as they were."""
+    check_rendezvous(world_size)
+    problem = local_rank_problem(argv, given, local_rank)
+    if problem:
+        raise ConfigError(problem)
+    tokenizer, built = _config(family, args, argv, rank, world_size)
+    cfg = built.config
+    _checkpoint_checks(cfg, args, rank, world_size)
+    from megatron_2bw.training.observe.writers import check_loggers
+    check_loggers(cfg.train)  # tensorboard and wandb: found and importable
+    check_output_paths(cfg.train)  # every path a run writes, before the first iteration
+    data = _data(cfg, args, family, rank, world_size, local_rank, tokenizer)
+    if not args.no_memory_check:  # every rank, before any process group
+        from megatron_2bw.planner.memory_check import check_memory
+        check_memory(cfg, world_size, rank, local_rank)
+    from megatron_2bw.checkpoint.convert.tokenizers import tokenizer_files
+    beside = tokenizer_files(data.tokenizer) if cfg.train.save else {}  # generate.py reads it
+    return Parsed(cfg, data, rank, world_size, local_rank, built.lr_schedule, beside)
+
+
+def _config(family: str, args, argv: list, rank: int, world_size: int):
+    """(the tokenizer, config.build's result: the validated Config, its notes printed on rank 0,
+    a DeepSpeed JSON's lr schedule)."""
+    from megatron_2bw.config.ds_json import explicit_flags
+    tokenizer, vocab_size = pretrain_tokenizer(args, family)
+    planner = None
+    if args.auto_plan:
+        from megatron_2bw.planner import plan, planner_inputs
+        topology, profile = planner_inputs(args, world_size)
+        log = (lambda line: print(line, flush=True)) if rank == 0 else None
+        planner = lambda cfg: plan(cfg, topology, profile, log)  # noqa: E731
+    eod = tokenizer.eod if tokenizer is not None and (
+        args.eod_mask_loss or args.reset_position_ids or args.reset_attention_mask) else None
+    built = build_config(args, family, world_size, explicit_flags(argv), vocab_size, planner,
+                         eod=eod, checkpoint=checkpoint_args(args))
+    if rank == 0:
+        for line in built.notes:
+            print(line, flush=True)
+    return tokenizer, built
+
+
+def _checkpoint_checks(cfg: Config, args, rank: int, world_size: int) -> None:
+    """--load and --save (checkpoint.api.preflight), and what resuming --load's checkpoint
+    changes or cannot take: another model, layout or data position (checkpoint/resume.py)."""
+    from megatron_2bw.checkpoint.api import preflight as check_directories
+    from megatron_2bw.checkpoint.resume import resume_note
+    start = check_directories(cfg.train, rank, log=lambda line: print(line, flush=True))
+    if args.exit_on_missing_checkpoint and cfg.train.load and not start \
+            and not cfg.train.finetune:
+        raise ConfigError(f"--exit-on-missing-checkpoint: --load {cfg.train.load} holds no "
+                          "checkpoint; drop the flag to start from scratch")
+    note = resume_note(cfg, world_size, planned=args.auto_plan)  # or a one-line error
+    if note and rank == 0:
+        print(note, flush=True)
+
+
+def _data(cfg: Config, args, family: str, rank: int, world_size: int, local_rank: int,
+          tokenizer):
+    """This rank's data (data.build.PretrainData; middle stages read none), every bad input a
+    one-line error."""
+    t, gbs = cfg.train, cfg.batch.global_batch_size
+    valid = ((t.train_iters // t.eval_interval + 1) * t.eval_iters * gbs
+             if t.eval_interval else 0)
+    valid = max(valid, t.eval_iters * gbs) if t.skip_train else valid
+    from megatron_2bw.training.build import data_role
+    reads, builder = data_role(cfg, rank, world_size, node_ranks(rank, local_rank))
+    data = build_pretrain_data(args, family, cfg.model.seq_length, t.seed,
+                               cfg.batch_plan.consumed(t.train_iters), valid,
+                               tokenizer=tokenizer, reads=reads, builder=builder)
+    if t.skip_train and data.valid is None:
+        raise ConfigError("--skip-train evaluates the validation data, and it is empty: "
+                          "give --split a validation part (or --valid-data-path)")
+    return data
 
 
 def checkpoint_args(args):
@@ -177,7 +208,7 @@ def main(family: str, argv=None, hooks: FaultHooks = NO_FAULTS) -> int:
 
 
 def _main(family: str, argv, hooks: FaultHooks) -> int:
-    cfg, data, rank, world_size, local_rank, lr_schedule = parse(family, argv)
+    cfg, data, rank, world_size, local_rank, lr_schedule, beside = parse(family, argv)
     # nccl needs GPUs: one line, exit 2, before any process group (not in parse: a dry run that
     # only validates a GPU job's flags, tools/gpu_check.py --dry-run, runs without GPUs)
     exit_on_config_error(lambda: backend_device(cfg.parallel.backend or default_backend(),
@@ -205,7 +236,7 @@ def _main(family: str, argv, hooks: FaultHooks) -> int:
     # (training/reliability.py: a KeyboardInterrupt can be lost)
     previous = abort_on_sigint(interrupted)
     try:
-        _train(cfg, grid, device, data, hooks, lr_schedule)
+        _train(cfg, grid, device, data, hooks, lr_schedule, beside)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     except KeyboardInterrupt:
@@ -238,7 +269,7 @@ def _exit(line: str, code: int) -> None:
     os._exit(code)
 
 
-def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None) -> None:
+def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None, beside=None) -> None:
     from megatron_2bw.training.build import batches
     from megatron_2bw.training.loop import train
     train(cfg, grid, device, lr_schedule=lr_schedule,
@@ -247,7 +278,8 @@ def _train(cfg, grid, device, data, hooks: FaultHooks, lr_schedule=None) -> None
                                           training=False))
           if data.valid is not None else None,
           log=lambda line: print(line, flush=True), hooks=hooks,
-          progress=sys.stdout if sys.stdout.isatty() else None)  # a bar on a terminal only
+          progress=sys.stdout if sys.stdout.isatty() else None,  # a bar on a terminal only
+          beside=beside)
 
 
 if __name__ == "__main__":

@@ -37,16 +37,17 @@ import torch
 
 from megatron_2bw.checkpoint.files import (FILENAME, LATEST, CheckpointError, agree, agreed_latest,
                                            dangling_latest, iteration_dir, latest_iteration,
-                                           not_newer, optimizer_shard_name, prune, rank_dir,
-                                           remove_temporary_files, verify_once, write_latest)
-from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout
+                                           not_newer, optimizer_shard_name, prune,
+                                           publish_latest, rank_dir, remove_temporary_files,
+                                           verify_once)
+from megatron_2bw.checkpoint.layout import check_layout, common_parallel, layout, saved_layout
 from megatron_2bw.config import Config, TrainConfig
 from megatron_2bw.config.paths import check_writable_dir
 from megatron_2bw.pipeline.faults import NO_FAULTS, FaultHooks, NumericsError
 
 __all__ = ["LATEST", "FILENAME", "CheckpointError", "rank_dir", "latest_iteration",
            "save_checkpoint", "start_checkpoint", "load_checkpoint", "layout", "preflight",
-           "check_iterations", "resume_note"]
+           "remove_leftovers", "check_iterations", "resume_note"]
 
 
 def _nonfinite(state: dict | None, dtype: torch.dtype, grid, t: int, save_dir: str
@@ -95,10 +96,11 @@ def _state_to_save(save_dir: str, engine, grid, everyone: bool) -> dict | None:
 
 def start_checkpoint(save_dir: str, engine, cfg: Config, grid, view, save_optim: bool = True,
                      keep_last: int = 0, hooks: FaultHooks = NO_FAULTS,
-                     asynchronous: bool = False):
+                     asynchronous: bool = False, beside: dict[str, bytes] | None = None):
     """Collective: begin a torch_dist save of the current iteration (checkpoint/dist/save.py); the
     caller calls `.finish()` (collective) to publish it. `view`:
-    ckpt.load.stage_boxes(engine, ...)."""
+    ckpt.load.stage_boxes(engine, ...). `beside`: files (name -> bytes) published with it beside
+    the iterations (the tokenizer: convert/tokenizers.tokenizer_files; files.publish_latest)."""
     from megatron_2bw.checkpoint.dist.save import start_save, tmp_dir
     if grid.rank == 0 and os.path.exists(tmp_dir(save_dir, engine.iteration)):
         shutil.rmtree(tmp_dir(save_dir, engine.iteration))  # a failed save of this iteration
@@ -108,19 +110,21 @@ def start_checkpoint(save_dir: str, engine, cfg: Config, grid, view, save_optim:
         from megatron_2bw.checkpoint.megatron.export import MegatronExport
         export = MegatronExport(cfg, grid.rank)
     return start_save(save_dir, engine, grid, view, common_state(engine, cfg, grid), save_optim,
-                      keep_last, hooks, asynchronous, state=state, export=export)
+                      keep_last, hooks, asynchronous, state=state, export=export, beside=beside)
 
 
 def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool = True,
-                    keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, view=None) -> str:
+                    keep_last: int = 0, hooks: FaultHooks = NO_FAULTS, view=None,
+                    beside: dict[str, bytes] | None = None) -> str:
     """Collective, synchronous: save the current iteration in --ckpt-format, move `latest`
-    forward and prune old iterations (keep_last > 0); returns this rank's file or directory."""
+    forward (with `beside`: start_checkpoint) and prune old iterations (keep_last > 0); returns
+    this rank's file or directory."""
     if cfg.train.ckpt_format in ("torch_dist", "megatron"):
         if view is None:
             from megatron_2bw.checkpoint.dist.load import stage_boxes
             view = stage_boxes(engine, cfg, grid)
         return start_checkpoint(save_dir, engine, cfg, grid, view, save_optim, keep_last,
-                                hooks).finish()
+                                hooks, beside=beside).finish()
     from megatron_2bw.checkpoint.torch_format import remove_stage_files, save_torch
     t = engine.iteration
     state = _state_to_save(save_dir, engine, grid, everyone=False)
@@ -136,7 +140,7 @@ def save_checkpoint(save_dir: str, engine, cfg: Config, grid, save_optim: bool =
     problem = None
     if grid.rank == 0:
         try:
-            write_latest(save_dir, t)
+            publish_latest(save_dir, t, beside)
             if keep_last:
                 prune(save_dir, keep_last)
         except CheckpointError as e:
@@ -160,7 +164,7 @@ def _read(path: str, t: int, cfg: Config, grid, engine, load_optim: bool) -> dic
     problem, shards, own = None, [], False
     try:
         payload = read_torch(path, t, verify=False)
-        check_layout(payload["layout"], cfg, grid, path, resharding=False)
+        check_layout(saved_layout(payload), cfg, grid, path, resharding=False)
         count = payload.get("optimizer_shards")
         if count and load_optim:  # its own shard when sharded over as many ranks, else all
             own = engine.weights.sharded and grid.data == count
@@ -179,7 +183,7 @@ def _read_dist(directory: str, engine, cfg: Config, grid, load_optim: bool) -> d
     from megatron_2bw.checkpoint.dist.load import read_engine_state, stage_boxes
     return read_engine_state(
         directory, engine, stage_boxes(engine, cfg, grid), grid, cfg, load_optim,
-        check_common=lambda common: check_layout(common["layout"], cfg, grid, directory,
+        check_common=lambda common: check_layout(saved_layout(common), cfg, grid, directory,
                                                  resharding=True))
 
 
@@ -294,8 +298,9 @@ def preflight(train: TrainConfig, rank: int = 0, log=print) -> int:
     --load must hold a checkpoint, unless it equals --save (the first start of a job that is
     resubmitted with the same flags: announced in one line). --save must be a directory this
     process can create and write, and must not hold an iteration newer than the start (a fresh
-    run would overwrite it and move `latest` back). Rank 0 deletes the temporary files that killed
-    writers left in --save (no process of this job writes yet)."""
+    run would overwrite it and move `latest` back). It writes nothing: a run that is refused
+    later leaves --load and --save as they were (the leftovers of killed writers go once every
+    rank has started: `remove_leftovers`; the tokenizer is recorded with the first save)."""
     load, save = train.load, train.save
     same = bool(load and save) and os.path.realpath(load) == os.path.realpath(save)
     start = 0
@@ -317,9 +322,6 @@ def preflight(train: TrainConfig, rank: int = 0, log=print) -> int:
         start = 0 if (found is None or train.finetune) else found
     if save:
         _check_save_dir(save)
-        if rank == 0:
-            for path in remove_temporary_files(save):
-                log(f"removed {path}: the leftover of a checkpoint write that was killed")
         newer = latest_iteration(save)
         if newer is not None and newer > start:
             origin = f"iteration {start} of --load {load}" if load else "scratch (no --load)"
@@ -328,6 +330,14 @@ def preflight(train: TrainConfig, rank: int = 0, log=print) -> int:
                                   "or save this run elsewhere")
     check_iterations(train.train_iters, start, load)
     return start
+
+
+def remove_leftovers(save: str, log=print) -> None:
+    """Delete the temporary files that killed writers left in --save, saying so. Call it on one
+    rank once every rank has started and before the first save (training/loop.py): no process of
+    this job writes yet, and none was refused by its own checks."""
+    for path in remove_temporary_files(save):
+        log(f"removed {path}: the leftover of a checkpoint write that was killed")
 
 
 def _check_save_dir(save: str) -> None:

@@ -14,6 +14,10 @@
                                                         iter_0000100 once every rank's files are
                                                         durable
     {dir}/.../.tmp-XXXXXX                               a write in progress (TMP_PREFIX)
+    {dir}/tokenizer_args.json, tokenizer.model          what the run saved beside its
+                                                        iterations (`write_beside`, with the
+                                                        save, before `latest` moves:
+                                                        convert/tokenizers.py)
     DeepSpeed's pipeline engine (read only; checkpoint/deepspeed_pipe/):
     {dir}/latest                                        the tag of its newest save (DS_LATEST)
     {dir}/global_step100/                               that save: the iteration directory
@@ -289,6 +293,44 @@ def write_latest(directory: str, iteration: int) -> None:
         raise CheckpointError(not_newer(directory, iteration, current))
     write_checkpoint_file(os.path.join(directory, LATEST),
                           lambda f: f.write(f"{iteration}\n".encode()))
+
+
+def write_beside(directory: str, files: dict[str, bytes]) -> Callable[[], None]:
+    """Write `files` (name -> bytes, in order) into `directory` beside its iterations, each
+    atomically (fs.py), leaving a file that holds these bytes already untouched. A save calls it
+    before `latest` moves; it returns the undo that puts back what was there (a save that fails
+    after it leaves the directory as it found it)."""
+    undo = []
+    for name, data in files.items():
+        path = os.path.join(directory, name)
+        before = open(path, "rb").read() if os.path.isfile(path) else None
+        if before == data:
+            continue
+        write_checkpoint_file(path, lambda f, data=data: f.write(data))
+        undo.append((path, before))
+
+    def put_back() -> None:
+        for path, before in reversed(undo):
+            if before is None:
+                os.unlink(path)
+            else:
+                write_checkpoint_file(path, lambda f, before=before: f.write(before))
+    return put_back
+
+
+def publish_latest(directory: str, iteration: int, beside: dict[str, bytes] | None = None
+                   ) -> None:
+    """Point `latest` at `iteration` with `beside` (`write_beside`) written first: both or
+    neither (a failed `latest` puts the files beside it back)."""
+    undo = write_beside(directory, beside or {})
+    try:
+        write_latest(directory, iteration)
+    except BaseException:
+        try:
+            undo()
+        except (CheckpointError, OSError):
+            pass  # the error that stopped the save is the one to report
+        raise
 
 
 def not_newer(directory: str, iteration: int, current: int) -> str:

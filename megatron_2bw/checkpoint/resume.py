@@ -3,9 +3,11 @@ layout, before any process group (pretrain.parse, after --auto-plan chose the la
 
     note = resume_note(cfg, world_size, planned=args.auto_plan)   # a line for the log, or None
 
-A torch_dist checkpoint loads into any (t, d, w) and schedule: the note says what changed. A
-torch-format one loads only into the layout that saved it: another layout is a one-line
-CheckpointError naming both and the conversion. Either way the data position must survive:
+A checkpoint of another model (checkpoint/layout.py: every setting that changes what its tensors
+mean) is a one-line CheckpointError naming both values and the flags. A torch_dist checkpoint
+loads into any (t, d, w) and schedule: the note says what changed. A torch-format one loads only
+into the layout that saved it: another layout is a one-line CheckpointError naming both and the
+conversion. Either way the data position must survive:
 a global batch that differs from the checkpoint's would resume from other samples (an error).
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from megatron_2bw.checkpoint.dist.load import is_dist_checkpoint, read_common
 from megatron_2bw.checkpoint.files import CheckpointError, iteration_dir, latest_iteration
+from megatron_2bw.checkpoint.layout import check_layout, saved_layout
 from megatron_2bw.checkpoint.torch_format import first_stage_file, record_problem
 from megatron_2bw.config import Config
 from megatron_2bw.schedule.compensation_methods import (NONE as NO_COMPENSATION, Predict,
@@ -23,19 +26,21 @@ from megatron_2bw.schedule.compensation_methods import (NONE as NO_COMPENSATION,
 from megatron_2bw.schedule.kinds import schedule_kind
 
 
-def _saved(load: str, it: int) -> tuple[str, dict, int, dict | None]:
+def _saved(load: str, it: int) -> tuple[str, dict, int, dict | None, dict | None]:
     """(format, {tensor, pipeline, data, world, schedule, compensation} as saved, consumed
-    samples, a Megatron checkpoint's common state or None)."""
-    from megatron_2bw.checkpoint.megatron.detect import detect
+    samples, a Megatron checkpoint's common state or None, our own record of the model or None:
+    common.pt, the first stage file's payload, our Megatron export's record)."""
+    from megatron_2bw.checkpoint.megatron.detect import OURS_KEY, detect
     directory = iteration_dir(load, it)
     found = detect(directory)
     if found.foreign:
         from megatron_2bw.checkpoint.megatron.resume_check import saved
-        return saved(directory, found)
+        fmt, parallel, consumed, state = saved(directory, found)
+        return fmt, parallel, consumed, state, state.get(OURS_KEY)
     if is_dist_checkpoint(directory):
         common = read_common(directory)
         return ("torch_dist", dict(common.get("parallel") or {}), common["consumed_samples"],
-                None)
+                None, common)
     path = first_stage_file(load, it)
     problem = record_problem(path)  # what torch.load unpickles, checked first (zip's CRC-32)
     if problem:
@@ -49,7 +54,7 @@ def _saved(load: str, it: int) -> tuple[str, dict, int, dict | None]:
     return "torch", {"tensor": lay.get("tensor"), "pipeline": lay.get("pipeline"),
                      "schedule": payload["engine"]["schedule"],
                      "compensation": (payload.get("parallel") or {}).get("compensation")
-                     }, payload["consumed_samples"], None
+                     }, payload["consumed_samples"], None, payload
 
 
 def saved_config(load: str) -> tuple[int, dict] | None:
@@ -95,7 +100,10 @@ def resume_note(cfg: Config, world_size: int, planned: bool = False) -> str | No
     it = latest_iteration(load) if load and os.path.isdir(load) else None
     if it is None:
         return None
-    fmt, saved, consumed, foreign = _saved(load, it)
+    fmt, saved, consumed, foreign, record = _saved(load, it)
+    if record is not None:  # the model: load's own check, here before any process group
+        check_layout(saved_layout(record), cfg, cfg.parallel, iteration_dir(load, it),
+                     resharding=True)
     if foreign is not None:
         from megatron_2bw.checkpoint.megatron.resume_check import resume_problems
         resume_problems(cfg, foreign, load)

@@ -31,9 +31,12 @@ AGREEMENT_DELAY = 3  # boundaries after a save starts before `save_busy` speaks 
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, grid, engine, hooks: FaultHooks = NO_FAULTS, log=None):
-        """`log`: where a published --async-save is announced (the reporting rank's log)."""
+    def __init__(self, cfg: Config, grid, engine, hooks: FaultHooks = NO_FAULTS, log=None,
+                 beside: dict[str, bytes] | None = None):
+        """`log`: where a published --async-save is announced (the reporting rank's log).
+        `beside`: the files every save publishes beside its iterations (the tokenizer)."""
         self.cfg, self.grid, self.engine, self.hooks, self.log = cfg, grid, engine, hooks, log
+        self.beside = beside
         self.train = cfg.train
         self.view = None
         if self.train.ckpt_format in ("torch_dist", "megatron"):  # both on DCP
@@ -55,13 +58,14 @@ class Checkpointer:
             self.log(f"saving checkpoint at iteration {self.engine.iteration} to {t.save}")
         if not t.async_save:
             save_checkpoint(t.save, self.engine, self.cfg, self.grid, t.save_optim, t.keep_last,
-                            self.hooks, view=self.view)
+                            self.hooks, view=self.view, beside=self.beside)
             if self.log is not None:
                 self.log(f"successfully saved checkpoint at iteration {self.engine.iteration} "
                          f"to {t.save} ({time.time() - self.clock:.2f} s)")
             return
         self.pending = start_checkpoint(t.save, self.engine, self.cfg, self.grid, self.view,
-                                        t.save_optim, t.keep_last, self.hooks, asynchronous=True)
+                                        t.save_optim, t.keep_last, self.hooks, asynchronous=True,
+                                        beside=self.beside)
         self.started = self.engine.iteration
         self.flags.raise_flag(FLAG)
         if wait:

@@ -130,7 +130,8 @@ def _worker(rank, world, family, argv, out_path, prefix):
     losses = train(cfg, grid, "cpu", lr_schedule=parsed.lr_schedule,
                    make_data=lambda start: batches(cfg, data.train, grid.data, grid.dp_rank,
                                                    start),
-                   make_eval_data=lambda: held_out(cfg, data.valid, grid), log=log)
+                   make_eval_data=lambda: held_out(cfg, data.valid, grid), log=log,
+                   beside=parsed.beside)
     if rank == 0:
         atomic_write_text(out_path, json.dumps(losses))
     if validation:  # the reporting rank (last stage)

@@ -46,7 +46,7 @@ def samples_consumed_by(cfg: Config, grid: ProcessGrid) -> Callable[[int], int]:
 def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Iterator],
           make_eval_data: Callable[[], Iterator] | None = None, log=print,
           hooks: FaultHooks = NO_FAULTS, lr_schedule=None, progress=None,
-          started: float | None = None) -> list[float]:
+          started: float | None = None, beside: dict[str, bytes] | None = None) -> list[float]:
     """Train to cfg.train.train_iters (resuming from --load), evaluating, saving and logging as
     configured (--skip-train: evaluate --eval-iters batches on the loaded weights, nothing
     more). make_data(start_batch) gives this replica's training microbatches; lr_schedule
@@ -54,7 +54,9 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
     iterations run (read on the host only at log intervals). `progress`: a terminal stream for
     the progress bar (None: plain lines). `hooks` injects faults (tests only: pipeline/faults.py
     FaultHooks). `started`: when --exit-duration-in-mins starts counting (time.time(); None: when
-    this process started, so start-up and checkpoint loading count)."""
+    this process started, so start-up and checkpoint loading count). `beside`: the files every
+    save publishes beside its iterations in --save (name -> bytes: the tokenizer,
+    checkpoint/convert/tokenizers.tokenizer_files)."""
     t = cfg.train
     started = process_start_time() if started is None else started
     # SIGTERM/SIGUSR1/SIGINT from here on end in a checkpoint, also while loading
@@ -97,8 +99,11 @@ def train(cfg: Config, grid: ProcessGrid, device, make_data: Callable[[int], Ite
         engine.enable_trace()
     saver = None
     if t.save:
+        from megatron_2bw.checkpoint.api import remove_leftovers
         from megatron_2bw.checkpoint.saver import Checkpointer
-        saver = Checkpointer(cfg, grid, engine, hooks, log if reporter else None)
+        if grid.rank == 0:  # every rank passed its checks and started; none writes yet
+            remove_leftovers(t.save, log)
+        saver = Checkpointer(cfg, grid, engine, hooks, log if reporter else None, beside)
     pending, skips, sizes, losses, saved_at = [], [], [], [], None
     last_good = f"iteration {start} in {t.load}" if start else None
 

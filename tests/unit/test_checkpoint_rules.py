@@ -1,6 +1,7 @@
 """The rules that keep checkpoints whole, one process, no process group: a save never goes over a
 newer iteration and `latest` only moves forward; non-finite weights are never written; a full
-disk is one line naming ENOSPC; start-up removes only our temporary files; and the fp16 skip limit,
+disk is one line naming ENOSPC; the tokenizer's record is published with a save or not at all;
+start-up removes only our temporary files, and only once the checks passed; and the fp16 skip limit,
 the second Ctrl-C, and production code that reads no fault-injection setting."""
 import os
 import re
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_2bw.checkpoint.api import preflight, save_checkpoint
+from megatron_2bw.checkpoint.api import preflight, remove_leftovers, save_checkpoint
 from megatron_2bw.checkpoint.files import LATEST, CheckpointError, latest_iteration, write_latest
 from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.config import ConfigError, PrecisionConfig, TrainConfig
@@ -25,10 +26,10 @@ from megatron_2bw.training.reliability import Preemption
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _engine():
+def _engine(*flags):
     argv = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
             "--micro-batch-size 2 --global-batch-size 4").split()
-    cfg = build_config(build_parser("gpt").parse_args(argv), "gpt", 1).config
+    cfg = build_config(build_parser("gpt").parse_args(argv + list(flags)), "gpt", 1).config
     grid = ProcessGrid.from_config(cfg, 0, 1).init_groups()
     return build_engine(cfg, grid, "cpu"), cfg, grid
 
@@ -54,6 +55,38 @@ def test_a_save_never_goes_over_a_newer_iteration_and_latest_only_moves_forward(
     assert latest_iteration(str(tmp_path)) == 3
     write_latest(str(tmp_path), 4)
     assert latest_iteration(str(tmp_path)) == 4
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_the_tokenizer_is_recorded_with_a_save_and_a_failed_save_puts_the_old_record_back(
+        tmp_path, monkeypatch, fmt):
+    """`beside` (pretrain: convert/tokenizers.tokenizer_files) is published with the save,
+    before `latest` moves: a save whose `latest` cannot be written leaves the directory as it
+    was, the record of the run before included; a record that holds these bytes is left
+    alone."""
+    from megatron_2bw.checkpoint import files
+    engine, cfg, grid = _engine("--ckpt-format", fmt)
+    (tmp_path / "tokenizer_args.json").write_bytes(b'{"tokenizer_type": "GPT2BPETokenizer"}\n')
+    before = {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)}
+    beside = {"tokenizer.model": b"a sentencepiece model",
+              "tokenizer_args.json": b'{"tokenizer_type": "GPTSentencePieceTokenizer"}\n'}
+
+    def full_disk(directory, iteration):
+        raise CheckpointError(f"cannot write {directory}/{LATEST}: No space left on device")
+    monkeypatch.setattr(files, "write_latest", full_disk)
+    engine.iteration = 2
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_checkpoint(str(tmp_path), engine, cfg, grid, beside=beside)
+    assert {f: (tmp_path / f).read_bytes() for f in _files(tmp_path)} == before
+    monkeypatch.undo()
+    save_checkpoint(str(tmp_path), engine, cfg, grid, beside=beside)
+    assert latest_iteration(str(tmp_path)) == 2
+    assert {f: (tmp_path / f).read_bytes() for f in beside} == beside
+    inodes = {f: os.stat(tmp_path / f).st_ino for f in beside}
+    engine.iteration = 3
+    save_checkpoint(str(tmp_path), engine, cfg, grid, beside=beside)
+    assert latest_iteration(str(tmp_path)) == 3
+    assert {f: os.stat(tmp_path / f).st_ino for f in beside} == inodes, "left alone"
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
@@ -91,7 +124,7 @@ def test_a_full_disk_is_one_line_naming_enospc_and_leaves_nothing(tmp_path, monk
     assert _files(tmp_path) == []
 
 
-def test_start_up_removes_only_our_temporary_files(tmp_path):
+def test_start_up_removes_only_our_temporary_files_and_only_after_the_checks(tmp_path):
     ours = [tmp_path / ".tmp-abc", tmp_path / "iter_0000002" / "mp_rank_00_001" / ".tmp-x1"]
     theirs = [tmp_path / "wandb" / ".tmp-run", tmp_path / "iter_0000002" / "mp_rank_00_001" /
               "model_optim_rng.pt", tmp_path / "notes.tmp-1"]
@@ -99,9 +132,10 @@ def test_start_up_removes_only_our_temporary_files(tmp_path):
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"x")
     lines = []
-    preflight(TrainConfig(save=str(tmp_path)), rank=1, log=lines.append)
-    assert lines == [] and all(p.exists() for p in ours), "only rank 0 cleans"
-    preflight(TrainConfig(save=str(tmp_path)), rank=0, log=lines.append)
+    for rank in (0, 1):  # the checks before any process group write nothing
+        preflight(TrainConfig(save=str(tmp_path)), rank=rank, log=lines.append)
+    assert lines == [] and all(p.exists() for p in ours + theirs)
+    remove_leftovers(str(tmp_path), log=lines.append)  # training/loop.py: rank 0, all started
     assert lines == [f"removed {p}: the leftover of a checkpoint write that was killed"
                      for p in sorted(map(str, ours))]
     assert not any(p.exists() for p in ours) and all(p.exists() for p in theirs)

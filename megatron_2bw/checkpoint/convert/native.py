@@ -17,7 +17,6 @@ stage's parameters in the engine's order (`VersionedWeights._ordered_params`).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -28,12 +27,11 @@ from megatron_2bw.checkpoint.dist.load import MODEL, is_dist_checkpoint, read_co
 from megatron_2bw.checkpoint.files import (FILENAME, CheckpointError, iteration_dir,
                                            latest_iteration, rank_dir, read_checkpoint_file,
                                            write_latest, write_with_checksum)
-from megatron_2bw.checkpoint.layout import layout
+from megatron_2bw.checkpoint.layout import config_from_dict, layout
 from megatron_2bw.checkpoint.names import (canonical, single_process, stage_module, tied_renames,
                                            with_layout)
 from megatron_2bw.checkpoint.torch_format import first_stage_file, legacy_names
-from megatron_2bw.config import (BatchConfig, Config, ModelConfig, OptimizerConfig, ParallelConfig,
-                                 PrecisionConfig, TrainConfig)
+from megatron_2bw.config import BatchConfig, Config
 from megatron_2bw.models.families import model_parts
 from megatron_2bw.models.stage import StageModule
 from megatron_2bw.optim.loss_scale import make_loss_scaler
@@ -46,17 +44,6 @@ class FullModel:
     config: Config
     state: dict[str, torch.Tensor]   # full fp32 tensors by one-process parameter name
     iteration: int = 0
-
-
-def config_from_dict(d: dict) -> Config:
-    """The Config a checkpoint recorded (`Config.to_dict()`); unknown keys are ignored."""
-    parts = {"model": ModelConfig, "parallel": ParallelConfig, "batch": BatchConfig,
-             "optimizer": OptimizerConfig, "precision": PrecisionConfig, "train": TrainConfig}
-    kwargs = {}
-    for key, cls in parts.items():
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs[key] = cls(**{k: v for k, v in (d.get(key) or {}).items() if k in known})
-    return Config(schedule=d.get("schedule", Config().schedule), **kwargs)
 
 
 # -- read ------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def _stage_layout(module) -> SimpleNamespace:
 def torch_format_state(load_dir: str, it: int) -> tuple[list, dict]:
     """(every stage file's engine state as boxes of global tensors, the common state a
     torch_dist save writes) of the torch-format checkpoint at iteration `it`."""
-    from megatron_2bw.checkpoint.convert.native import config_from_dict
+    from megatron_2bw.checkpoint.layout import config_from_dict
     from megatron_2bw.checkpoint.names import one_process_names, stage_module
     first = read_torch(first_stage_file(load_dir, it), it)
     cfg = config_from_dict(first["config"])

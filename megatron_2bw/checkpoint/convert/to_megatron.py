@@ -14,7 +14,7 @@ def convert_to_megatron(load_dir: str, save_dir: str, iteration: int | None = No
     (which must hold none) in megatron-core's format; returns the iteration."""
     import os
 
-    from megatron_2bw.checkpoint.convert.native import config_from_dict
+    from megatron_2bw.checkpoint.layout import config_from_dict
     from megatron_2bw.checkpoint.convert.to_dist import (check_empty, torch_format_state,
                                                          write_dist)
     from megatron_2bw.checkpoint.megatron.detect import detect

@@ -1,7 +1,10 @@
 """The tokenizer that travels with a checkpoint directory or a HuggingFace export.
 
-A training run with --save records the tokenizer it trained with beside its checkpoints
-(pretrain.py calls `record_tokenizer` once, on rank 0, before training):
+A training run with --save records the tokenizer it trained with beside its checkpoints, with
+its first save and atomically with it (pretrain.py takes `tokenizer_files` before any process
+group; each save publishes them before `latest` moves, checkpoint/files.publish_latest, and a
+file that holds these bytes already is left alone), so a run that is refused or fails before
+its first save leaves --save as it was:
 
     {save}/tokenizer_args.json   {"tokenizer_type": ..., ["vocab_size": N for the NullTokenizer]}
                                  (+ build_tokenizer's options: --vocab-file/--merge-file and
@@ -18,8 +21,8 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_2bw.checkpoint.files import write_checkpoint_file
-from megatron_2bw.config.input_files import file_error, json_kind, read_json
+from megatron_2bw.checkpoint.files import write_beside, write_checkpoint_file
+from megatron_2bw.config.input_files import file_error, json_kind, read_bytes, read_json
 from megatron_2bw.data.errors import DataError
 from megatron_2bw.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
@@ -33,23 +36,32 @@ def _copy(src: str, dst: str) -> None:
     write_checkpoint_file(dst, lambda f: f.write(data))
 
 
-def record_tokenizer(directory: str, tokenizer: Tokenizer | None) -> None:
-    """Keep `tokenizer` beside the checkpoints in `directory` (nothing for mock data)."""
+def tokenizer_files(tokenizer: Tokenizer | None) -> dict[str, bytes]:
+    """The files that record `tokenizer` beside the checkpoints, name -> bytes, the model before
+    the arguments that name it (none for mock data); reads the sentencepiece model, writes
+    nothing."""
     if tokenizer is None:
-        return
-    args = {"tokenizer_type": tokenizer.name}
+        return {}
+    args, files = {"tokenizer_type": tokenizer.name}, {}
     model_file = getattr(tokenizer, "model_file", None)
     built = dict(getattr(tokenizer, "build_args", {}))  # data/tokenizer.build_tokenizer's
     if model_file:
-        _copy(model_file, os.path.join(directory, TOKENIZER_MODEL))
+        files[TOKENIZER_MODEL] = read_bytes(model_file, "give --tokenizer-model a readable "
+                                            "sentencepiece model", DataError)
         built.pop("tokenizer_model", None)
         args.update(built)  # e.g. --vocab-extra-ids
     elif getattr(tokenizer, "source", None):  # vocab/merges files, an HF directory, tiktoken:
         args.update(built)                    # their absolute paths
     else:
         args["vocab_size"] = tokenizer.vocab_size - 1  # the NullTokenizer's --vocab-size
-    write_checkpoint_file(os.path.join(directory, TOKENIZER_ARGS),
-                          lambda f: f.write((json.dumps(args) + "\n").encode()))
+    files[TOKENIZER_ARGS] = (json.dumps(args) + "\n").encode()
+    return files
+
+
+def record_tokenizer(directory: str, tokenizer: Tokenizer | None) -> None:
+    """Keep `tokenizer` beside the checkpoints in `directory` now (a save publishes
+    `tokenizer_files` itself)."""
+    write_beside(directory, tokenizer_files(tokenizer))
 
 
 # tokenizer_args.json's keys besides tokenizer_type: build_tokenizer's arguments and their types

@@ -17,7 +17,9 @@ background thread while training goes on, and published collectively on the main
    any failed, every rank raises the same one-line error and the temporary directory goes.
    Otherwise rank 0 writes `.metadata` (DCP's, from every rank's results), `common.pt` and
    `checksums.sha256` (hashes computed while writing), fsyncs, renames the directory to
-   `iter_XXXXXXX`, fsyncs the parent, moves `latest` and prunes (--keep-last).
+   `iter_XXXXXXX`, fsyncs the parent, writes the files saved beside the iterations (the
+   tokenizer) and moves `latest` (files.publish_latest: both or neither) and prunes
+   (--keep-last).
 
 A process killed before step 3 leaves only the `.tmp-` directory (removed at the next start,
 files.remove_temporary_files); `latest` still names the previous checkpoint.
@@ -34,7 +36,7 @@ from megatron_2bw.checkpoint.dist.shards import state_shards
 from megatron_2bw.checkpoint.dist.storage import (CHECKSUMS, PlannedSave, finish_metadata,
                                                   plan_save, write_files)
 from megatron_2bw.checkpoint.files import (TMP_PREFIX, CheckpointError, agree, iteration_dir,
-                                           latest_iteration, prune, write_error, write_latest)
+                                           latest_iteration, prune, publish_latest, write_error)
 from megatron_2bw.checkpoint.files import write_checkpoint_file
 from megatron_2bw.fs import fsync_directory
 
@@ -101,10 +103,12 @@ class DistSave:
     written), or None."""
 
     def __init__(self, save_dir: str, iteration: int, grid, planned: PlannedSave, common: dict,
-                 keep_last: int, hooks=None, extra_files: dict | None = None):
+                 keep_last: int, hooks=None, extra_files: dict | None = None,
+                 beside: dict | None = None):
         self.save_dir, self.iteration, self.grid = save_dir, iteration, grid
         self.planned, self.common, self.keep_last, self.hooks = planned, common, keep_last, hooks
         self.extra_files = dict(extra_files or {})  # name -> bytes rank 0 writes beside them
+        self.beside = dict(beside or {})  # name -> bytes rank 0 writes beside the iterations
         self.results, self.error, self._thread = None, None, None
 
     def start(self, asynchronous: bool) -> "DistSave":
@@ -177,20 +181,21 @@ class DistSave:
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_directory(self.save_dir)
-        write_latest(self.save_dir, self.iteration)
+        publish_latest(self.save_dir, self.iteration, self.beside)
         if self.keep_last:
             prune(self.save_dir, self.keep_last)
 
 
 def start_save(save_dir: str, engine, grid, view, common: dict, save_optim: bool = True,
                keep_last: int = 0, hooks=None, asynchronous: bool = False,
-               state: dict | None = None, export=None) -> DistSave:
+               state: dict | None = None, export=None, beside: dict | None = None) -> DistSave:
     """Collective: stage and plan this rank's part of the save of `engine`'s current iteration
     and start writing it (module docstring, steps 1-2). `view` is the stage's StageBoxes
     (load.py); `common` the state rank 0 writes to common.pt (checkpointing.common_state);
     `state` the engine's state dict when the caller has it already. `export` writes another
     format's names and files from the same boxes (`apply(shards, objects, common)` -> the
-    three as written, `files`: name -> bytes; checkpoint/megatron/export.py)."""
+    three as written, `files`: name -> bytes; checkpoint/megatron/export.py). `beside`: files
+    (name -> bytes) published with it beside the iterations (files.publish_latest)."""
     t = engine.iteration
     tmp = tmp_dir(save_dir, t)
     state = dict(engine.state_dict() if state is None else state)
@@ -205,4 +210,4 @@ def start_save(save_dir: str, engine, grid, view, common: dict, save_optim: bool
         shards = _private(shards, engine)
     planned = plan_save(shards, objects, tmp, grid.comm)
     return DistSave(save_dir, t, grid, planned, common, keep_last, hooks,
-                    getattr(export, "files", None)).start(asynchronous)
+                    getattr(export, "files", None), beside).start(asynchronous)

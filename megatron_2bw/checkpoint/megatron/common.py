@@ -109,7 +109,11 @@ def _ours(m, key):
             "max_position_embeddings": m.max_positions}.get(key, getattr(m, key, None))
 
 
-def _fix(key, value) -> str:
+def setting_flag(key, value) -> str | None:
+    """The flag (and value) that gives ModelConfig field `key` the setting `value` ("--rotary-base
+    10000", "no --apply-layernorm-1p"); None for a field no flag sets."""
+    if key not in _FLAGS:
+        return None
     flag = _FLAGS[key]
     if isinstance(value, bool):
         on = value != (key in _INVERTED)
@@ -139,7 +143,7 @@ def model_problems(args: dict, m) -> list[str]:
         same = math.isclose(value, ours, rel_tol=1e-9) if isinstance(value, float) \
             else value == ours
         if not same:
-            out.append(f"{key} {value} (this run: {ours}; use {_fix(key, value)})")
+            out.append(f"{key} {value} (this run: {ours}; use {setting_flag(key, value)})")
     if m.family == "bert" and (theirs.get("normalization", "LayerNorm") != "LayerNorm" or
                                theirs.get("apply_layernorm_1p")):
         out.append(BERT_HEAD_NORM)

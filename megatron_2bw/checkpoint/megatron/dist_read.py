@@ -164,8 +164,8 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
         state = read_megatron_common(directory)
         args, ours = args_of(state), state.get(OURS_KEY)
         if ours:  # our own export: the layout it was saved for is ours to check
-            from megatron_2bw.checkpoint.layout import check_layout
-            check_layout(ours["layout"], cfg, grid, directory, resharding=True)
+            from megatron_2bw.checkpoint.layout import check_layout, saved_layout
+            check_layout(saved_layout(ours), cfg, grid, directory, resharding=True)
         else:
             check_model(args, cfg.model, directory)
             if not args:

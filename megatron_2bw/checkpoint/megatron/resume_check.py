@@ -53,7 +53,7 @@ def saved(directory: str, found) -> tuple[str, dict, int, dict]:
 def resume_problems(cfg, state: dict, where: str) -> None:
     """One CheckpointError naming every way the checkpoint cannot continue as this run."""
     if state.get(OURS_KEY):
-        return  # checked against our own record by checkpoint/layout.py when read
+        return  # our own record: checkpoint/layout.py checks it (resume.py, and when read)
     args, t = args_of(state), cfg.train
     version = state.get("checkpoint_version")
     problems = []
