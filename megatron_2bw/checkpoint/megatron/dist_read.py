@@ -11,6 +11,7 @@ only what it holds, from a checkpoint of any megatron-core (t, d) and dp.
                                  <- optimizer.state.momentum_buffer.<key>
     the optimizer's steps     <- common.pt: optimizer "common_step" (plain) or param_groups' "step"
                                  (distributed)
+    fp16's dynamic loss scale <- common.pt: optimizer "grad_scaler" (unless --no-load-optim)
     RNG (same t and d only)   <- the rng_state object of this rank's (pipeline, tensor) rank
 
 A distributed optimizer saved in its bucket layouts (dp_reshardable, dp_zero_gather_scatter,
@@ -30,8 +31,8 @@ from megatron_2bw.checkpoint.dist.storage import (METADATA, file_problem, plan_r
                                                   read_checksums, read_metadata, run_read)
 from megatron_2bw.checkpoint.files import CheckpointError, verify_once
 from megatron_2bw.checkpoint.megatron import mapping
-from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, optimizer_record,
-                                                     optimizer_steps)
+from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, loss_scaler_state,
+                                                     optimizer_record, optimizer_steps)
 from megatron_2bw.checkpoint.megatron.detect import OURS_KEY
 
 OURS_PREFIX = OURS_KEY + "."  # our own keys in a megatron-core checkpoint (export.py)
@@ -198,8 +199,11 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
     verify_once(files, grid, check, problem)
     objects = run_read(read)
     check_key_bias(checks, cfg.model, directory, notes)
-    return _payload(state, args, ours or {}, buffers, previous, want_optim, engine, cfg,
-                    objects.get(rng), notes)
+    payload = _payload(state, args, ours or {}, buffers, previous, want_optim, engine, cfg,
+                       objects.get(rng), notes)
+    if not ours and load_optim:  # Megatron's fp16 loss scale is optimizer state there
+        payload["engine"]["scaler"] = loss_scaler_state(state) or payload["engine"]["scaler"]
+    return payload
 
 
 def _payload(state, args, ours, buffers, previous, want_optim, engine, cfg, rng, notes):

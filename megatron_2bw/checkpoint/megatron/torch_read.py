@@ -14,7 +14,8 @@ The format forces a whole-model read: every rank reads every file into memory (n
 written, --load stays as it is), joins the tensor ranks' shards (mapping.merge_tp: SwiGLU's fc1 per
 rank is [gate_r; up_r]) and cuts its own boxes through mapping.pieces. Its optimizer state is
 keyed by Megatron's parameter order (ids per param group), which is Megatron's build order, not
-its names: it restarts, said in one line. The RNG state comes back where (t, d) matches.
+its names: it restarts, said in one line (an fp16 run's dynamic loss scale, its grad_scaler,
+carries over). The RNG state comes back where (t, d) matches.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch
 from megatron_2bw.checkpoint.dist.shards import MODEL, empty_state, state_shards
 from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.megatron import mapping
-from megatron_2bw.checkpoint.megatron.common import args_of, check_model, consumed_samples
+from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, consumed_samples,
+                                                     loss_scaler_state)
 from megatron_2bw.checkpoint.megatron.detect import stage_files
 from megatron_2bw.checkpoint.megatron.dist_read import NOT_VERIFIED, check_key_bias, precision_of
 
@@ -150,9 +152,10 @@ def read_megatron_torch(directory: str, engine, view, grid, cfg, load_optim: boo
             checks.append((link, mapping.box(theirs, o, n)))
     check_key_bias(checks, m, directory, notes)
     it = int(state.get("iteration", 0))
+    scaler = (loss_scaler_state(state) if load_optim else None) or \
+        engine.stepper.scaler.state_dict()  # fp16's dynamic loss scale: Megatron's optimizer's
     engine_state = {"iteration": it, "schedule": cfg.schedule, "names": list(engine.weights.names),
-                    "newest": buffers["newest"], "scaler": engine.stepper.scaler.state_dict(),
-                    "skipped": 0}
+                    "newest": buffers["newest"], "scaler": scaler, "skipped": 0}
     from megatron_2bw.checkpoint.megatron.common import parallel_of
     return {"engine": engine_state, "iteration": it,
             "consumed_samples": consumed_samples(state, it),
