@@ -16,8 +16,9 @@ only what it holds, from a checkpoint of any megatron-core (t, d) and dp.
 
 A distributed optimizer saved in its bucket layouts (dp_reshardable, dp_zero_gather_scatter,
 fully_sharded_model_space) cannot be cut into our parameters: its optimizer state restarts,
-said in one line. A checkpoint without our checksums.sha256 (every one Megatron writes) is not
-verified ("not written by megatron-2bw: files not verified").
+said in one line, as are model tensors no parameter of this model reads ("left out"). A
+checkpoint without our checksums.sha256 (every one Megatron writes) is not verified ("not
+written by megatron-2bw: files not verified").
 """
 from __future__ import annotations
 
@@ -175,6 +176,10 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
         metadata = read_metadata(directory, verify=False)
         needed.update(bytes_needed(metadata))
         keys = metadata.state_dict_metadata
+        left = [] if ours else unread_tensors(keys, cfg.model, _stacked(cfg.model, keys))
+        if left:
+            notes.append(f"checkpoint {directory}: left out (no parameter of this model): "
+                         f"{', '.join(left)}")
         if load_optim:
             want_optim, why = optimizer_layout(state, keys)
             if not want_optim:
@@ -228,6 +233,15 @@ def _payload(state, args, ours, buffers, previous, want_optim, engine, cfg, rng,
             "config": ours.get("config") or {"precision": precision_of(args)}, "notes": notes,
             "rng": rng if isinstance(rng, dict) and "cpu" in rng else None,
             "common": {"parallel": parallel_of(args), **ours}, "state": state}
+
+
+def unread_tensors(keys: dict, m, stacked: bool) -> list[str]:
+    """The checkpoint's model tensors that no parameter of this model reads (an args-less
+    checkpoint of another model: only names and shapes were checked)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    read = {mapping.dist_key(x.theirs, stacked)[0] for x in mapping.links(m)}
+    return sorted(k for k, v in keys.items() if isinstance(v, TensorStorageMetadata)
+                  and not k.startswith(("optimizer.", OURS_PREFIX)) and k not in read)
 
 
 def bytes_needed(metadata) -> dict[str, int]:
