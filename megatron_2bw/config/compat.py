@@ -335,10 +335,15 @@ def refusals(parser: argparse.ArgumentParser, args: argparse.Namespace,
     """Every refusal of one command line, one line each: unknown flags (with a did-you-mean),
     then each feature whose flags were given off their neutral value (its flags on one line)."""
     valid = [o for a in parser._actions for o in a.option_strings]
-    out = []
+    out, after_unknown = [], False
     for token in unknown:
         if not token.startswith("-") or token.lstrip("-") == "" or _is_number(token):
+            if not after_unknown:  # a value no flag took: a switch given one (--fp16 true)
+                out.append(f"unexpected value {token!r}: no flag takes it (a switch takes no "
+                           "value); drop it")
+                after_unknown = True  # its further values are its
             continue  # a value of an unknown flag
+        after_unknown = True
         flag = token.split("=")[0]
         if flag in RETIRED:
             out.append(f"{flag} is a retired Megatron-LM flag: {RETIRED[flag]}")

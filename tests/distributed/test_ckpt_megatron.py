@@ -10,6 +10,7 @@ GQA + untied without biases (Llama); BERT with its binary head; SwiGLU with bias
 core's CPU norms refuse zero-centred gamma; the map is the identity, tests/unit/
 test_megatron_mapping.py.)"""
 import math
+import shutil
 
 import pytest
 import torch
@@ -72,3 +73,21 @@ def test_a_megatron_core_checkpoint_loads_with_its_loss_and_continues(
     assert math.isclose(got["loss"], theirs, rel_tol=1e-5), (got["loss"], theirs)
     assert got["iteration"] == mc.ITERATION + 2 and all(map(math.isfinite, got["trained"]))
     assert any("not written by megatron-2bw: files not verified" in x for x in got["lines"])
+    assert not [x for x in got["lines"] if "left out (no parameter" in x]  # all have one
+
+
+def test_a_tensor_no_parameter_reads_is_said_in_one_line(megatron_checkpoints, tmp_path):
+    """The untied Llama checkpoint without its args (dist_checkpointing.save of a model alone:
+    only names and shapes are checked) loaded by a tied run: its output_layer.weight has no
+    parameter here, which is said, not dropped silently."""
+    ckpt, _ = megatron_checkpoints["gpt-llama", 1]
+    out = tmp_path / "bare"
+    shutil.copytree(ckpt, out)
+    path = out / f"iter_{mc.ITERATION:07d}" / "common.pt"
+    torch.save({"iteration": torch.load(path, weights_only=False)["iteration"]}, path)
+    family, argv = mc.our_flags("gpt-llama", 1, 1)
+    argv.remove("--untie-embeddings-and-output-weights")
+    cfg = build_config(build_parser(family).parse_args(argv), family, 1).config
+    got = load_and_evaluate(cfg, str(out), tmp_path / "got.pt")
+    assert [x for x in got["lines"] if "left out (no parameter" in x] == [
+        f"checkpoint {path.parent}: left out (no parameter of this model): output_layer.weight"]

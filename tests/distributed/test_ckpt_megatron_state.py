@@ -157,3 +157,81 @@ def test_a_checkpoint_without_args_loads_and_says_what_was_checked(megatron_chec
     assert got["start"] == mc.ITERATION
     assert any("records no Megatron args: only its tensors' names and shapes are checked" in x
                for x in got["lines"])
+
+
+# -- fp16: Megatron's dynamic loss scale (its optimizer's grad_scaler) --------------------------
+WINDOW, HYSTERESIS = 4, 2
+
+
+def megatron_grad_scaler(found_infs):
+    """megatron-core's own DynamicGradScaler (its CUDA tensors made on the CPU: test stub) after
+    `found_infs` updates."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    real = torch.tensor
+    torch.tensor = lambda *a, device=None, **k: real(*a, **k)
+    try:
+        scaler = DynamicGradScaler(initial_scale=2.0 ** 16, min_scale=1.0, growth_factor=2.0,
+                                   backoff_factor=0.5, growth_interval=WINDOW,
+                                   hysteresis=HYSTERESIS)
+    finally:
+        torch.tensor = real
+    for found_inf in found_infs:
+        scaler.update(found_inf)
+    return scaler
+
+
+def _scaler_worker(rank, world, cfg, ckpt, out, load_optim):
+    from megatron_2bw.checkpoint.api import load_checkpoint
+    from megatron_2bw.training.build import build_engine, build_grid
+    grid = build_grid(cfg, rank, world)
+    engine = build_engine(cfg, grid, "cpu")
+    load_checkpoint(ckpt, engine, cfg, grid, load_optim=load_optim)
+    torch.save(engine.stepper.scaler.state_dict(), out)
+
+
+def fp16_checkpoint(megatron_checkpoint, tmp_path, fmt: str, grad_scaler: dict) -> str:
+    """The GPT-2 checkpoint as an fp16 run of Megatron saves it: args.fp16 and its optimizer's
+    grad_scaler beside the optimizer (common.pt), or the same in Megatron's torch format (a
+    model_optim_rng.pt of megatron-core's model: tests/mcore_models.py)."""
+    if fmt == "torch_dist":
+        ckpt = variant(megatron_checkpoint, tmp_path, fp16=True)
+        path = os.path.join(ckpt, f"iter_{mc.ITERATION:07d}", "common.pt")
+    else:
+        ckpt = str(tmp_path / "torch-format")
+        spawn(mc.torch_format_worker, 1, args=([("gpt-learned", 1, 1, False, ckpt)],
+                                               str(tmp_path / "losses.pt")), timeout_minutes=2)
+        path = os.path.join(ckpt, f"iter_{mc.ITERATION:07d}", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, weights_only=False)
+    state["args"] = argparse.Namespace(**dict(vars(state["args"]), fp16=True))
+    state["optimizer"] = {"optimizer": {"param_groups": [], "state": {}},
+                          "grad_scaler": grad_scaler}
+    torch.save(state, path)
+    return ckpt
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_an_fp16_runs_dynamic_loss_scale_carries_over(megatron_checkpoint, tmp_path, fmt):
+    """Megatron's fp16 optimizer saves its DynamicGradScaler with the optimizer's state: loaded,
+    ours holds its scale and trackers and the next overflows and clean steps move both alike;
+    --no-load-optim starts the scale fresh, as Megatron then skips the optimizer's state."""
+    from megatron_2bw.optim.loss_scale import DynamicLossScaler
+    history = [True, False, True, True, False, False, False]  # two halvings, clean steps after
+    theirs = megatron_grad_scaler(history)
+    ckpt = fp16_checkpoint(megatron_checkpoint, tmp_path, fmt, theirs.state_dict())
+    cfg = cfg_for(ckpt, "--fp16", "--initial-loss-scale", "1024", "--loss-scale-window",
+                  str(WINDOW), "--hysteresis", str(HYSTERESIS))
+    got = {}
+    for load_optim in (True, False):
+        spawn(_scaler_worker, 1, args=(cfg, ckpt, str(tmp_path / "s.pt"), load_optim),
+              timeout_minutes=2)
+        got[load_optim] = torch.load(tmp_path / "s.pt")
+    saved = theirs.state_dict()  # Megatron's names for the same counters
+    assert got[True] == {"scale": float(saved["scale"]), "clean": saved["growth_tracker"],
+                         "tracker": saved["hysteresis_tracker"]} and got[True]["scale"] < 2 ** 16
+    assert got[False]["scale"] == 1024.0
+    ours = DynamicLossScaler(1024.0, 1.0, WINDOW, HYSTERESIS)
+    ours.load_state_dict(got[True])
+    for found_inf in [False, True, False, False, False, False, True, True]:
+        theirs.update(found_inf)
+        ours.update(found_inf)
+        assert ours.scale == float(theirs.scale), (ours.scale, float(theirs.scale))

@@ -7,11 +7,15 @@ numbered from 0 in each stage, the tied head's copy on the last); the weights ar
 own (GPTModel, local spec). Loaded at (1, 1, 1) and (2, 2, 1), the loss on the fixed batch equals
 megatron-core's within 1e-5, and the optimizer's restart is said in one line."""
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
 import mcore_models as mc
+from megatron_2bw.config.build import build_config
+from megatron_2bw.pretrain import build_parser
 from megatron_2bw.training.spawn import spawn
 from test_ckpt_megatron import load_and_evaluate, our_cfg
 
@@ -41,6 +45,47 @@ def test_a_torch_format_checkpoint_loads_with_its_loss(torch_checkpoints, tmp_pa
     assert got["iteration"] == mc.ITERATION + 2
     assert any(x.startswith("optimizer state restarts: the checkpoint holds none")
                for x in got["lines"])
+    assert not [x for x in got["lines"] if "left out (no parameter" in x]  # all have one
+
+
+def _rewrite(root, tmp_path, change) -> str:
+    """A copy of a torch-format checkpoint whose stage files `change(state, file name)` edits."""
+    out = tmp_path / "variant"
+    shutil.copytree(root, out)
+    directory = out / f"iter_{mc.ITERATION:07d}"
+    for name in sorted(os.listdir(directory)):
+        path = directory / name / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        change(state, name)
+        torch.save(state, path)
+    return str(out)
+
+
+def test_tensors_no_parameter_reads_are_said_in_one_line(torch_checkpoints, tmp_path):
+    """What this model has no parameter for is named, not dropped silently: a legacy tensor
+    of no known name, and (the untied Llama's files without their args: names and shapes
+    checked only) the output layer a tied run does not have."""
+    root, _ = torch_checkpoints["gpt-llama", 2, True]
+
+    def extra(state, name):
+        if name == "mp_rank_00_000":
+            state["model"]["language_model"]["encoder"]["layers.0.mlp.extra.weight"] = \
+                torch.zeros(2)
+    ckpt = _rewrite(root, tmp_path / "legacy", extra)
+    got = load_and_evaluate(our_cfg("gpt-llama", 1, 1, 1), ckpt, tmp_path / "got.pt")
+    assert [x for x in got["lines"] if "left out (no parameter" in x] == [
+        f"checkpoint {ckpt}/iter_{mc.ITERATION:07d}: left out (no parameter of this model): "
+        "language_model.encoder.layers.0.mlp.extra.weight"]
+
+    root, _ = torch_checkpoints["gpt-llama", 1, False]
+    ckpt = _rewrite(root, tmp_path / "core", lambda state, name: state.pop("args"))
+    family, argv = mc.our_flags("gpt-llama", 1, 1)
+    argv.remove("--untie-embeddings-and-output-weights")
+    cfg = build_config(build_parser(family).parse_args(argv), family, 1).config
+    got = load_and_evaluate(cfg, ckpt, tmp_path / "got.pt")
+    assert [x for x in got["lines"] if "left out (no parameter" in x] == [
+        f"checkpoint {ckpt}/iter_{mc.ITERATION:07d}: left out (no parameter of this model): "
+        "output_layer.weight"]
 
 
 def test_the_resume_check_reads_the_first_stage_file_only(torch_checkpoints):

@@ -41,6 +41,19 @@ def test_every_refusal_of_a_command_comes_in_one_message(capsys):
     assert all(flag in lines[4] for flag in FP8 if flag.startswith("--")) and "fp8" in lines[4]
 
 
+@pytest.mark.parametrize("argv,value", [(["--fp16", "true"], "true"),
+                                        (["--profile", "pt"], "pt"),  # Megatron-DeepSpeed's
+                                        (["--num-layers", "2", "extra", "words"], "extra")])
+def test_a_value_no_flag_takes_is_refused_not_dropped(argv, value, capsys):
+    """argparse leaves a value after a switch to the unknown tokens; it was skipped there as an
+    unknown flag's value, so `--fp16 true` passed and `--profile pt` ran ours unsaid."""
+    assert refused(argv, capsys) == [f"pretrain_gpt.py: error: unexpected value {value!r}: no "
+                                     "flag takes it (a switch takes no value); drop it"]
+    # an unknown flag's values stay that flag's: one line for it
+    assert refused(["--bogus", "3", "4"], capsys) == ["pretrain_gpt.py: error: unknown flag "
+                                                      "--bogus"]
+
+
 def test_fp8_flags_are_refused_in_one_line(capsys):
     (line,) = refused(FP8, capsys)
     assert line == ("pretrain_gpt.py: error: --fp8-format hybrid, --fp8-amax-history-len 1024, "

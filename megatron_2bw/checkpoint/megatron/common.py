@@ -12,7 +12,8 @@ megatron/training/checkpointing.py writes it (`generate_state_dict`, `save_check
                                samples), start_wd, end_wd, wd_incr_style, wd_incr_steps
     optimizer                  the optimizer's non-tensor state: param_groups (lr, betas, eps,
                                weight_decay, "step" with the distributed optimizer), "common_step"
-                               (the plain one), param_state_sharding_type (distributed)
+                               (the plain one), param_state_sharding_type (distributed),
+                               grad_scaler (fp16: DynamicGradScaler's scale and trackers)
     rng_state                  per (pipeline, tensor) rank (a sharded object in torch_dist)
     num_floating_point_operations_so_far, rerun_state_machine, content_metadata
 
@@ -247,3 +248,18 @@ def optimizer_steps(state: dict) -> int | None:
         steps = [g.get("step") for g in opt.get("param_groups") or () if g.get("step") is not None]
         step = steps[0] if steps else None
     return None if step is None else int(step)
+
+
+def loss_scaler_state(state: dict) -> dict | None:
+    """An fp16 run's dynamic loss scale (megatron-core's DynamicGradScaler.state_dict: scale,
+    growth_tracker, hysteresis_tracker) as our DynamicLossScaler's state: the same rule
+    (optim/loss_scale.py), its growth tracker our clean steps, its hysteresis tracker ours.
+    None where the checkpoint holds none (bf16, fp32, a constant --loss-scale)."""
+    import torch
+    g = optimizer_record(state).get("grad_scaler")
+    if not isinstance(g, dict) or not {"scale", "growth_tracker", "hysteresis_tracker"} <= set(g):
+        return None
+    scale = g["scale"]
+    scale = float(scale.reshape(-1)[0]) if torch.is_tensor(scale) else float(scale)
+    return {"scale": scale, "clean": int(g["growth_tracker"]),
+            "tracker": int(g["hysteresis_tracker"])}

@@ -11,12 +11,14 @@ only what it holds, from a checkpoint of any megatron-core (t, d) and dp.
                                  <- optimizer.state.momentum_buffer.<key>
     the optimizer's steps     <- common.pt: optimizer "common_step" (plain) or param_groups' "step"
                                  (distributed)
+    fp16's dynamic loss scale <- common.pt: optimizer "grad_scaler" (unless --no-load-optim)
     RNG (same t and d only)   <- the rng_state object of this rank's (pipeline, tensor) rank
 
 A distributed optimizer saved in its bucket layouts (dp_reshardable, dp_zero_gather_scatter,
 fully_sharded_model_space) cannot be cut into our parameters: its optimizer state restarts,
-said in one line. A checkpoint without our checksums.sha256 (every one Megatron writes) is not
-verified ("not written by megatron-2bw: files not verified").
+said in one line, as are model tensors no parameter of this model reads ("left out"). A
+checkpoint without our checksums.sha256 (every one Megatron writes) is not verified ("not
+written by megatron-2bw: files not verified").
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ from megatron_2bw.checkpoint.dist.storage import (METADATA, file_problem, plan_r
                                                   read_checksums, read_metadata, run_read)
 from megatron_2bw.checkpoint.files import CheckpointError, verify_once
 from megatron_2bw.checkpoint.megatron import mapping
-from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, optimizer_record,
-                                                     optimizer_steps)
+from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, loss_scaler_state,
+                                                     optimizer_record, optimizer_steps)
 from megatron_2bw.checkpoint.megatron.detect import OURS_KEY
 
 OURS_PREFIX = OURS_KEY + "."  # our own keys in a megatron-core checkpoint (export.py)
@@ -174,6 +176,10 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
         metadata = read_metadata(directory, verify=False)
         needed.update(bytes_needed(metadata))
         keys = metadata.state_dict_metadata
+        left = [] if ours else unread_tensors(keys, cfg.model, _stacked(cfg.model, keys))
+        if left:
+            notes.append(f"checkpoint {directory}: left out (no parameter of this model): "
+                         f"{', '.join(left)}")
         if load_optim:
             want_optim, why = optimizer_layout(state, keys)
             if not want_optim:
@@ -198,8 +204,11 @@ def read_megatron_dist(directory: str, engine, view, grid, cfg, load_optim: bool
     verify_once(files, grid, check, problem)
     objects = run_read(read)
     check_key_bias(checks, cfg.model, directory, notes)
-    return _payload(state, args, ours or {}, buffers, previous, want_optim, engine, cfg,
-                    objects.get(rng), notes)
+    payload = _payload(state, args, ours or {}, buffers, previous, want_optim, engine, cfg,
+                       objects.get(rng), notes)
+    if not ours and load_optim:  # Megatron's fp16 loss scale is optimizer state there
+        payload["engine"]["scaler"] = loss_scaler_state(state) or payload["engine"]["scaler"]
+    return payload
 
 
 def _payload(state, args, ours, buffers, previous, want_optim, engine, cfg, rng, notes):
@@ -224,6 +233,15 @@ def _payload(state, args, ours, buffers, previous, want_optim, engine, cfg, rng,
             "config": ours.get("config") or {"precision": precision_of(args)}, "notes": notes,
             "rng": rng if isinstance(rng, dict) and "cpu" in rng else None,
             "common": {"parallel": parallel_of(args), **ours}, "state": state}
+
+
+def unread_tensors(keys: dict, m, stacked: bool) -> list[str]:
+    """The checkpoint's model tensors that no parameter of this model reads (an args-less
+    checkpoint of another model: only names and shapes were checked)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    read = {mapping.dist_key(x.theirs, stacked)[0] for x in mapping.links(m)}
+    return sorted(k for k, v in keys.items() if isinstance(v, TensorStorageMetadata)
+                  and not k.startswith(("optimizer.", OURS_PREFIX)) and k not in read)
 
 
 def bytes_needed(metadata) -> dict[str, int]:

@@ -10,11 +10,13 @@ weight`, local or transformer-engine spec) or the legacy nested dicts (`language
 `embedding` / `encoder` -> `layers.0.self_attention.query_key_value.weight`), with the stage's
 layers numbered from 0 (a stage's offset is the layers of the stages before it).
 
+Tensors that are no parameter of this model are said in one line ("left out").
 The format forces a whole-model read: every rank reads every file into memory (nothing is
 written, --load stays as it is), joins the tensor ranks' shards (mapping.merge_tp: SwiGLU's fc1 per
 rank is [gate_r; up_r]) and cuts its own boxes through mapping.pieces. Its optimizer state is
 keyed by Megatron's parameter order (ids per param group), which is Megatron's build order, not
-its names: it restarts, said in one line. The RNG state comes back where (t, d) matches.
+its names: it restarts, said in one line (an fp16 run's dynamic loss scale, its grad_scaler,
+carries over). The RNG state comes back where (t, d) matches.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ import torch
 from megatron_2bw.checkpoint.dist.shards import MODEL, empty_state, state_shards
 from megatron_2bw.checkpoint.files import CheckpointError
 from megatron_2bw.checkpoint.megatron import mapping
-from megatron_2bw.checkpoint.megatron.common import args_of, check_model, consumed_samples
+from megatron_2bw.checkpoint.megatron.common import (args_of, check_model, consumed_samples,
+                                                     loss_scaler_state)
 from megatron_2bw.checkpoint.megatron.detect import stage_files
 from megatron_2bw.checkpoint.megatron.dist_read import NOT_VERIFIED, check_key_bias, precision_of
 
@@ -58,34 +61,37 @@ def _read(path: str) -> dict:
     return state
 
 
-def logical_state(model: dict, family: str) -> dict[str, torch.Tensor]:
+def logical_state(model: dict, family: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A stage file's tensors by logical name (its layers numbered from 0, as the stage holds
-    them); the tied head copy and extra state left out."""
+    them), and its tensors that name no parameter (the tied head copy and extra state aside)."""
     flat = flatten(model)
     legacy = any(k.startswith("language_model.") for k in flat)
-    out = {}
+    out, unknown = {}, []
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor) or key.endswith("_extra_state"):
             continue
         name = mapping.from_legacy(key, family) if legacy else mapping.from_module_name(key)
         if name is None:
+            if key != mapping.TIED_HEAD_COPY:
+                unknown.append(key)
             continue
         out[name] = value
-    return out
+    return out, unknown
 
 
 def full_tensors(directory: str, m) -> tuple[dict[str, torch.Tensor], dict]:
     """Every logical tensor whole (global layer numbers), and the first stage file's other
     state (args, iteration, rng ...), from all of a torch-format iteration directory."""
     files = stage_files(directory)
-    by_rank, first, rngs = {}, None, {}
+    by_rank, first, rngs, unnamed = {}, None, {}, set()
     for path in files:
         match = _RANKS.match(os.path.basename(os.path.dirname(path)))
         if match is None:
             continue
         state = _read(path)
         tp, pp = int(match.group(1)), int(match.group(2) or 0)
-        by_rank[pp, tp] = logical_state(state["model"], m.family)
+        by_rank[pp, tp], unknown = logical_state(state["model"], m.family)
+        unnamed.update(unknown)
         rngs[pp, tp] = state.get("rng_state")
         if (pp, tp) == (0, 0):
             first = {k: v for k, v in state.items() if k != "model"}
@@ -109,7 +115,7 @@ def full_tensors(directory: str, m) -> tuple[dict[str, torch.Tensor], dict]:
                 block, i, rest = parts
                 name = f"{block}.layers.{i + offsets[pp]}.{rest}"
             shards[name].setdefault(tp, value)  # a stage's tied copy of a name held elsewhere
-    first["rng_states"] = rngs
+    first["rng_states"], first["unnamed"] = rngs, sorted(unnamed)
     return {name: mapping.merge_tp(name, [by_tp[r] for r in sorted(by_tp)], m.swiglu)
             for name, by_tp in shards.items()}, first
 
@@ -149,10 +155,20 @@ def read_megatron_torch(directory: str, engine, view, grid, cfg, load_optim: boo
         for o, n in mapping.key_pieces(link, s.offsets, tuple(s.tensor.shape)):
             checks.append((link, mapping.box(theirs, o, n)))
     check_key_bias(checks, m, directory, notes)
+    read = {x.theirs for x in by_name.values()}
+    head, table = full.get("output_layer.weight"), full.get("embedding.word_embeddings.weight")
+    if head is not None and table is not None and head.shape == table.shape and \
+            torch.equal(head, table):
+        read.add("output_layer.weight")  # a last stage's copy of the tied embedding
+    left = state["unnamed"] + sorted(set(full) - read)
+    if left:
+        notes.append(f"checkpoint {directory}: left out (no parameter of this model): "
+                     f"{', '.join(left)}")
     it = int(state.get("iteration", 0))
+    scaler = (loss_scaler_state(state) if load_optim else None) or \
+        engine.stepper.scaler.state_dict()  # fp16's dynamic loss scale: Megatron's optimizer's
     engine_state = {"iteration": it, "schedule": cfg.schedule, "names": list(engine.weights.names),
-                    "newest": buffers["newest"], "scaler": engine.stepper.scaler.state_dict(),
-                    "skipped": 0}
+                    "newest": buffers["newest"], "scaler": scaler, "skipped": 0}
     from megatron_2bw.checkpoint.megatron.common import parallel_of
     return {"engine": engine_state, "iteration": it,
             "consumed_samples": consumed_samples(state, it),
