@@ -182,8 +182,9 @@ def megatron_grad_scaler(found_infs):
 
 def _scaler_worker(rank, world, cfg, ckpt, out, load_optim):
     from megatron_2bw.checkpoint.api import load_checkpoint
-    from megatron_2bw.training.build import build_engine, build_grid
-    grid = build_grid(cfg, rank, world)
+    from megatron_2bw.parallel.grid import ProcessGrid
+    from megatron_2bw.training.build import build_engine
+    grid = ProcessGrid.from_config(cfg, rank, world).init_groups()
     engine = build_engine(cfg, grid, "cpu")
     load_checkpoint(ckpt, engine, cfg, grid, load_optim=load_optim)
     torch.save(engine.stepper.scaler.state_dict(), out)
